@@ -1,0 +1,30 @@
+# idem — make test runs every test (PostgreSQL ones included, see README:
+# "How the tests find PostgreSQL"); make check is what must be green before a commit.
+GO          ?= go
+STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
+PKGS        := ./...
+
+.PHONY: test check fmt vet staticcheck bench scenarios fuzz
+
+test:
+	$(GO) test -race -count=1 $(PKGS)
+
+fmt:
+	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+vet:
+	$(GO) vet $(PKGS)
+
+staticcheck:
+	$(STATICCHECK) $(PKGS)
+
+check: fmt vet staticcheck test
+
+bench:
+	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
+
+fuzz:
+	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime 30s ./internal/keyheader
+
+scenarios:
+	$(GO) run ./examples/scenarios

@@ -1,0 +1,182 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// Status is the state of a stored idempotency key.
+type Status string
+
+const (
+	// StatusStarted marks a key whose first request has been claimed and is
+	// still running (or crashed; see [ClaimRequest.LockTimeout]).
+	StatusStarted Status = "started"
+	// StatusCompleted marks a key whose outcome is stored and is replayed to
+	// every later request with the same key and fingerprint.
+	StatusCompleted Status = "completed"
+)
+
+// Sentinel errors spoken by every [Store]. Stores translate their driver's
+// errors to these in one place; callers test them with [errors.Is].
+var (
+	// ErrFenced is returned by [Tx.Complete] and [Store.Release] when the claim
+	// is no longer the current owner of the key: it was taken over after the
+	// lock timeout, released, or expired. Complete rolls back the whole unit
+	// of work (the business writes included) before returning it.
+	ErrFenced = errors.New("server: claim no longer owns the key")
+	// ErrNotFound is returned by lookups that find nothing.
+	ErrNotFound = errors.New("server: not found")
+)
+
+// ClaimRequest asks a [Store] to claim a key for one request.
+type ClaimRequest struct {
+	ClientID string // authenticated client; keys are scoped by it
+	Key      string // the Idempotency-Key, already parsed and validated
+	Method   string
+	Path     string
+	// Fingerprint is the SHA-256 of the canonical request (method, path,
+	// canonical body), computed with FingerprintVersion of the canonical form.
+	Fingerprint        []byte
+	FingerprintVersion int
+	// LockTimeout: a started key whose lock is older than this may be taken
+	// over by this request (only when the fingerprint matches). Zero: never.
+	LockTimeout time.Duration
+	// Retention: a key created longer ago than this counts as absent, even
+	// if the purge job has not deleted it yet. Zero: keys never expire.
+	Retention time.Duration
+}
+
+// Outcome says what [Store.Claim] did.
+type Outcome int
+
+const (
+	// Claimed: there was no live row; a new started row now belongs to the
+	// caller.
+	Claimed Outcome = iota + 1
+	// TookOver: a started row older than the lock timeout, with the same
+	// fingerprint, now belongs to the caller under a new fencing token. The
+	// previous owner's completion will fail with [ErrFenced].
+	TookOver
+	// Exists: a live row belongs to someone else (started and not stale, or
+	// completed), or its fingerprint differs; [ClaimResult.Record] holds it.
+	Exists
+)
+
+// ClaimResult is the answer of [Store.Claim].
+type ClaimResult struct {
+	Outcome Outcome
+	// Claim is set when Outcome is Claimed or TookOver.
+	Claim Claim
+	// Record is set when Outcome is Exists.
+	Record *Record
+}
+
+// Claim is the ownership of a started key. The Token fences the owner: every
+// completion or release checks that it is still current.
+type Claim struct {
+	ClientID string
+	Key      string
+	Token    int64
+	// OperationID identifies the logical operation behind the key. It is
+	// chosen at the first claim and kept across takeovers, so work keyed by
+	// it downstream (the card processor's idempotency key) is done once even
+	// when a request is taken over; a key that expired and is used again gets
+	// a new one.
+	OperationID string
+}
+
+// Record is a stored key as a duplicate request sees it.
+type Record struct {
+	ClientID           string
+	Key                string
+	Method             string
+	Path               string
+	Fingerprint        []byte
+	FingerprintVersion int
+	Status             Status
+	Response           *StoredResponse // set when Status is StatusCompleted
+	CreatedAt          time.Time
+	LockedAt           time.Time
+}
+
+// StoredResponse is the outcome replayed for a completed key, byte for byte.
+type StoredResponse struct {
+	Status      int
+	ContentType string
+	// Header holds the other headers worth replaying (Location).
+	Header map[string]string
+	Body   []byte
+}
+
+// Store keeps idempotency keys. Implementations are safe for concurrent use
+// by many goroutines and, for the PostgreSQL store, many processes.
+type Store interface {
+	// Claim atomically claims the key, takes over a stale started row, or
+	// returns the live row as it is. Exactly one of many concurrent callers
+	// with the same key gets Claimed or TookOver.
+	Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error)
+	// Begin opens the unit of work of a claim: the business writes made
+	// through the returned Tx commit together with the key's completion.
+	Begin(ctx context.Context, c Claim) (Tx, error)
+	// Release deletes a started key still owned by c, so the next request
+	// with it runs again (validation failures, server errors, clean
+	// shutdown). It returns ErrFenced when c no longer owns the key.
+	Release(ctx context.Context, c Claim) error
+	// Purge deletes at most limit keys created before now minus retention
+	// and returns how many it deleted.
+	Purge(ctx context.Context, retention time.Duration, limit int) (int64, error)
+}
+
+// Tx is the unit of work of one claimed key.
+type Tx interface {
+	// Complete stores resp as the key's outcome and commits it with the
+	// business writes, or rolls everything back and returns ErrFenced when
+	// the claim no longer owns the key.
+	Complete(ctx context.Context, resp StoredResponse) error
+	// Rollback abandons the unit of work; the key stays started. Safe to
+	// call after Complete (it does nothing then).
+	Rollback(ctx context.Context) error
+}
+
+// Payment is one payment of the reference API.
+type Payment struct {
+	ID             string
+	ClientID       string
+	Customer       string
+	Amount         int64
+	Currency       string
+	IdempotencyKey string // the key the payment was created with
+	OperationID    string // [Claim.OperationID]; unique per client: the safety net once the key is purged
+	ChargeID       string // the card processor's charge
+	CreatedAt      time.Time
+}
+
+// PaymentStore keeps payments. The memory and PostgreSQL stores implement it
+// next to [Store], so a payment and its key commit together.
+type PaymentStore interface {
+	// CreatePayment inserts p in the unit of work tx (which must come from
+	// the same store's Begin); it is visible only once tx.Complete commits.
+	CreatePayment(ctx context.Context, tx Tx, p Payment) error
+	// GetPayment returns the client's payment, or ErrNotFound (also for
+	// another client's payment).
+	GetPayment(ctx context.Context, clientID, id string) (Payment, error)
+}
+
+// Charge is one charge made by the fake card processor.
+type Charge struct {
+	ID             string
+	IdempotencyKey string // derived by the payments API from (client, operation)
+	Amount         int64
+	Currency       string
+	CreatedAt      time.Time
+}
+
+// ChargeStore keeps the fake card processor's charges.
+type ChargeStore interface {
+	// CreateCharge inserts c, or returns the charge already stored under
+	// c.IdempotencyKey with created false. It is atomic: concurrent calls
+	// with one key create one charge.
+	CreateCharge(ctx context.Context, c Charge) (stored Charge, created bool, err error)
+}
