@@ -1,5 +1,20 @@
 module github.com/idemkit/idem
 
-go 1.25.0
+go 1.26.0
 
 require github.com/dunglas/httpsfv v1.1.2
+
+require (
+	github.com/cenkalti/backoff/v4 v4.3.0 // indirect
+	github.com/google/uuid v1.6.0 // indirect
+	github.com/jackc/pgpassfile v1.0.0 // indirect
+	github.com/jackc/pgservicefile v0.0.0-20240606120523-5a60cdf6a761 // indirect
+	github.com/jackc/pgx/v5 v5.12.0 // indirect
+	github.com/jackc/puddle/v2 v2.2.3 // indirect
+	github.com/jarcoal/httpmock v1.4.2 // indirect
+	github.com/prometheus/client_golang v1.25.0 // indirect
+	github.com/stretchr/testify v1.12.1 // indirect
+	go.uber.org/goleak v1.3.0 // indirect
+	golang.org/x/sync v0.23.0 // indirect
+	golang.org/x/text v0.42.0 // indirect
+)

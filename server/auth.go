@@ -1,0 +1,81 @@
+package server
+
+import (
+	"crypto/subtle"
+	"fmt"
+	"net/http"
+	"strings"
+)
+
+// ParseAPIKeys parses the -api-keys flag: comma-separated token:client_id
+// pairs, such as "sk_test_demo:demo,sk_test_other:other". It returns the
+// tokens mapped to their client ids, and an error for an empty token or
+// client id, a pair without a colon, or a token listed twice.
+func ParseAPIKeys(s string) (map[string]string, error) {
+	keys := make(map[string]string)
+	for pair := range strings.SplitSeq(s, ",") {
+		pair = strings.TrimSpace(pair)
+		if pair == "" {
+			continue
+		}
+		token, client, ok := strings.Cut(pair, ":")
+		token, client = strings.TrimSpace(token), strings.TrimSpace(client)
+		if !ok || token == "" || client == "" {
+			return nil, fmt.Errorf("server: API key %q is not token:client_id", redact(pair))
+		}
+		if _, dup := keys[token]; dup {
+			return nil, fmt.Errorf("server: API key %q is listed twice", redact(token))
+		}
+		keys[token] = client
+	}
+	if len(keys) == 0 {
+		return nil, fmt.Errorf("server: no API keys in %q", s)
+	}
+	return keys, nil
+}
+
+// redact keeps the start of a secret for error messages.
+func redact(s string) string {
+	if len(s) <= 8 {
+		return "…"
+	}
+	return s[:8] + "…"
+}
+
+// BearerAuth returns middleware that authenticates requests with an
+// Authorization: Bearer <token> header, tokens mapping to client ids, and
+// stores the client id in the request context ([WithClientID]). A request
+// without a known token gets 401 [ProblemUnauthorized] with a
+// WWW-Authenticate challenge. The tokens map must not change afterwards; the
+// middleware is safe for concurrent use.
+func BearerAuth(tokens map[string]string) func(http.Handler) http.Handler {
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			client, ok := lookupToken(tokens, r.Header.Get("Authorization"))
+			if !ok {
+				w.Header().Set("WWW-Authenticate", `Bearer realm="idem"`)
+				writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
+					"Send a valid API key as Authorization: Bearer <token>.")
+				return
+			}
+			next.ServeHTTP(w, r.WithContext(WithClientID(r.Context(), client)))
+		})
+	}
+}
+
+// lookupToken finds the client of an Authorization header value, comparing
+// tokens in constant time.
+func lookupToken(tokens map[string]string, header string) (string, bool) {
+	scheme, token, ok := strings.Cut(strings.TrimSpace(header), " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	token = strings.TrimSpace(token)
+	found, client := 0, ""
+	for t, c := range tokens {
+		if subtle.ConstantTimeCompare([]byte(t), []byte(token)) == 1 {
+			found, client = 1, c
+		}
+	}
+	return client, found == 1 && token != ""
+}

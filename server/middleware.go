@@ -1,0 +1,512 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/internal/keyheader"
+)
+
+// Defaults of [IdempotencyOptions].
+const (
+	DefaultKeyHeader    = "Idempotency-Key"
+	DefaultLockTimeout  = 30 * time.Second
+	DefaultRetention    = 24 * time.Hour
+	DefaultRetryAfter   = time.Second
+	DefaultMaxBodyBytes = 1 << 20
+)
+
+// IdempotencyOptions configures [Idempotency]. The zero value is ready to
+// use: every zero field takes the default it documents. Defaults are applied
+// when the middleware is built, on a copy; the caller's struct is not
+// changed.
+type IdempotencyOptions struct {
+	// KeyHeader is the request header carrying the key, echoed on every
+	// keyed response. If empty, "Idempotency-Key" is used.
+	KeyHeader string
+
+	// LockTimeout is how long a started key may run before a retry with the
+	// same request takes it over (Step 4 of the design: the first request
+	// is presumed dead). Choose it comfortably longer than the slowest
+	// legitimate request. If zero, 30s is used; if negative, a started key
+	// is never taken over.
+	LockTimeout time.Duration
+
+	// Retention is how long a key is kept; an older key counts as absent,
+	// so reusing it starts a new operation. If zero, 24h is used; if
+	// negative, keys never expire.
+	Retention time.Duration
+
+	// RetryAfter is the wait suggested by the Retry-After header of a 409
+	// (rounded up to whole seconds, at least 1). If zero, 1s is used.
+	RetryAfter time.Duration
+
+	// StoreServerErrors chooses what a 5xx of the handler does to the key.
+	// If false (the default), the response is sent but not stored, the
+	// unit of work is rolled back and the key is released, so the client's
+	// retry runs the operation again; this is safe because the business
+	// writes are transactional and downstream calls are keyed (see
+	// [MarkIrreversible]). If true, the 5xx is stored and replayed to
+	// every retry, as Stripe's API does: consistent, but a transient error
+	// becomes the key's permanent outcome.
+	StoreServerErrors bool
+
+	// WaitForCompletion is how long a duplicate that finds its key started
+	// waits for the first request to finish, checking the store with a
+	// growing interval, before it is answered. A duplicate that sees the
+	// first complete gets the replay; one that times out gets the 409. If
+	// zero, a duplicate gets the 409 at once, as the IETF draft describes.
+	WaitForCompletion time.Duration
+
+	// MaxBodyBytes caps the request body; a larger one gets 413. The body is
+	// buffered to be fingerprinted and handed on. If zero, 1 MiB is used;
+	// if negative, there is no limit.
+	MaxBodyBytes int64
+
+	// ClientID returns the authenticated client of a request, which scopes
+	// its keys; a request without one gets 401. If nil,
+	// [ClientIDFromContext] is used, which reads what [BearerAuth] stored.
+	// A single-tenant API can return a constant.
+	ClientID func(*http.Request) (string, bool)
+
+	// Logger receives one record per keyed request that does not simply
+	// complete, and store errors. Bodies are never logged. If nil,
+	// [slog.Default] is used.
+	Logger *slog.Logger
+
+	// OnEvent, if not nil, is called once for each [Event] of a keyed
+	// request, from the request's goroutine; it must be safe for concurrent
+	// use. [Metrics.Observe] fits.
+	OnEvent func(Event)
+}
+
+// Event is something [Idempotency] did with a keyed request; [Metrics]
+// counts them.
+type Event int
+
+// Events reported to [IdempotencyOptions.OnEvent].
+const (
+	EventClaimed   Event = iota + 1 // the key was new (or expired): the handler runs
+	EventTookOver                   // a stale started key was taken over: the handler runs
+	EventCompleted                  // the outcome was stored with the business writes
+	EventReplayed                   // a stored outcome was replayed
+	EventConflict                   // 409: the key's first request is still running
+	EventMismatch                   // 422: the key was used with another request
+	EventReleased                   // the outcome was not stored and the key was freed
+	EventFenced                     // the completion lost the key to a takeover
+	EventRejected                   // 400/401/413 before the claim: nothing stored
+)
+
+var eventNames = [...]string{
+	EventClaimed:   "claimed",
+	EventTookOver:  "took_over",
+	EventCompleted: "completed",
+	EventReplayed:  "replayed",
+	EventConflict:  "conflict",
+	EventMismatch:  "mismatch",
+	EventReleased:  "released",
+	EventFenced:    "fenced",
+	EventRejected:  "rejected",
+}
+
+// String returns the event's name, as used in logs and metric names.
+func (e Event) String() string {
+	if e > 0 && int(e) < len(eventNames) {
+		return eventNames[e]
+	}
+	return "event(" + strconv.Itoa(int(e)) + ")"
+}
+
+// Idempotency returns middleware that makes POST and PATCH requests safe to
+// retry with an Idempotency-Key header, as the IETF draft
+// (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe.
+// Other methods pass through untouched. The returned middleware is safe for
+// concurrent use; store must be too.
+//
+// For a POST or PATCH it:
+//
+//  1. finds the authenticated client ([IdempotencyOptions.ClientID]; 401
+//     without one), since keys are scoped by client;
+//  2. parses the key header, a bare token or an RFC 9651 sf-string (the
+//     same key either way): 400 [ProblemKeyMissing] without it, 400
+//     [ProblemKeyInvalid] when it is sent on several lines, empty, over 255
+//     characters, outside visible ASCII or malformed;
+//  3. reads the body (413 [ProblemTooLarge] over the limit) and computes its
+//     [Fingerprint] (400 [ProblemInvalidRequest] for a malformed JSON or
+//     form body). None of these store anything;
+//  4. claims the key with [Store.Claim]. A key that exists with another
+//     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
+//     stored status, headers and body, byte for byte, with
+//     Idempotent-Replayed: true; a started one gets 409 [ProblemKeyInUse]
+//     with Retry-After (or waits, see
+//     [IdempotencyOptions.WaitForCompletion]). A stored record of another
+//     fingerprint version is compared, and claimed, in its own version;
+//  5. otherwise it owns the key: it opens the unit of work with
+//     [Store.Begin], hands it and the claim to the handler through the
+//     context ([TxFromContext], [ClaimFromContext]) and buffers the
+//     handler's response.
+//
+// The buffered response is then stored or not, by status:
+//
+//   - 2xx, 3xx and the definitive 4xx (402, 410, 422 and any other not
+//     listed below): stored with [Tx.Complete] together with the business
+//     writes, then sent. Every retry gets it again.
+//   - 400, 401, 403, 404, 405, 408, 409, 413, 415, 425 and 429: the request
+//     was rejected before it did anything, or may succeed later. The unit
+//     of work is rolled back and the key released; the client may retry with
+//     the same key (and, after a 400, a corrected body).
+//   - 5xx: released like a 400 unless [IdempotencyOptions.StoreServerErrors]
+//     asks for Stripe's behaviour of storing them.
+//   - a panic in the handler: rolled back and released, then the panic goes
+//     on up.
+//
+// When the completion fails with [ErrFenced], the request was taken over by
+// a retry after the lock timeout while it was still running; its writes are
+// rolled back and it gets 409 [ProblemKeyInUse], so only the retry's work
+// counts. A handler that did work outside its unit of work that must not be
+// redone under a new operation calls [MarkIrreversible]: its failures then
+// leave the key started rather than releasing it, to be taken over with the
+// same [Claim.OperationID].
+//
+// The outcome is decided by the status alone, also when the client has gone
+// away: a handler that finished its work is completed (store calls use
+// [context.WithoutCancel]), so the retry gets the replay. Every keyed
+// response echoes the key header as it was received.
+func Idempotency(store Store, opts IdempotencyOptions) func(http.Handler) http.Handler {
+	m := &middleware{store: store, opts: opts}
+	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
+	m.lockTimeout = durationOpt(opts.LockTimeout, DefaultLockTimeout)
+	m.retention = durationOpt(opts.Retention, DefaultRetention)
+	m.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cmpOr(opts.RetryAfter, DefaultRetryAfter).Seconds()))))
+	m.maxBody = opts.MaxBodyBytes
+	if m.maxBody == 0 {
+		m.maxBody = DefaultMaxBodyBytes
+	}
+	m.clientID = opts.ClientID
+	if m.clientID == nil {
+		m.clientID = func(r *http.Request) (string, bool) { return ClientIDFromContext(r.Context()) }
+	}
+	m.log = opts.Logger
+	if m.log == nil {
+		m.log = slog.Default()
+	}
+	return func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.Method != http.MethodPost && r.Method != http.MethodPatch {
+				next.ServeHTTP(w, r)
+				return
+			}
+			m.serve(w, r, next)
+		})
+	}
+}
+
+func cmpOr[T comparable](v, def T) T {
+	var zero T
+	if v == zero {
+		return def
+	}
+	return v
+}
+
+// durationOpt maps an option to a store argument: zero takes the default,
+// negative means "never" (zero for the store).
+func durationOpt(d, def time.Duration) time.Duration {
+	switch {
+	case d == 0:
+		return def
+	case d < 0:
+		return 0
+	}
+	return d
+}
+
+type middleware struct {
+	store       Store
+	opts        IdempotencyOptions
+	keyHeader   string
+	lockTimeout time.Duration
+	retention   time.Duration
+	retryAfter  string
+	maxBody     int64
+	clientID    func(*http.Request) (string, bool)
+	log         *slog.Logger
+}
+
+func (m *middleware) event(e Event) {
+	if m.opts.OnEvent != nil {
+		m.opts.OnEvent(e)
+	}
+}
+
+// keyDetails tells the developer what to do about each key error.
+var keyDetails = []struct {
+	err    error
+	detail string
+}{
+	{keyheader.ErrMultiple, "Send the Idempotency-Key header once, on a single line."},
+	{keyheader.ErrEmpty, "The Idempotency-Key header is empty. Send a unique key per operation, such as a random UUIDv4."},
+	{keyheader.ErrTooLong, fmt.Sprintf("The Idempotency-Key is longer than %d characters. Use a random UUIDv4.", keyheader.MaxLen)},
+	{keyheader.ErrInvalid, "The Idempotency-Key may hold only visible ASCII characters (0x21 to 0x7E). Use a random UUIDv4."},
+	{keyheader.ErrSyntax, `The Idempotency-Key header starts with a double quote but is not a valid structured-field string. Send the bare key, or one quoted string such as "8e03978e-40d5-43e8-bc93-6894a57f9324".`},
+}
+
+func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	clientID, ok := m.clientID(r)
+	if !ok {
+		m.event(EventRejected)
+		writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
+			"Authenticate with an Authorization: Bearer <token> header; idempotency keys are scoped by client.")
+		return
+	}
+	values := r.Header.Values(m.keyHeader)
+	key, err := keyheader.Parse(values)
+	if err != nil {
+		m.event(EventRejected)
+		if errors.Is(err, keyheader.ErrMissing) {
+			writeProblem(w, r, ProblemKeyMissing, http.StatusBadRequest, fmt.Sprintf(
+				"%s requests need an %s header: generate a unique key (a random UUIDv4) per operation and send the same key on every retry of it.",
+				r.Method, m.keyHeader))
+			return
+		}
+		detail := err.Error()
+		for _, d := range keyDetails {
+			if errors.Is(err, d.err) {
+				detail = d.detail
+				break
+			}
+		}
+		writeProblem(w, r, ProblemKeyInvalid, http.StatusBadRequest, detail)
+		return
+	}
+	// From here on every response carries the key back.
+	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
+	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+
+	body, err := m.readBody(w, r)
+	if err != nil {
+		m.event(EventRejected)
+		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
+			writeProblem(w, r, ProblemTooLarge, http.StatusRequestEntityTooLarge, fmt.Sprintf(
+				"The request body is larger than %d bytes. Send a smaller body.", mbe.Limit))
+			return
+		}
+		log.Info("idempotency: reading the body failed", "err", err)
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
+		return
+	}
+	fp, err := Fingerprint(FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	if err != nil {
+		m.event(EventRejected)
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
+			"%s. Fix the body and retry; the key was not used.", err))
+		return
+	}
+	req := ClaimRequest{
+		ClientID:           clientID,
+		Key:                key,
+		Method:             r.Method,
+		Path:               r.URL.Path,
+		Fingerprint:        fp,
+		FingerprintVersion: FingerprintVersion,
+		LockTimeout:        m.lockTimeout,
+		Retention:          m.retention,
+	}
+	ctx := r.Context()
+	var deadline time.Time
+	if m.opts.WaitForCompletion > 0 {
+		deadline = time.Now().Add(m.opts.WaitForCompletion)
+	}
+	wait := 10 * time.Millisecond
+	recomputed := false
+	for {
+		res, err := m.store.Claim(ctx, req)
+		if err != nil {
+			if ctx.Err() != nil {
+				return // the client is gone and nothing was claimed
+			}
+			log.Error("idempotency: claim failed", "err", err)
+			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+				"The key could not be checked. Retry later with the same key.")
+			return
+		}
+		switch res.Outcome {
+		case Claimed, TookOver:
+			if res.Outcome == TookOver {
+				m.event(EventTookOver)
+				log.Warn("idempotency: took over a stale key", "operation", res.Claim.OperationID, "token", res.Claim.Token)
+			} else {
+				m.event(EventClaimed)
+			}
+			r.Body = io.NopCloser(bytes.NewReader(body))
+			r.ContentLength = int64(len(body))
+			r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+			m.run(w, r, next, res.Claim, log)
+			return
+		case Exists:
+		default:
+			log.Error("idempotency: store returned an unknown outcome", "outcome", res.Outcome)
+			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
+			return
+		}
+		rec := res.Record
+		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
+			// Compare, and claim, in the version the record was stored with.
+			recomputed = true
+			if old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body); err == nil {
+				req.Fingerprint, req.FingerprintVersion = old, rec.FingerprintVersion
+				continue
+			}
+		}
+		if rec.FingerprintVersion != req.FingerprintVersion || !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+			m.event(EventMismatch)
+			log.Info("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path)
+			writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, fmt.Sprintf(
+				"This %s was already used with another request (%s %s with a different body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
+				m.keyHeader, rec.Method, rec.Path))
+			return
+		}
+		if rec.Status == StatusCompleted && rec.Response != nil {
+			m.event(EventReplayed)
+			writeStored(w, rec.Response)
+			return
+		}
+		if !deadline.IsZero() {
+			if left := time.Until(deadline); left > 0 {
+				t := time.NewTimer(min(wait, left))
+				select {
+				case <-ctx.Done():
+					t.Stop()
+					return
+				case <-t.C:
+				}
+				wait = min(2*wait, 250*time.Millisecond)
+				continue
+			}
+		}
+		m.event(EventConflict)
+		w.Header().Set("Retry-After", m.retryAfter)
+		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
+			"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
+		return
+	}
+}
+
+// readBody reads the whole body under the size limit.
+func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
+	if r.Body == nil || r.Body == http.NoBody {
+		return nil, nil
+	}
+	body := r.Body
+	if m.maxBody > 0 {
+		body = http.MaxBytesReader(w, r.Body, m.maxBody)
+	}
+	return io.ReadAll(body)
+}
+
+// run serves a request that owns its key and decides what becomes of it.
+func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handler, claim Claim, log *slog.Logger) {
+	detached := context.WithoutCancel(r.Context())
+	tx, err := m.store.Begin(r.Context(), claim)
+	if err != nil {
+		log.Error("idempotency: begin failed", "err", err)
+		m.release(detached, claim, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The operation could not be started. Retry with the same key.")
+		return
+	}
+	st := &run{tx: tx, claim: claim}
+	rec := newRecorder()
+	returned := false
+	defer func() {
+		if returned {
+			return
+		}
+		// The handler panicked (or called runtime.Goexit).
+		p := recover()
+		if p != http.ErrAbortHandler {
+			log.Error("idempotency: handler panicked", "panic", p)
+		}
+		m.abandon(detached, st, log)
+		if p != nil {
+			panic(p)
+		}
+	}()
+	next.ServeHTTP(rec, r.WithContext(context.WithValue(r.Context(), runKey, st)))
+	returned = true
+
+	status := rec.result()
+	if !m.storable(status) {
+		m.abandon(detached, st, log)
+		writeRecorded(w, rec)
+		return
+	}
+	switch err := tx.Complete(detached, rec.stored(m.keyHeader)); {
+	case err == nil:
+		m.event(EventCompleted)
+		writeRecorded(w, rec)
+	case errors.Is(err, ErrFenced):
+		m.event(EventFenced)
+		log.Warn("idempotency: completion fenced: the request was taken over; its writes were rolled back", "operation", claim.OperationID)
+		w.Header().Set("Retry-After", m.retryAfter)
+		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
+			"This request ran longer than the lock timeout and a retry with the same %s took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
+	default:
+		log.Error("idempotency: completion failed", "err", err)
+		m.abandon(detached, st, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved. Retry with the same key.")
+	}
+}
+
+// storable reports whether a handler's status is the key's final outcome.
+func (m *middleware) storable(status int) bool {
+	switch {
+	case status >= 500:
+		return m.opts.StoreServerErrors
+	case status < 400:
+		return true
+	}
+	switch status {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden,
+		http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusRequestTimeout,
+		http.StatusConflict, http.StatusRequestEntityTooLarge,
+		http.StatusUnsupportedMediaType, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return true
+}
+
+// abandon rolls back the unit of work and releases the key, unless the
+// handler marked its work irreversible.
+func (m *middleware) abandon(ctx context.Context, st *run, log *slog.Logger) {
+	if err := st.tx.Rollback(ctx); err != nil {
+		log.Error("idempotency: rollback failed", "err", err)
+	}
+	if st.irreversible.Load() {
+		log.Warn("idempotency: irreversible request failed; the key stays started until the lock timeout",
+			"operation", st.claim.OperationID, "lock_timeout", m.lockTimeout)
+		return
+	}
+	m.release(ctx, st.claim, log)
+}
+
+func (m *middleware) release(ctx context.Context, c Claim, log *slog.Logger) {
+	switch err := m.store.Release(ctx, c); {
+	case err == nil:
+		m.event(EventReleased)
+	case errors.Is(err, ErrFenced):
+		log.Info("idempotency: key already taken over; nothing to release")
+	default:
+		log.Error("idempotency: release failed; the key stays started until the lock timeout", "err", err)
+	}
+}

@@ -1,0 +1,118 @@
+package server
+
+import (
+	"bytes"
+	"net/http"
+	"strconv"
+	"strings"
+)
+
+// recorder buffers the response of a handler so the middleware can decide,
+// from its status, whether to store it before anything reaches the client.
+type recorder struct {
+	header      http.Header
+	status      int
+	body        bytes.Buffer
+	wroteHeader bool
+}
+
+func newRecorder() *recorder { return &recorder{header: make(http.Header)} }
+
+func (rec *recorder) Header() http.Header { return rec.header }
+
+func (rec *recorder) WriteHeader(code int) {
+	if rec.wroteHeader || code < 200 { // 1xx responses are not buffered
+		return
+	}
+	rec.status, rec.wroteHeader = code, true
+}
+
+func (rec *recorder) Write(p []byte) (int, error) {
+	if !rec.wroteHeader {
+		rec.WriteHeader(http.StatusOK)
+	}
+	return rec.body.Write(p)
+}
+
+// result returns the status, defaulting to 200 for a handler that wrote
+// nothing, and fixes the Content-Type the way net/http would have sniffed
+// it, so the first response and its replays carry the same one.
+func (rec *recorder) result() int {
+	if !rec.wroteHeader {
+		rec.status = http.StatusOK
+	}
+	if _, ok := rec.header["Content-Type"]; !ok && rec.body.Len() > 0 {
+		rec.header.Set("Content-Type", http.DetectContentType(rec.body.Bytes()))
+	}
+	return rec.status
+}
+
+// unreplayed lists the headers a stored response never keeps: framing and
+// connection headers, which the server writes itself, cookies, which a
+// replay must not set again, and the headers the middleware adds.
+var unreplayed = map[string]bool{
+	"Content-Type":        true, // stored on its own
+	"Content-Length":      true,
+	"Connection":          true,
+	"Date":                true,
+	"Keep-Alive":          true,
+	"Set-Cookie":          true,
+	"Trailer":             true,
+	"Transfer-Encoding":   true,
+	"Upgrade":             true,
+	"Idempotent-Replayed": true,
+}
+
+// stored returns the response as it is kept for replays.
+func (rec *recorder) stored(keyHeader string) StoredResponse {
+	resp := StoredResponse{
+		Status:      rec.status,
+		ContentType: rec.header.Get("Content-Type"),
+		Body:        bytes.Clone(rec.body.Bytes()),
+	}
+	for name, values := range rec.header {
+		if unreplayed[name] || name == keyHeader || len(values) == 0 {
+			continue
+		}
+		if resp.Header == nil {
+			resp.Header = make(map[string]string)
+		}
+		resp.Header[name] = strings.Join(values, ", ")
+	}
+	return resp
+}
+
+// writeRecorded sends the buffered response to w.
+func writeRecorded(w http.ResponseWriter, rec *recorder) {
+	h := w.Header()
+	for name, values := range rec.header {
+		h[name] = values
+	}
+	if bodyAllowed(rec.status) {
+		h.Set("Content-Length", strconv.Itoa(rec.body.Len()))
+	}
+	w.WriteHeader(rec.status)
+	w.Write(rec.body.Bytes())
+}
+
+// writeStored replays a stored response to w, byte for byte.
+func writeStored(w http.ResponseWriter, resp *StoredResponse) {
+	h := w.Header()
+	for name, value := range resp.Header {
+		h.Set(name, value)
+	}
+	if resp.ContentType != "" {
+		h.Set("Content-Type", resp.ContentType)
+	}
+	if bodyAllowed(resp.Status) {
+		h.Set("Content-Length", strconv.Itoa(len(resp.Body)))
+	}
+	h.Set("Idempotent-Replayed", "true")
+	w.WriteHeader(resp.Status)
+	w.Write(resp.Body)
+}
+
+// bodyAllowed reports whether a response with this status has a body.
+func bodyAllowed(status int) bool {
+	return status != http.StatusNoContent && status != http.StatusNotModified
+}
