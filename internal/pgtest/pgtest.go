@@ -1,0 +1,166 @@
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"fmt"
+	"net/url"
+	"os"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// EnvURL names the environment variable that points the tests at a database.
+const EnvURL = "IDEM_TEST_DATABASE_URL"
+
+// localURL is the database tried when EnvURL is not set.
+const localURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// cleanupTimeout bounds the DROP SCHEMA run when a test ends.
+const cleanupTimeout = 30 * time.Second
+
+// discover finds the database once per test binary; see the package doc.
+var discover = sync.OnceValues(func() (string, error) {
+	if u := os.Getenv(EnvURL); u != "" {
+		return u, nil
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	localErr := ping(ctx, localURL)
+	if localErr == nil {
+		return localURL, nil
+	}
+	u, clusterErr := startCluster()
+	if clusterErr != nil {
+		return "", fmt.Errorf("%s is not set, %s does not answer (%v), and no throwaway cluster could be started (%v)",
+			EnvURL, localURL, localErr, clusterErr)
+	}
+	return u, nil
+})
+
+// URL returns the connection string of the test database, shared by every
+// test of the binary. Most tests want [Pool] or [SchemaURL] instead, which
+// isolate them. When no database can be had, URL skips the test, or fails it
+// under CI=true.
+func URL(t testing.TB) string {
+	t.Helper()
+	u, err := discover()
+	if err != nil {
+		unavailable(t, err)
+	}
+	return u
+}
+
+// SchemaURL creates a schema with a unique name and returns a connection
+// string whose search_path is that schema, for code under test that opens
+// its own connections (a server started with -database-url, say). The schema
+// and everything in it are dropped when the test ends.
+func SchemaURL(t testing.TB) string {
+	t.Helper()
+	base := URL(t)
+	schema := schemaName(t.Name())
+	ctx := context.Background()
+	if err := execOnce(ctx, base, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		t.Fatalf("pgtest: create schema: %v", err)
+	}
+	t.Cleanup(func() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+		defer cancel()
+		if err := dropSchema(ctx, base, schema); err != nil {
+			t.Errorf("pgtest: %v", err)
+		}
+	})
+	return withSearchPath(base, schema)
+}
+
+// Pool returns a pool whose connections use a fresh schema of their own as
+// search_path, so the test can create tables without meeting any other
+// test's. The pool is closed and the schema dropped when the test ends; the
+// test must not close the pool itself.
+func Pool(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	u := SchemaURL(t) // registered first, so its cleanup runs after Close
+	cfg, err := pgxpool.ParseConfig(u)
+	if err != nil {
+		t.Fatalf("pgtest: parse connection string: %v", err)
+	}
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatalf("pgtest: open pool: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+// unavailable ends a test that cannot have a database: a failure under CI,
+// a skip elsewhere.
+func unavailable(t testing.TB, err error) {
+	t.Helper()
+	msg := fmt.Sprintf("pgtest: no PostgreSQL for this test: %v; set %s to a database URL", err, EnvURL)
+	if ci, _ := strconv.ParseBool(os.Getenv("CI")); ci {
+		t.Fatal(msg + " (CI=true: database tests must run, not skip)")
+	}
+	t.Skip(msg)
+}
+
+var nonIdent = regexp.MustCompile(`[^a-z0-9]+`)
+
+// schemaName makes a unique, valid, readable schema name from a test name.
+func schemaName(testName string) string {
+	var b [6]byte
+	_, _ = rand.Read(b[:])
+	prefix := strings.Trim(nonIdent.ReplaceAllString(strings.ToLower(testName), "_"), "_")
+	const maxPrefix = 63 - len("pgtest__") - 2*len(b)
+	if len(prefix) > maxPrefix {
+		prefix = prefix[:maxPrefix]
+	}
+	return "pgtest_" + prefix + "_" + hex.EncodeToString(b[:])
+}
+
+// withSearchPath adds search_path=schema to a connection string in either of
+// the forms pgx accepts: pgx sends unknown settings as run-time parameters.
+func withSearchPath(conn, schema string) string {
+	if strings.HasPrefix(conn, "postgres://") || strings.HasPrefix(conn, "postgresql://") {
+		u, err := url.Parse(conn)
+		if err == nil {
+			q := u.Query()
+			q.Set("search_path", schema)
+			u.RawQuery = q.Encode()
+			return u.String()
+		}
+	}
+	return conn + " search_path=" + schema // schema names are plain identifiers
+}
+
+// ping connects to conn once and runs a trivial query.
+func ping(ctx context.Context, conn string) error {
+	return execOnce(ctx, conn, "SELECT 1")
+}
+
+// execOnce runs sql on a connection of its own.
+func execOnce(ctx context.Context, conn, sql string) error {
+	c, err := pgx.Connect(ctx, conn)
+	if err != nil {
+		return err
+	}
+	defer c.Close(context.WithoutCancel(ctx))
+	_, err = c.Exec(ctx, sql)
+	return err
+}
+
+// dropSchema drops schema and its contents. A lock wait longer than the
+// cleanup timeout means the test left a transaction open on the schema.
+func dropSchema(ctx context.Context, conn, schema string) error {
+	if err := execOnce(ctx, conn, "DROP SCHEMA IF EXISTS "+pgx.Identifier{schema}.Sanitize()+" CASCADE"); err != nil {
+		return fmt.Errorf("drop schema %s: %w", schema, err)
+	}
+	return nil
+}
