@@ -1,0 +1,723 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// newStoreFunc makes a fresh, empty store for one test: a MemoryStore, or a
+// PostgreSQL store on a schema of its own. The store must also implement
+// PaymentStore and ChargeStore.
+type newStoreFunc func(t *testing.T) Store
+
+// testEndToEnd runs the end-to-end tests of the reference server against
+// the stores newStore makes, through real HTTP. It is store-agnostic: the
+// same tests run on the memory store and on PostgreSQL.
+func testEndToEnd(t *testing.T, newStore newStoreFunc) {
+	tests := []struct {
+		name string
+		fn   func(t *testing.T, newStore newStoreFunc)
+	}{
+		{"ServerTable", testServerTable},
+		{"KeyHeader", testKeyHeader},
+		{"Unauthorized", testUnauthorized},
+		{"ValidationStoresNothing", testValidationStoresNothing},
+		{"ReplayByteForByte", testReplayByteForByte},
+		{"TenantIsolation", testTenantIsolation},
+		{"FormAndJSON", testFormAndJSON},
+		{"ServerErrorsReleased", testServerErrorsReleased},
+		{"ServerErrorsStored", testServerErrorsStored},
+		{"Storm", testStorm},
+		{"TakeoverAfterCrash", testTakeoverAfterCrash},
+		{"TakeoverThroughSDK", testTakeoverThroughSDK},
+		{"RacingTakers", testRacingTakers},
+		{"FencedSlowOriginal", testFencedSlowOriginal},
+		{"LostProcessorAnswer", testLostProcessorAnswer},
+		{"WaitForCompletion", testWaitForCompletion},
+		{"Retention", testRetention},
+		{"PurgeThenReuse", testPurgeThenReuse},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) { tt.fn(t, newStore) })
+	}
+}
+
+// blocker holds the first n calls of AfterCharge until released.
+type blocker struct {
+	mu      sync.Mutex
+	n       int
+	reached chan struct{} // closed when the first call arrives
+	release chan struct{}
+	once    sync.Once
+}
+
+func newBlocker(n int) *blocker {
+	return &blocker{n: n, reached: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (b *blocker) afterCharge(ctx context.Context) error {
+	b.mu.Lock()
+	hold := b.n > 0
+	b.n--
+	b.mu.Unlock()
+	if hold {
+		b.once.Do(func() { close(b.reached) })
+		<-b.release
+	}
+	return nil
+}
+
+// testServerTable checks each row of the article's table of server behaviour.
+func testServerTable(t *testing.T, newStore newStoreFunc) {
+	block := newBlocker(1)
+	ts := newTestServer(t, newStore(t), Config{AfterCharge: block.afterCharge, RetryAfter: 2 * time.Second})
+
+	// First request with this key: processed, outcome stored.
+	first := make(chan reply)
+	go func() { first <- ts.send(t, keyed("k-table", payment)) }()
+	<-block.reached
+
+	// Retry while the first request is still running: 409 + Retry-After.
+	r := ts.mustSend(t, keyed("k-table", payment))
+	if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" {
+		t.Errorf("duplicate in flight: %d Retry-After %q, want 409 with Retry-After 2", r.status, r.header.Get("Retry-After"))
+	}
+	if p := r.problem(t); p.Type != ProblemKeyInUse {
+		t.Errorf("409 type %s", p.Type)
+	}
+	// Same key, different payload: 422, also while running.
+	r = ts.mustSend(t, keyed("k-table", `{"amount": 1, "currency": "usd", "customer": "cus_123"}`))
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != ProblemKeyMismatch {
+		t.Errorf("other payload: %d %s, want 422 mismatch", r.status, r.body)
+	}
+	close(block.release)
+	r = <-first
+	if r.err != nil || r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("first request: %d %v replayed=%v %s", r.status, r.err, r.replayed(), r.body)
+	}
+	p := r.payment(t)
+	if p.Amount != 4200 || p.Currency != "usd" || p.Customer != "cus_123" || !strings.HasPrefix(p.ID, "pay_") || p.Charge == "" {
+		t.Errorf("payment %+v", p)
+	}
+	if got := r.header.Get("Location"); got != "/v1/payments/"+p.ID {
+		t.Errorf("Location = %q", got)
+	}
+	if got := r.header.Get("Idempotency-Key"); got != "k-table" {
+		t.Errorf("echoed key %q", got)
+	}
+	// Retry after the first finished: the original outcome.
+	again := ts.mustSend(t, keyed("k-table", payment))
+	if again.status != http.StatusCreated || !again.replayed() || !bytes.Equal(again.body, r.body) {
+		t.Errorf("retry: %d replayed=%v %s, want the stored 201", again.status, again.replayed(), again.body)
+	}
+	// Same key, different payload after completion: 422.
+	r = ts.mustSend(t, keyed("k-table", `{"amount": 4200, "currency": "eur", "customer": "cus_123"}`))
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != ProblemKeyMismatch {
+		t.Errorf("other payload after completion: %d, want 422", r.status)
+	}
+	// Same key on another path or method: another request, 422 too.
+	r = ts.mustSend(t, call{method: "PATCH", path: "/v1/payments/" + p.ID, keys: []string{"k-table"}, body: payment})
+	if r.status != http.StatusUnprocessableEntity {
+		t.Errorf("same key on PATCH: %d, want 422", r.status)
+	}
+	// Required key missing: 400.
+	r = ts.mustSend(t, call{body: payment})
+	if r.status != http.StatusBadRequest || r.problem(t).Type != ProblemKeyMissing {
+		t.Errorf("no key: %d %s", r.status, r.body)
+	}
+	// Reads need no key and see the payment; another client's is 404.
+	r = ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + p.ID})
+	if r.status != http.StatusOK || r.payment(t) != p {
+		t.Errorf("GET own payment: %d %s", r.status, r.body)
+	}
+	r = ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + p.ID, token: tokenB})
+	if r.status != http.StatusNotFound || r.problem(t).Type != ProblemNotFound {
+		t.Errorf("GET another client's payment: %d", r.status)
+	}
+	r = ts.mustSend(t, call{method: "GET", path: "/v1/payments/pay_nope"})
+	if r.status != http.StatusNotFound {
+		t.Errorf("GET unknown payment: %d", r.status)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	for name, want := range map[string]float64{
+		"idem_keys_claimed_total": 1, "idem_keys_completed_total": 1, "idem_replays_total": 1,
+		"idem_conflicts_total": 1, "idem_mismatches_total": 3,
+	} {
+		if got := ts.counter(t, name); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+}
+
+// testKeyHeader checks the key header's parsing: invalid keys get 400, and
+// a bare token and an sf-string are the same key.
+func testKeyHeader(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	for _, tt := range []struct {
+		name string
+		keys []string
+		want string
+	}{
+		{"missing", nil, ProblemKeyMissing},
+		{"empty", []string{""}, ProblemKeyInvalid},
+		{"empty sf-string", []string{`""`}, ProblemKeyInvalid},
+		{"two lines", []string{"a", "b"}, ProblemKeyInvalid},
+		{"too long", []string{strings.Repeat("k", 256)}, ProblemKeyInvalid},
+		{"space inside", []string{"a b"}, ProblemKeyInvalid},
+		{"non-ASCII", []string{"cl\u00e9"}, ProblemKeyInvalid},
+		{"bad sf-string", []string{`"abc`}, ProblemKeyInvalid},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			r := ts.mustSend(t, call{keys: tt.keys, body: payment})
+			if r.status != http.StatusBadRequest {
+				t.Fatalf("status %d, want 400", r.status)
+			}
+			if p := r.problem(t); p.Type != tt.want {
+				t.Errorf("type %s, want %s", p.Type, tt.want)
+			}
+		})
+	}
+	if n := ts.charges.created.Load(); n != 0 {
+		t.Errorf("%d charges after rejected requests", n)
+	}
+
+	key := strings.Repeat("k", 255) // the longest key is accepted
+	bare := ts.mustSend(t, keyed(key, payment))
+	sf := ts.mustSend(t, keyed(`"`+key+`"`, payment))
+	if bare.status != http.StatusCreated || sf.status != http.StatusCreated || bare.replayed() || !sf.replayed() || !bytes.Equal(bare.body, sf.body) {
+		t.Errorf("bare then sf-string: %d/%v then %d/%v, want 201 then the replay", bare.status, bare.replayed(), sf.status, sf.replayed())
+	}
+	if got := sf.header.Get("Idempotency-Key"); got != `"`+key+`"` {
+		t.Errorf("sf-string key echoed as %q", got)
+	}
+	sf2 := ts.mustSend(t, keyed(`"k-sf"`, payment))
+	bare2 := ts.mustSend(t, keyed("k-sf", payment))
+	if sf2.status != http.StatusCreated || !bare2.replayed() {
+		t.Errorf("sf-string then bare: %d then replayed=%v", sf2.status, bare2.replayed())
+	}
+}
+
+func testUnauthorized(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	for _, tt := range []struct{ name, token string }{{"none", "-"}, {"unknown", "sk_nope"}} {
+		for _, c := range []call{keyed("k", payment), {method: "GET", path: "/v1/payments/pay_x"}} {
+			c.token = tt.token
+			r := ts.mustSend(t, c)
+			if r.status != http.StatusUnauthorized || r.problem(t).Type != ProblemUnauthorized || r.header.Get("WWW-Authenticate") == "" {
+				t.Errorf("%s token, %s: %d, want 401 with a challenge", tt.name, c.method, r.status)
+			}
+		}
+	}
+	// The key of a rejected request is still free.
+	if r := ts.mustSend(t, keyed("k", payment)); r.status != http.StatusCreated || r.replayed() {
+		t.Errorf("after 401s: %d replayed=%v", r.status, r.replayed())
+	}
+}
+
+// testValidationStoresNothing checks that a 400 leaves the key free, so the
+// client can correct the body and retry with the same key.
+func testValidationStoresNothing(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{MaxBodyBytes: 1024})
+	for _, tt := range []struct {
+		name, contentType, body string
+		status                  int
+		fields                  []string
+	}{
+		{"zero amount", "", `{"amount": 0, "currency": "usd", "customer": "cus_123"}`, 400, []string{"amount"}},
+		{"negative amount", "", `{"amount": -5, "currency": "usd", "customer": "cus_123"}`, 400, []string{"amount"}},
+		{"fractional amount", "", `{"amount": 42.5, "currency": "usd", "customer": "cus_123"}`, 400, []string{"amount"}},
+		{"amount as string", "", `{"amount": "4200", "currency": "usd", "customer": "cus_123"}`, 400, []string{"amount"}},
+		{"uppercase currency", "", `{"amount": 4200, "currency": "USD", "customer": "cus_123"}`, 400, []string{"currency"}},
+		{"long currency", "", `{"amount": 4200, "currency": "usdt", "customer": "cus_123"}`, 400, []string{"currency"}},
+		{"no customer", "", `{"amount": 4200, "currency": "usd"}`, 400, []string{"customer"}},
+		{"everything wrong", "", `{"amount": 0, "currency": "", "customer": "", "extra": "x"}`, 400, []string{"amount", "currency", "customer", "extra"}},
+		{"not an object", "", `[1, 2]`, 400, []string{"body"}},
+		{"malformed JSON", "", `{"amount": 4200,`, 400, nil},
+		{"duplicate JSON key", "", `{"amount": 4200, "amount": 1, "currency": "usd", "customer": "c"}`, 400, nil},
+		{"bad form", "application/x-www-form-urlencoded", `amount=%zz`, 400, nil},
+		{"repeated form field", "application/x-www-form-urlencoded", `amount=1&amount=2&currency=usd&customer=c`, 400, []string{"amount"}},
+		{"unsupported type", "text/plain", `amount 4200`, 415, []string{"Content-Type"}},
+		{"too large", "", `{"customer": "` + strings.Repeat("x", 2000) + `"}`, 413, nil},
+	} {
+		key := strings.ReplaceAll("k-"+tt.name, " ", "-")
+		t.Run(tt.name, func(t *testing.T) {
+			c := keyed(key, tt.body)
+			c.contentType = tt.contentType
+			r := ts.mustSend(t, c)
+			if r.status != tt.status {
+				t.Fatalf("status %d, want %d: %s", r.status, tt.status, r.body)
+			}
+			p := r.problem(t)
+			want := ProblemInvalidRequest
+			if tt.status == 413 {
+				want = ProblemTooLarge
+			}
+			if p.Type != want {
+				t.Errorf("type %s, want %s", p.Type, want)
+			}
+			if tt.fields != nil {
+				var got []string
+				for _, e := range p.Errors {
+					got = append(got, e.Field)
+				}
+				if fmt.Sprint(got) != fmt.Sprint(tt.fields) {
+					t.Errorf("invalid fields %v, want %v", got, tt.fields)
+				}
+			}
+			// The same key with a valid body now runs.
+			r = ts.mustSend(t, keyed(key, payment))
+			if r.status != http.StatusCreated || r.replayed() {
+				t.Errorf("corrected retry: %d replayed=%v %s", r.status, r.replayed(), r.body)
+			}
+		})
+	}
+}
+
+// testReplayByteForByte checks that a replay has the stored status, content
+// type, headers and body, byte for byte.
+func testReplayByteForByte(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	first := ts.mustSend(t, keyed("k-bytes", payment))
+	if first.status != http.StatusCreated {
+		t.Fatalf("first: %d %s", first.status, first.body)
+	}
+	for i := range 3 {
+		r := ts.mustSend(t, keyed("k-bytes", "{\n\t\"customer\": \"cus_123\", \"currency\": \"usd\",\n\t\"amount\": 4200\n}"))
+		if r.status != first.status || !bytes.Equal(r.body, first.body) || !r.replayed() {
+			t.Errorf("replay %d: %d %q, want %d %q", i, r.status, r.body, first.status, first.body)
+		}
+		for _, h := range []string{"Content-Type", "Location", "Content-Length", "Idempotency-Key"} {
+			if got, want := r.header.Get(h), first.header.Get(h); got != want {
+				t.Errorf("replay %d: %s = %q, want %q", i, h, got, want)
+			}
+		}
+	}
+}
+
+// testTenantIsolation checks that keys are scoped by client.
+func testTenantIsolation(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	a := ts.mustSend(t, keyed("shared-key", payment))
+	b := ts.mustSend(t, call{token: tokenB, keys: []string{"shared-key"}, body: payment})
+	if a.status != http.StatusCreated || b.status != http.StatusCreated || b.replayed() {
+		t.Fatalf("two clients, one key: %d, %d replayed=%v; want two fresh 201s", a.status, b.status, b.replayed())
+	}
+	pa, pb := a.payment(t), b.payment(t)
+	if pa.ID == pb.ID || pa.Charge == pb.Charge {
+		t.Errorf("two clients share payment %s / charge %s", pa.ID, pa.Charge)
+	}
+	// Client B with another body and A's key: its own key, no 422.
+	r := ts.mustSend(t, call{token: tokenB, keys: []string{"only-a"}, body: payment})
+	ts.mustSend(t, keyed("only-a", `{"amount": 1, "currency": "usd", "customer": "cus_9"}`))
+	if r.status != http.StatusCreated {
+		t.Errorf("B: %d", r.status)
+	}
+	for _, tt := range []struct {
+		token, id string
+		want      int
+	}{{tokenA, pa.ID, 200}, {tokenB, pb.ID, 200}, {tokenA, pb.ID, 404}, {tokenB, pa.ID, 404}} {
+		if r := ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + tt.id, token: tt.token}); r.status != tt.want {
+			t.Errorf("GET %s as %s: %d, want %d", tt.id, testAPIKeys[tt.token], r.status, tt.want)
+		}
+	}
+	if n := ts.charges.created.Load(); n != 4 {
+		t.Errorf("%d charges, want 4", n)
+	}
+}
+
+// testFormAndJSON checks that the API takes form bodies too, that each
+// encoding fingerprints the same whatever the field order, and that the
+// two encodings of one payment are two requests.
+func testFormAndJSON(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	const form = "application/x-www-form-urlencoded"
+	r := ts.mustSend(t, call{keys: []string{"k-form"}, contentType: form, body: "amount=4200&currency=usd&customer=cus_123"})
+	if r.status != http.StatusCreated {
+		t.Fatalf("form: %d %s", r.status, r.body)
+	}
+	if p := r.payment(t); p.Amount != 4200 || p.Currency != "usd" || p.Customer != "cus_123" {
+		t.Errorf("form payment %+v", p)
+	}
+	again := ts.mustSend(t, call{keys: []string{"k-form"}, contentType: form + "; charset=utf-8", body: "customer=cus_123&amount=4200&currency=usd"})
+	if again.status != http.StatusCreated || !again.replayed() || !bytes.Equal(again.body, r.body) {
+		t.Errorf("reordered form: %d replayed=%v", again.status, again.replayed())
+	}
+	if r := ts.mustSend(t, keyed("k-form", payment)); r.status != http.StatusUnprocessableEntity {
+		t.Errorf("the same payment as JSON with the form's key: %d, want 422", r.status)
+	}
+	// No Content-Type: JSON.
+	r = ts.mustSend(t, call{keys: []string{"k-none"}, contentType: " ", body: payment})
+	if r.status != http.StatusCreated {
+		t.Errorf("no Content-Type: %d %s", r.status, r.body)
+	}
+}
+
+// testServerErrorsReleased checks the default policy: a 5xx releases the
+// key, and the retry runs the operation again.
+func testServerErrorsReleased(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	ts.Processor().FailNext(100)
+	r := ts.mustSend(t, keyed("k-5xx", payment))
+	if r.status != http.StatusBadGateway || r.problem(t).Type != ProblemProcessorUnavailable {
+		t.Fatalf("processor down: %d %s, want 502", r.status, r.body)
+	}
+	r = ts.mustSend(t, keyed("k-5xx", payment))
+	if r.status != http.StatusBadGateway || r.replayed() {
+		t.Errorf("retry while down: %d replayed=%v, want a fresh 502", r.status, r.replayed())
+	}
+	ts.Processor().FailNext(0)
+	r = ts.mustSend(t, keyed("k-5xx", payment))
+	if r.status != http.StatusCreated || r.replayed() {
+		t.Errorf("retry after recovery: %d replayed=%v, want a fresh 201", r.status, r.replayed())
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	if got := ts.counter(t, "idem_keys_released_total"); got != 2 {
+		t.Errorf("released %v keys, want 2", got)
+	}
+}
+
+// testServerErrorsStored checks Stripe's policy: a 5xx is stored and
+// replayed.
+func testServerErrorsStored(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{StoreServerErrors: true})
+	ts.Processor().FailNext(100)
+	first := ts.mustSend(t, keyed("k-5xx", payment))
+	if first.status != http.StatusBadGateway {
+		t.Fatalf("processor down: %d", first.status)
+	}
+	ts.Processor().FailNext(0)
+	r := ts.mustSend(t, keyed("k-5xx", payment))
+	if r.status != http.StatusBadGateway || !r.replayed() || !bytes.Equal(r.body, first.body) ||
+		r.header.Get("Content-Type") != "application/problem+json" {
+		t.Errorf("retry: %d replayed=%v %s, want the stored 502", r.status, r.replayed(), r.body)
+	}
+	if n := ts.charges.created.Load(); n != 0 {
+		t.Errorf("%d charges, want 0", n)
+	}
+}
+
+// testStorm sends 100 concurrent requests with one key: exactly one payment,
+// and only 201, 409 or the replayed 201 as answers.
+func testStorm(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{ProcessorDelay: 50 * time.Millisecond})
+	const n = 100
+	replies := make([]reply, n)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			replies[i] = ts.send(t, keyed("k-storm", payment))
+		})
+	}
+	close(start)
+	wg.Wait()
+	fresh, replayed, conflicts := 0, 0, 0
+	var body []byte
+	for _, r := range replies {
+		switch {
+		case r.err != nil:
+			t.Errorf("request failed: %v", r.err)
+		case r.status == http.StatusCreated && !r.replayed():
+			fresh++
+			body = r.body
+		case r.status == http.StatusCreated:
+			replayed++
+		case r.status == http.StatusConflict:
+			conflicts++
+		default:
+			t.Errorf("unexpected answer %d %s", r.status, r.body)
+		}
+	}
+	if fresh != 1 {
+		t.Fatalf("%d fresh 201s, want exactly 1 (%d replayed, %d conflicts)", fresh, replayed, conflicts)
+	}
+	for _, r := range replies {
+		if r.status == http.StatusCreated && !bytes.Equal(r.body, body) {
+			t.Errorf("a 201 differs: %s vs %s", r.body, body)
+		}
+	}
+	if got := ts.charges.created.Load(); got != 1 {
+		t.Errorf("%d charges, want 1", got)
+	}
+	if got := ts.counter(t, "idem_keys_completed_total"); got != 1 {
+		t.Errorf("%v payments committed, want 1", got)
+	}
+	t.Logf("storm: 1 fresh 201, %d replayed, %d conflicts", replayed, conflicts)
+}
+
+// crashOnce makes the first n AfterCharge calls simulate a crash.
+type crashOnce struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (c *crashOnce) afterCharge(ctx context.Context) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n > 0 {
+		c.n--
+		return errors.New("injected crash")
+	}
+	return nil
+}
+
+// testTakeoverAfterCrash crashes a request between the charge and the
+// commit: the key stays started (409), then after the lock timeout a retry
+// takes it over and reuses the charge: exactly one charge downstream.
+func testTakeoverAfterCrash(t *testing.T, newStore newStoreFunc) {
+	const lock = 300 * time.Millisecond
+	crash := &crashOnce{n: 1}
+	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge})
+	r := ts.send(t, keyed("k-crash", payment))
+	if r.err == nil {
+		t.Fatalf("crashed request answered %d %s", r.status, r.body)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Fatalf("%d charges before the crash, want 1", n)
+	}
+	r = ts.mustSend(t, keyed("k-crash", payment))
+	if r.status != http.StatusConflict {
+		t.Errorf("retry right after the crash: %d, want 409 (the key stays started)", r.status)
+	}
+	time.Sleep(lock + 100*time.Millisecond)
+	r = ts.mustSend(t, keyed("k-crash", payment))
+	if r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("retry after the lock timeout: %d replayed=%v %s", r.status, r.replayed(), r.body)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges after the takeover, want 1", n)
+	}
+	if got := ts.counter(t, "idem_keys_taken_over_total"); got != 1 {
+		t.Errorf("%v takeovers, want 1", got)
+	}
+	if r := ts.mustSend(t, keyed("k-crash", payment)); !r.replayed() {
+		t.Errorf("after the takeover: %d replayed=%v", r.status, r.replayed())
+	}
+}
+
+// testTakeoverThroughSDK is the crash seen from the SDK: one Post call
+// retries through the cut connection and the 409s until the takeover
+// answers, with one charge downstream.
+func testTakeoverThroughSDK(t *testing.T, newStore newStoreFunc) {
+	crash := &crashOnce{n: 1}
+	ts := newTestServer(t, newStore(t), Config{LockTimeout: 300 * time.Millisecond, AfterCharge: crash.afterCharge})
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &idem.Client{
+		BaseURL: ts.URL,
+		Token:   tokenA,
+		HTTPClient: &http.Client{Transport: &idem.Transport{
+			Base:  tr,
+			Retry: idem.RetryPolicy{InitialInterval: 50 * time.Millisecond, ConflictTimeout: 10 * time.Second},
+		}},
+	}
+	var p paymentResource
+	resp, err := client.Post(context.Background(), "/v1/payments",
+		map[string]any{"amount": 4200, "currency": "usd", "customer": "cus_123"}, &p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != http.StatusCreated || p.Amount != 4200 {
+		t.Errorf("Post: %d %+v", resp.StatusCode, p)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	// A key reused for another payment is a KeyReuseError.
+	ctx := idem.WithKey(context.Background(), "k-reuse")
+	if _, err := client.Post(ctx, "/v1/payments", map[string]any{"amount": 1, "currency": "usd", "customer": "c"}, nil); err != nil {
+		t.Fatal(err)
+	}
+	_, err = client.Post(ctx, "/v1/payments", map[string]any{"amount": 2, "currency": "usd", "customer": "c"}, nil)
+	var reuse *idem.KeyReuseError
+	if !errors.As(err, &reuse) || reuse.Key != "k-reuse" || reuse.Problem.Type != ProblemKeyMismatch {
+		t.Errorf("reused key: %v, want a KeyReuseError with the mismatch problem", err)
+	}
+}
+
+// testRacingTakers lets ten retries race for one stale key: one takes it
+// over, the others see it started or completed.
+func testRacingTakers(t *testing.T, newStore newStoreFunc) {
+	const lock = 300 * time.Millisecond
+	crash := &crashOnce{n: 1}
+	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge, ProcessorDelay: 20 * time.Millisecond})
+	if r := ts.send(t, keyed("k-race", payment)); r.err == nil {
+		t.Fatalf("crashed request answered %d", r.status)
+	}
+	time.Sleep(lock + 100*time.Millisecond)
+	replies := make([]reply, 10)
+	var wg sync.WaitGroup
+	for i := range replies {
+		wg.Go(func() { replies[i] = ts.send(t, keyed("k-race", payment)) })
+	}
+	wg.Wait()
+	fresh := 0
+	for _, r := range replies {
+		switch {
+		case r.err != nil:
+			t.Errorf("request failed: %v", r.err)
+		case r.status == http.StatusCreated && !r.replayed():
+			fresh++
+		case r.status == http.StatusCreated || r.status == http.StatusConflict:
+		default:
+			t.Errorf("unexpected %d %s", r.status, r.body)
+		}
+	}
+	if fresh != 1 || ts.counter(t, "idem_keys_taken_over_total") != 1 {
+		t.Errorf("%d fresh 201s, %v takeovers; want 1 and 1", fresh, ts.counter(t, "idem_keys_taken_over_total"))
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+}
+
+// testFencedSlowOriginal holds the original request after its charge past
+// the lock timeout; a retry takes over and completes; when the original
+// resumes, its completion is fenced and rolled back: one payment, one
+// charge.
+func testFencedSlowOriginal(t *testing.T, newStore newStoreFunc) {
+	const lock = 300 * time.Millisecond
+	block := newBlocker(1)
+	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: block.afterCharge})
+	original := make(chan reply)
+	go func() { original <- ts.send(t, keyed("k-slow", payment)) }()
+	<-block.reached
+	time.Sleep(lock + 100*time.Millisecond)
+	taker := ts.mustSend(t, keyed("k-slow", payment))
+	if taker.status != http.StatusCreated || taker.replayed() {
+		t.Fatalf("takeover: %d %s", taker.status, taker.body)
+	}
+	close(block.release)
+	r := <-original
+	if r.err != nil || r.status != http.StatusConflict || r.problem(t).Type != ProblemKeyInUse {
+		t.Fatalf("fenced original: %d %v %s, want 409", r.status, r.err, r.body)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	if got := ts.counter(t, "idem_completions_fenced_total"); got != 1 {
+		t.Errorf("%v fenced completions, want 1", got)
+	}
+	if got := ts.counter(t, "idem_keys_completed_total"); got != 1 {
+		t.Errorf("%v completions, want 1", got)
+	}
+	p := taker.payment(t)
+	if r := ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + p.ID}); r.status != http.StatusOK || r.payment(t) != p {
+		t.Errorf("the taker's payment: %d %s", r.status, r.body)
+	}
+	if r := ts.mustSend(t, keyed("k-slow", payment)); !r.replayed() || !bytes.Equal(r.body, taker.body) {
+		t.Errorf("retry replays %d %s, want the taker's outcome", r.status, r.body)
+	}
+}
+
+// testLostProcessorAnswer cuts the processor's answer after it charged: the
+// payments API's Transport retries with the same key and gets the charge
+// back, so one charge and one payment.
+func testLostProcessorAnswer(t *testing.T, newStore newStoreFunc) {
+	ts := newTestServer(t, newStore(t), Config{})
+	ts.Processor().LoseNext(2)
+	r := ts.mustSend(t, keyed("k-lost", payment))
+	if r.status != http.StatusCreated {
+		t.Fatalf("%d %s", r.status, r.body)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+}
+
+// testWaitForCompletion checks the option that holds a duplicate until the
+// first request finishes.
+func testWaitForCompletion(t *testing.T, newStore newStoreFunc) {
+	for _, tt := range []struct {
+		name       string
+		wait, hold time.Duration
+		want       int
+	}{
+		{"replay", 10 * time.Second, 200 * time.Millisecond, http.StatusCreated},
+		{"timeout", 100 * time.Millisecond, 600 * time.Millisecond, http.StatusConflict},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			block := newBlocker(1)
+			ts := newTestServer(t, newStore(t), Config{WaitForCompletion: tt.wait, AfterCharge: block.afterCharge})
+			first := make(chan reply)
+			go func() { first <- ts.send(t, keyed("k-wait", payment)) }()
+			<-block.reached
+			go func() {
+				time.Sleep(tt.hold)
+				close(block.release)
+			}()
+			dup := ts.mustSend(t, keyed("k-wait", payment))
+			f := <-first
+			if dup.status != tt.want {
+				t.Fatalf("duplicate: %d, want %d", dup.status, tt.want)
+			}
+			if tt.want == http.StatusCreated && (!dup.replayed() || !bytes.Equal(dup.body, f.body)) {
+				t.Errorf("duplicate: replayed=%v %s, want the first's outcome %s", dup.replayed(), dup.body, f.body)
+			}
+		})
+	}
+}
+
+// testRetention checks that retention is exact at lookup: an expired key is
+// a new operation before any purge.
+func testRetention(t *testing.T, newStore newStoreFunc) {
+	const retention = 500 * time.Millisecond
+	ts := newTestServer(t, newStore(t), Config{Retention: retention, PurgeInterval: time.Hour})
+	first := ts.mustSend(t, keyed("k-ret", payment))
+	if r := ts.mustSend(t, keyed("k-ret", payment)); !r.replayed() {
+		t.Fatalf("within retention: %d replayed=%v", r.status, r.replayed())
+	}
+	time.Sleep(retention + 200*time.Millisecond)
+	// Another body would be a 422 within retention; now it is new.
+	r := ts.mustSend(t, keyed("k-ret", `{"amount": 99, "currency": "eur", "customer": "cus_9"}`))
+	if r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("after retention: %d replayed=%v %s", r.status, r.replayed(), r.body)
+	}
+	if r.payment(t).ID == first.payment(t).ID || r.payment(t).Charge == first.payment(t).Charge {
+		t.Error("an expired key's new operation reused the old payment or charge")
+	}
+	if n := ts.charges.created.Load(); n != 2 {
+		t.Errorf("%d charges, want 2", n)
+	}
+}
+
+// testPurgeThenReuse purges expired keys in bounded batches, then reuses a
+// purged key as a new operation.
+func testPurgeThenReuse(t *testing.T, newStore newStoreFunc) {
+	const retention = 400 * time.Millisecond
+	ts := newTestServer(t, newStore(t), Config{Retention: retention, PurgeBatch: 2})
+	for i := range 5 {
+		if r := ts.mustSend(t, keyed(fmt.Sprintf("k-purge-%d", i), payment)); r.status != http.StatusCreated {
+			t.Fatalf("%d %s", r.status, r.body)
+		}
+	}
+	if n, err := ts.Purge(context.Background()); err != nil || n != 0 {
+		t.Fatalf("Purge within retention = %d, %v; want 0", n, err)
+	}
+	time.Sleep(retention + 200*time.Millisecond)
+	n, err := ts.Purge(context.Background())
+	if err != nil || n != 5 {
+		t.Fatalf("Purge = %d, %v; want 5", n, err)
+	}
+	if got := ts.counter(t, "idem_keys_purged_total"); got != 5 {
+		t.Errorf("purged counter %v, want 5", got)
+	}
+	r := ts.mustSend(t, keyed("k-purge-0", payment))
+	if r.status != http.StatusCreated || r.replayed() {
+		t.Errorf("purged key reused: %d replayed=%v", r.status, r.replayed())
+	}
+}

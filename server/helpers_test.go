@@ -1,0 +1,209 @@
+package server
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+)
+
+// Test tokens and the clients they map to.
+const (
+	tokenA  = "sk_test_a"
+	tokenB  = "sk_test_b"
+	payment = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+)
+
+var testAPIKeys = map[string]string{tokenA: "client_a", tokenB: "client_b"}
+
+// testLogger discards logs unless IDEM_TEST_LOG is set.
+func testLogger(t *testing.T) *slog.Logger {
+	if os.Getenv("IDEM_TEST_LOG") != "" {
+		return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
+	}
+	return slog.New(slog.DiscardHandler)
+}
+
+// countingCharges counts the charges a ChargeStore really creates.
+type countingCharges struct {
+	ChargeStore
+	created atomic.Int64
+}
+
+func (c *countingCharges) CreateCharge(ctx context.Context, ch Charge) (Charge, bool, error) {
+	stored, created, err := c.ChargeStore.CreateCharge(ctx, ch)
+	if created {
+		c.created.Add(1)
+	}
+	return stored, created, err
+}
+
+// testServer is a Server behind an httptest.Server.
+type testServer struct {
+	*Server
+	URL     string
+	charges *countingCharges
+	client  *http.Client
+}
+
+// newTestServer starts a server on store with cfg (Store, Charges, APIKeys
+// and Logger filled in when empty), stopped when the test ends.
+func newTestServer(t *testing.T, store Store, cfg Config) *testServer {
+	t.Helper()
+	cfg.Store = store
+	cs, ok := store.(ChargeStore)
+	if !ok {
+		t.Fatalf("%T is not a ChargeStore", store)
+	}
+	charges := &countingCharges{ChargeStore: cs}
+	cfg.Charges = charges
+	if cfg.APIKeys == nil {
+		cfg.APIKeys = testAPIKeys
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = testLogger(t)
+	}
+	srv, err := New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(srv)
+	client := &http.Client{Transport: &http.Transport{}}
+	t.Cleanup(func() {
+		client.CloseIdleConnections()
+		hs.Close()
+		if err := srv.Close(); err != nil {
+			t.Errorf("Close: %v", err)
+		}
+	})
+	return &testServer{Server: srv, URL: hs.URL, charges: charges, client: client}
+}
+
+// call is one raw request; the zero fields mean: POST /v1/payments by
+// client A with no key and a JSON body.
+type call struct {
+	method      string
+	path        string
+	token       string   // "-" for none
+	keys        []string // Idempotency-Key header lines
+	contentType string
+	body        string
+}
+
+func keyed(key, body string) call { return call{keys: []string{key}, body: body} }
+
+// reply is a response read whole.
+type reply struct {
+	status int
+	header http.Header
+	body   []byte
+	err    error
+}
+
+func (r reply) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
+
+// problem decodes the body as problem details.
+func (r reply) problem(t *testing.T) Problem {
+	t.Helper()
+	if ct := r.header.Get("Content-Type"); ct != "application/problem+json" {
+		t.Fatalf("Content-Type = %q, want application/problem+json; body %s", ct, r.body)
+	}
+	var p Problem
+	if err := json.Unmarshal(r.body, &p); err != nil {
+		t.Fatalf("problem body %s: %v", r.body, err)
+	}
+	if p.Status != r.status || p.Title == "" || p.Detail == "" {
+		t.Errorf("incomplete problem %+v for status %d", p, r.status)
+	}
+	return p
+}
+
+// payment decodes the body as a payment.
+func (r reply) payment(t *testing.T) paymentResource {
+	t.Helper()
+	var p paymentResource
+	if err := json.Unmarshal(r.body, &p); err != nil {
+		t.Fatalf("payment body %s: %v", r.body, err)
+	}
+	return p
+}
+
+// send makes one raw request (no retries) and reads the response.
+func (ts *testServer) send(t *testing.T, c call) reply {
+	t.Helper()
+	method := c.method
+	if method == "" {
+		method = http.MethodPost
+	}
+	path := c.path
+	if path == "" {
+		path = "/v1/payments"
+	}
+	var body io.Reader
+	if c.body != "" {
+		body = strings.NewReader(c.body)
+	}
+	req, err := http.NewRequest(method, ts.URL+path, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	switch c.token {
+	case "":
+		req.Header.Set("Authorization", "Bearer "+tokenA)
+	case "-":
+	default:
+		req.Header.Set("Authorization", "Bearer "+c.token)
+	}
+	for _, k := range c.keys {
+		req.Header.Add("Idempotency-Key", k)
+	}
+	if c.body != "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.contentType != "" {
+		req.Header.Set("Content-Type", c.contentType)
+	}
+	resp, err := ts.client.Do(req)
+	if err != nil {
+		return reply{err: err}
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	return reply{status: resp.StatusCode, header: resp.Header, body: b, err: err}
+}
+
+// mustSend is send for requests that must get an answer.
+func (ts *testServer) mustSend(t *testing.T, c call) reply {
+	t.Helper()
+	r := ts.send(t, c)
+	if r.err != nil {
+		t.Fatalf("%s %s: %v", c.method, c.path, r.err)
+	}
+	return r
+}
+
+// counter returns the value of a counter of the server's registry.
+func (ts *testServer) counter(t *testing.T, name string) float64 {
+	t.Helper()
+	families, err := ts.Metrics().Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range families {
+		if mf.GetName() == name {
+			var sum float64
+			for _, m := range mf.GetMetric() {
+				sum += m.GetCounter().GetValue()
+			}
+			return sum
+		}
+	}
+	t.Fatalf("no counter %s", name)
+	return 0
+}

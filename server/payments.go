@@ -1,0 +1,291 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"mime"
+	"net/http"
+	"net/url"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// payments is the reference payments API:
+//
+//	POST /v1/payments       create a payment (behind [Idempotency])
+//	GET  /v1/payments/{id}  read one of the client's payments
+type payments struct {
+	store     PaymentStore
+	processor *processorClient
+	log       *slog.Logger
+	// chargeTimeout bounds the processor call, which runs detached from
+	// the client's cancellation.
+	chargeTimeout time.Duration
+	// afterCharge is [Config.AfterCharge].
+	afterCharge func(context.Context) error
+}
+
+// paymentResource is the JSON form of a payment.
+type paymentResource struct {
+	ID       string    `json:"id"`
+	Object   string    `json:"object"`
+	Amount   int64     `json:"amount"`
+	Currency string    `json:"currency"`
+	Customer string    `json:"customer"`
+	Charge   string    `json:"charge"`
+	Created  time.Time `json:"created"`
+}
+
+func resource(p Payment) paymentResource {
+	return paymentResource{p.ID, "payment", p.Amount, p.Currency, p.Customer, p.ChargeID, p.CreatedAt.UTC()}
+}
+
+// paymentInput is a validated payment request.
+type paymentInput struct {
+	Amount   int64
+	Currency string
+	Customer string
+}
+
+var currencyRE = regexp.MustCompile(`^[a-z]{3}$`)
+
+// derive returns a value derived from the client and the claim's operation:
+// hex SHA-256 of purpose, client id and operation id, NUL-separated.
+func derive(purpose, clientID, operationID string, n int) string {
+	sum := sha256.Sum256([]byte(purpose + "\x00" + clientID + "\x00" + operationID))
+	return hex.EncodeToString(sum[:])[:n]
+}
+
+// chargeKey is the idempotency key of the processor charge of an operation.
+//
+// It is derived from the client and [Claim.OperationID], not from the
+// client's Idempotency-Key: the operation ID is kept when a stale request is
+// taken over, so the retry that takes over finds the charge the crashed
+// request made instead of making a second; and it is new when the client's
+// key has expired and is used again, which is a new operation that must be
+// charged anew (a key derived from the client's key would silently reuse the
+// old charge). Hashing keeps the result within the processor's key rules
+// whatever the client id holds, and does not tell the processor the
+// client's key.
+func chargeKey(clientID, operationID string) string {
+	return "idem_ch_" + derive("charge", clientID, operationID, 40)
+}
+
+// paymentID is the id of the payment of an operation; a takeover gets the
+// same one.
+func paymentID(clientID, operationID string) string {
+	return "pay_" + derive("payment", clientID, operationID, 24)
+}
+
+func (a *payments) create(w http.ResponseWriter, r *http.Request) {
+	clientID, _ := ClientIDFromContext(r.Context())
+	claim, ok1 := ClaimFromContext(r.Context())
+	tx, ok2 := TxFromContext(r.Context())
+	if !ok1 || !ok2 {
+		a.log.Error("payments: POST /v1/payments served without the idempotency middleware")
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server is misconfigured.")
+		return
+	}
+	in, status, errs := parsePayment(r)
+	if errs != nil {
+		p := NewProblem(ProblemInvalidRequest, status, "Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored.")
+		p.Errors = errs
+		WriteProblem(w, r, p)
+		return
+	}
+	log := a.log.With("client", clientID, "key", claim.Key, "operation", claim.OperationID)
+
+	// The money movement is not abandoned when the client hangs up: once
+	// begun, it runs to its end and is stored, so the retry gets the replay.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.chargeTimeout)
+	defer cancel()
+	charge, err := a.processor.charge(ctx, chargeKey(clientID, claim.OperationID), in.Amount, in.Currency)
+	switch {
+	case err == nil:
+		MarkIrreversible(r.Context())
+	case errors.Is(err, errProcessorDeclined):
+		log.Warn("payments: processor refused the charge", "err", err)
+		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
+			"The card processor is unavailable; nothing was charged. Retry with the same Idempotency-Key.")
+		return
+	case errors.Is(err, errProcessorConflict):
+		MarkIrreversible(r.Context())
+		log.Error("payments: processor holds another charge for this operation")
+		writeProblem(w, r, ProblemProcessorConflict, http.StatusConflict,
+			"The card processor already holds a charge for this operation with another amount or currency. Use a new Idempotency-Key.")
+		return
+	default:
+		// The charge may or may not have happened: keep the key started so
+		// that the retry that takes it over asks again with the same
+		// downstream key.
+		MarkIrreversible(r.Context())
+		log.Error("payments: charge outcome unknown", "err", err)
+		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
+			"The card processor did not answer. Retry with the same Idempotency-Key; you will not be charged twice.")
+		return
+	}
+	if a.afterCharge != nil {
+		if err := a.afterCharge(ctx); err != nil {
+			log.Warn("payments: injected crash after the charge", "charge", charge.ID, "err", err)
+			panic(http.ErrAbortHandler)
+		}
+	}
+	p := Payment{
+		ID:             paymentID(clientID, claim.OperationID),
+		ClientID:       clientID,
+		Customer:       in.Customer,
+		Amount:         in.Amount,
+		Currency:       in.Currency,
+		IdempotencyKey: claim.Key,
+		OperationID:    claim.OperationID,
+		ChargeID:       charge.ID,
+		CreatedAt:      time.Now().UTC().Truncate(time.Microsecond),
+	}
+	if err := a.store.CreatePayment(ctx, tx, p); err != nil {
+		log.Error("payments: storing the payment failed", "err", err)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be stored. Retry with the same Idempotency-Key.")
+		return
+	}
+	log.Info("payments: payment created", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
+	w.Header().Set("Location", "/v1/payments/"+p.ID)
+	writeJSON(w, http.StatusCreated, resource(p))
+}
+
+func (a *payments) get(w http.ResponseWriter, r *http.Request) {
+	clientID, _ := ClientIDFromContext(r.Context())
+	p, err := a.store.GetPayment(r.Context(), clientID, r.PathValue("id"))
+	switch {
+	case errors.Is(err, ErrNotFound):
+		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "No payment with this id belongs to your account. Check the id in the Location of the payment you created.")
+	case err != nil:
+		a.log.Error("payments: reading a payment failed", "client", clientID, "err", err)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be read. Retry later.")
+	default:
+		writeJSON(w, http.StatusOK, resource(p))
+	}
+}
+
+// writeJSON writes v as a JSON response.
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	var buf bytes.Buffer
+	enc := json.NewEncoder(&buf)
+	enc.SetEscapeHTML(false)
+	if err := enc.Encode(v); err != nil {
+		panic(err) // the API's types always encode
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(buf.Len()))
+	w.WriteHeader(status)
+	w.Write(buf.Bytes())
+}
+
+// parsePayment reads and validates a payment body, JSON or form-encoded.
+// It returns the status and the field errors of an invalid one.
+func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
+	var buf bytes.Buffer
+	if _, err := buf.ReadFrom(r.Body); err != nil {
+		return paymentInput{}, http.StatusBadRequest, []FieldError{{"body", "could not be read"}}
+	}
+	mt := "application/json"
+	if ct := r.Header.Get("Content-Type"); ct != "" {
+		var err error
+		if mt, _, err = mime.ParseMediaType(ct); err != nil {
+			mt = ct
+		}
+	}
+	var fields map[string]string
+	var errs []FieldError
+	switch mt {
+	case "application/json":
+		fields, errs = jsonFields(buf.Bytes())
+	case "application/x-www-form-urlencoded":
+		fields, errs = formFields(buf.String())
+	default:
+		return paymentInput{}, http.StatusUnsupportedMediaType,
+			[]FieldError{{"Content-Type", fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
+	}
+	if errs != nil {
+		return paymentInput{}, http.StatusBadRequest, errs
+	}
+	var in paymentInput
+	amount, ok := fields["amount"]
+	switch n, err := strconv.ParseInt(amount, 10, 64); {
+	case !ok:
+		errs = append(errs, FieldError{"amount", "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+	case err != nil || n <= 0:
+		errs = append(errs, FieldError{"amount", "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+	default:
+		in.Amount = n
+	}
+	if in.Currency = fields["currency"]; !currencyRE.MatchString(in.Currency) {
+		errs = append(errs, FieldError{"currency", "must be a three-letter ISO 4217 code in lowercase, such as usd"})
+	}
+	if in.Customer = fields["customer"]; in.Customer == "" || len(in.Customer) > 255 {
+		errs = append(errs, FieldError{"customer", "is required: the customer's id, such as cus_123 (at most 255 characters)"})
+	}
+	for name := range fields {
+		if name != "amount" && name != "currency" && name != "customer" {
+			errs = append(errs, FieldError{name, "is not a payment field (amount, currency, customer)"})
+		}
+	}
+	if errs != nil {
+		slices.SortFunc(errs, func(a, b FieldError) int { return strings.Compare(a.Field, b.Field) })
+		return paymentInput{}, http.StatusBadRequest, errs
+	}
+	return in, 0, nil
+}
+
+// jsonFields flattens a JSON payment object to strings: numbers as written,
+// strings as they are. Other types are errors.
+func jsonFields(body []byte) (map[string]string, []FieldError) {
+	var raw map[string]json.RawMessage
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	if err := dec.Decode(&raw); err != nil || raw == nil {
+		return nil, []FieldError{{"body", "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
+	}
+	fields := make(map[string]string, len(raw))
+	var errs []FieldError
+	for name, v := range raw {
+		var s string
+		var n json.Number
+		switch {
+		case name == "amount" && len(v) > 0 && v[0] != '"' && json.Unmarshal(v, &n) == nil:
+			fields[name] = n.String()
+		case name != "amount" && json.Unmarshal(v, &s) == nil:
+			fields[name] = s
+		case name == "amount":
+			errs = append(errs, FieldError{name, "must be a JSON number: a positive integer"})
+		default:
+			errs = append(errs, FieldError{name, "must be a JSON string"})
+		}
+	}
+	return fields, errs
+}
+
+// formFields reads a form-encoded payment; each field may appear once.
+func formFields(body string) (map[string]string, []FieldError) {
+	values, err := url.ParseQuery(body)
+	if err != nil {
+		return nil, []FieldError{{"body", "is not valid application/x-www-form-urlencoded"}}
+	}
+	fields := make(map[string]string, len(values))
+	var errs []FieldError
+	for name, vs := range values {
+		if len(vs) != 1 {
+			errs = append(errs, FieldError{name, "must be given once"})
+			continue
+		}
+		fields[name] = vs[0]
+	}
+	return fields, errs
+}
