@@ -1,0 +1,97 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+)
+
+// defaultHTTPClient serves Clients whose HTTPClient is nil. Its Transport's
+// retry budget is shared by all of them.
+var defaultHTTPClient = &http.Client{Transport: new(Transport)}
+
+// Client is a small client for JSON APIs such as a payments API, built on
+// [Transport]: it sends JSON, decodes JSON answers, authenticates with a
+// bearer token and turns error answers into [*APIError]. Every POST and
+// PATCH it sends is keyed and retried by the Transport.
+//
+// The zero value needs only BaseURL. A Client is safe for concurrent use.
+type Client struct {
+	// BaseURL is prepended to every path, such as "https://api.example.com".
+	BaseURL string
+	// Token, if not empty, is sent as "Authorization: Bearer <Token>".
+	Token string
+	// HTTPClient sends the requests. If nil, a shared client whose
+	// Transport is a zero [Transport] is used. Give it an http.Client whose
+	// Transport is a *Transport (or wraps one) to keep the retry behaviour.
+	HTTPClient *http.Client
+}
+
+// Post sends in as JSON to path and decodes the answer into out (if not
+// nil). Pin the operation's key with [WithKey] on ctx to retry it across
+// calls; otherwise each call is a new operation with a new key.
+func (c *Client) Post(ctx context.Context, path string, in, out any) (*http.Response, error) {
+	return c.Do(ctx, http.MethodPost, path, in, out)
+}
+
+// Get fetches path and decodes the answer into out (if not nil).
+func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response, error) {
+	return c.Do(ctx, http.MethodGet, path, nil, out)
+}
+
+// Do sends a request with in (if not nil) as its JSON body and decodes a
+// 2xx answer's JSON body into out (if not nil). It returns the response
+// with its body already read and closed, for its status and headers (see
+// [Replayed]). A non-2xx answer is returned as an [*APIError]; the
+// Transport's own errors ([*KeyReuseError], [*InProgressError],
+// [*RetryError]) come back inside a *url.Error, reachable with errors.As.
+func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*http.Response, error) {
+	var body io.Reader
+	if in != nil {
+		data, err := json.Marshal(in)
+		if err != nil {
+			return nil, fmt.Errorf("idem: encoding request body: %w", err)
+		}
+		body = bytes.NewReader(data)
+	}
+	url := strings.TrimSuffix(c.BaseURL, "/") + "/" + strings.TrimPrefix(path, "/")
+	req, err := http.NewRequestWithContext(ctx, method, url, body)
+	if err != nil {
+		return nil, fmt.Errorf("idem: %w", err)
+	}
+	req.Header.Set("Accept", "application/json")
+	if in != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.Token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.Token)
+	}
+	hc := c.HTTPClient
+	if hc == nil {
+		hc = defaultHTTPClient
+	}
+	resp, err := hc.Do(req)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		problem, raw := readProblem(resp)
+		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Body: raw}
+		if isJSON(resp.Header.Get("Content-Type")) {
+			apiErr.Problem = problem
+		}
+		return resp, apiErr
+	}
+	if out != nil && resp.StatusCode != http.StatusNoContent {
+		if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
+			return resp, fmt.Errorf("idem: decoding %s %s answer: %w", method, redact(req), err)
+		}
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
+	return resp, nil
+}

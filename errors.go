@@ -1,0 +1,188 @@
+package idem
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"strings"
+	"time"
+)
+
+// Sentinel errors found in the chain of the errors idem returns; test them
+// with [errors.Is].
+var (
+	// ErrAttemptTimeout is in the chain of an attempt that ran longer than
+	// [RetryPolicy.AttemptTimeout]. Such an attempt is retried; it is told
+	// apart from the caller's own cancellation, which is never retried.
+	ErrAttemptTimeout = errors.New("idem: attempt timed out")
+	// ErrBudgetExhausted is in the chain of a [*RetryError] returned because
+	// the Transport's [RetryBudget] had no token left for a retry.
+	ErrBudgetExhausted = errors.New("idem: retry budget exhausted")
+	// ErrBodyNotReplayable is in the chain of a [*RetryError] returned
+	// because the request body was larger than [Transport.MaxBufferedBody]
+	// and had no GetBody, so it could not be sent again.
+	ErrBodyNotReplayable = errors.New("idem: request body cannot be replayed")
+)
+
+// RetryError is returned by [Transport.RoundTrip] when an operation ends on
+// an error after it was retried, or when an error that would be retried
+// could not be: attempts, time or retry budget ran out, or the context ended
+// while waiting. Err is the reason, with the last attempt's error in its
+// chain, so errors.Is(err, context.DeadlineExceeded) and the like work
+// through it.
+//
+// When an operation ends on an HTTP status instead, RoundTrip returns the
+// last response and no error; only the budget case turns a status into a
+// RetryError. A caller writes:
+//
+//	var rerr *idem.RetryError
+//	switch {
+//	case errors.As(err, &rerr) && errors.Is(err, idem.ErrBudgetExhausted):
+//		// the API is failing for many operations: back off at a higher level
+//	case errors.As(err, &rerr):
+//		// the outcome is unknown: retry later with the same key (idem.WithKey)
+//	}
+type RetryError struct {
+	Attempts int    // attempts sent, the first included
+	Key      string // the operation's idempotency key; "" for unkeyed requests
+	Err      error
+}
+
+func (e *RetryError) Error() string {
+	return fmt.Sprintf("idem: giving up after %d attempt%s: %v", e.Attempts, plural(e.Attempts), e.Err)
+}
+
+// Unwrap returns e.Err.
+func (e *RetryError) Unwrap() error { return e.Err }
+
+// InProgressError is returned by [Transport.RoundTrip] when the server kept
+// answering 409 Conflict (the first request with the key is still running)
+// until the conflict budget ([RetryPolicy.ConflictTimeout],
+// [RetryPolicy.MaxConflictRetries]) ran out. The outcome of the operation is
+// unknown: it may yet complete. Retry it later with the same key
+// ([WithKey](ctx, e.Key)) to learn its outcome; never with a new key, which
+// could perform it twice.
+type InProgressError struct {
+	Key     string
+	Method  string
+	URL     string
+	Polls   int           // 409 answers received
+	Waited  time.Duration // time spent waiting on them
+	Problem *Problem      // the last 409's problem details, if any
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s; its outcome is unknown: retry later with the same key",
+		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond))
+}
+
+// KeyReuseError is returned by [Transport.RoundTrip] when the server answers
+// 422 Unprocessable Content to a keyed request: the idempotency key was
+// already used for a different request (another body, method or path). It
+// is a bug in the caller, never retried: a key belongs to one logical
+// operation, and a new operation needs [NewKey]. Through [http.Client] it
+// arrives inside a *url.Error; reach it with errors.As:
+//
+//	var reuse *idem.KeyReuseError
+//	if errors.As(err, &reuse) {
+//		log.Printf("bug: key %s reused: %s", reuse.Key, reuse.Problem.Detail)
+//	}
+type KeyReuseError struct {
+	Key     string
+	Method  string
+	URL     string
+	Problem *Problem // the server's problem details; never nil
+}
+
+func (e *KeyReuseError) Error() string {
+	msg := fmt.Sprintf("idem: idempotency key %s was already used for a different request (%s %s); this is a bug in the caller: use a new key for a new request", e.Key, e.Method, e.URL)
+	if d := e.Problem.describe(); d != "" {
+		msg += ": server says: " + d
+	}
+	return msg
+}
+
+// Problem holds RFC 9457 problem details, as sent in an
+// application/problem+json body.
+type Problem struct {
+	Type     string `json:"type,omitempty"`
+	Title    string `json:"title,omitempty"`
+	Status   int    `json:"status,omitempty"`
+	Detail   string `json:"detail,omitempty"`
+	Instance string `json:"instance,omitempty"`
+}
+
+func (p *Problem) describe() string {
+	switch {
+	case p == nil:
+		return ""
+	case p.Title != "" && p.Detail != "":
+		return p.Title + ": " + p.Detail
+	case p.Detail != "":
+		return p.Detail
+	default:
+		return p.Title
+	}
+}
+
+// APIError is returned by [Client] for a response whose status is not 2xx
+// (and not handled by the Transport). Problem holds the body's problem
+// details when the server sent JSON, else nil; Body holds the first bytes of
+// the body as sent.
+type APIError struct {
+	StatusCode int
+	Method     string
+	URL        string
+	Problem    *Problem
+	Body       []byte
+}
+
+func (e *APIError) Error() string {
+	msg := fmt.Sprintf("idem: %s %s: %d %s", e.Method, e.URL, e.StatusCode, http.StatusText(e.StatusCode))
+	if d := e.Problem.describe(); d != "" {
+		msg += ": " + d
+	}
+	return msg
+}
+
+// maxErrorBody bounds what is read of an error response's body.
+const maxErrorBody = 64 << 10
+
+// readProblem reads (bounded) and closes resp's body and parses it as
+// problem details. It returns a Problem in every case: when the body is not
+// JSON, Title is the status text and Detail the start of the body.
+func readProblem(resp *http.Response) (*Problem, []byte) {
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
+	resp.Body.Close()
+	p := new(Problem)
+	if isJSON(resp.Header.Get("Content-Type")) && json.Unmarshal(body, p) == nil {
+		if p.Status == 0 {
+			p.Status = resp.StatusCode
+		}
+		return p, body
+	}
+	p.Status = resp.StatusCode
+	p.Title = http.StatusText(resp.StatusCode)
+	p.Detail = strings.TrimSpace(string(body[:min(len(body), 200)]))
+	return p, body
+}
+
+// isJSON reports whether a Content-Type is JSON: application/json,
+// application/problem+json or any other +json type.
+func isJSON(contentType string) bool {
+	mt, _, err := mime.ParseMediaType(contentType)
+	if err != nil {
+		return false
+	}
+	return mt == "application/json" || strings.HasSuffix(mt, "+json")
+}
+
+func plural(n int) string {
+	if n == 1 {
+		return ""
+	}
+	return "s"
+}

@@ -1,0 +1,80 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+
+	"github.com/google/uuid"
+
+	"github.com/idemkit/idem/internal/keyheader"
+)
+
+// DefaultKeyHeader is the header that carries the idempotency key unless
+// [Transport.KeyHeader] names another.
+const DefaultKeyHeader = "Idempotency-Key"
+
+// MaxKeyLen is the longest key idem sends or accepts, in bytes. It is
+// Stripe's limit and the reference server's.
+const MaxKeyLen = keyheader.MaxLen
+
+// KeyFormat says how the key is written in its header.
+type KeyFormat int
+
+const (
+	// KeyBare writes the key as it is: Idempotency-Key: 8e03978e-…,
+	// as Stripe and most APIs expect. It is the default.
+	KeyBare KeyFormat = iota
+	// KeySFString writes the key as an RFC 9651 sf-string, as the IETF
+	// draft defines the header: Idempotency-Key: "8e03978e-…".
+	KeySFString
+)
+
+// NewKey returns a new random idempotency key: a version 4 UUID in its
+// canonical form, such as "8e03978e-40d5-43e8-bc93-6894a57f9324".
+// It panics only if the system's random source fails, as uuid.New does.
+func NewKey() string {
+	return uuid.NewString()
+}
+
+type keyContextKey struct{}
+
+// WithKey returns a copy of ctx that pins the idempotency key of the
+// operation sent with it. Use it to retry one logical operation across
+// calls (after a crash, or when [InProgressError] says to retry later):
+// every request sent with the returned context carries key.
+//
+// A key must be 1 to [MaxKeyLen] visible ASCII characters; [Transport]
+// rejects any other key before sending. Never reuse a key for a different
+// request: the server answers 422 and the Transport returns a
+// [*KeyReuseError].
+func WithKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, keyContextKey{}, key)
+}
+
+// KeyFromContext returns the key pinned on ctx by [WithKey].
+func KeyFromContext(ctx context.Context) (string, bool) {
+	key, ok := ctx.Value(keyContextKey{}).(string)
+	return key, ok
+}
+
+// keyFor returns the key of the operation req starts and the header value
+// to send, in this order of precedence: the key header already on req, the
+// key pinned on its context, a new key from newKey.
+func keyFor(req *http.Request, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
+	if vs := req.Header.Values(header); len(vs) > 0 {
+		key, err := keyheader.Parse(vs)
+		if err != nil {
+			return "", "", fmt.Errorf("idem: the request's %s header: %w", header, err)
+		}
+		return key, vs[0], nil
+	}
+	key, ok := KeyFromContext(req.Context())
+	if !ok {
+		key = newKey()
+	}
+	if err := keyheader.Validate(key); err != nil {
+		return "", "", fmt.Errorf("idem: idempotency key %.40q: %w", key, err)
+	}
+	return key, keyheader.Format(key, format == KeySFString), nil
+}

@@ -1,0 +1,264 @@
+package idem
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"io"
+	"math"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// Defaults of [RetryPolicy], used for its zero fields. They follow the
+// peers that have run payment traffic longest; README.md ("Defaults") gives
+// the reason for each.
+const (
+	// DefaultMaxAttempts: the first attempt and three retries, as the AWS
+	// SDK's standard retryer (3 attempts) and stripe-go (2 retries) do,
+	// with one more because every retry here is made safe by the key.
+	DefaultMaxAttempts = 4
+	// DefaultInitialInterval is the first backoff wait, stripe-go's minimum
+	// retry delay.
+	DefaultInitialInterval = 500 * time.Millisecond
+	// DefaultMaxInterval caps one computed wait, jitter included.
+	DefaultMaxInterval = 10 * time.Second
+	// DefaultMultiplier grows the wait between retries.
+	DefaultMultiplier = 2.0
+	// DefaultJitter randomises each wait by ±50%: a wait of w becomes a
+	// uniform value in [w/2, 3w/2] (then capped by MaxInterval). Jitter is
+	// always on; it keeps clients that failed together from retrying
+	// together.
+	DefaultJitter = 0.5
+	// DefaultMaxElapsedTime caps the whole operation, waits included. No
+	// attempt starts, and no wait is begun, that would end past it.
+	DefaultMaxElapsedTime = time.Minute
+	// DefaultMaxRetryAfter is the longest Retry-After honoured. A server
+	// that asks for a longer wait ends the operation at once and the caller
+	// gets its response, instead of a client stalled for hours.
+	DefaultMaxRetryAfter = 30 * time.Second
+	// DefaultConflictTimeout is the time budget for waiting out 409
+	// Conflict (the first request with the key still running). It matches
+	// the reference server's lock timeout, after which a stuck request is
+	// taken over, so a crashed first attempt is recovered within one call.
+	DefaultConflictTimeout = 30 * time.Second
+	// DefaultMaxConflictRetries caps the retries made on 409 answers.
+	DefaultMaxConflictRetries = 30
+)
+
+// RetryPolicy says when and how long [Transport] waits before sending an
+// operation again. Its zero value is usable: each zero field takes the
+// default named in its comment. Defaults are applied when the Transport
+// uses the policy, never written back into it.
+type RetryPolicy struct {
+	// MaxAttempts is the number of attempts in all, the first included.
+	// Answers of 409 Conflict do not count. Defaults to
+	// DefaultMaxAttempts; 1 disables retries.
+	MaxAttempts int
+	// InitialInterval is the first backoff wait. Defaults to
+	// DefaultInitialInterval.
+	InitialInterval time.Duration
+	// MaxInterval caps one computed backoff wait, jitter included. A
+	// Retry-After from the server may exceed it, up to MaxRetryAfter.
+	// Defaults to DefaultMaxInterval.
+	MaxInterval time.Duration
+	// Multiplier grows the backoff wait after each retry. Defaults to
+	// DefaultMultiplier; values below 1 are taken as 1.
+	Multiplier float64
+	// Jitter is the randomization factor in (0, 1]: a wait w becomes a
+	// uniform value in [w×(1-Jitter), w×(1+Jitter)]. Defaults to
+	// DefaultJitter; it cannot be turned off.
+	Jitter float64
+	// MaxElapsedTime caps the whole operation, from the start of the first
+	// attempt: no wait is begun that would end past it (the operation ends
+	// at once instead). The request context's deadline caps it the same
+	// way. Defaults to DefaultMaxElapsedTime.
+	MaxElapsedTime time.Duration
+	// AttemptTimeout bounds each attempt, up to the end of the response
+	// headers; the body of the final response may be read for longer. An
+	// attempt that times out is retried. Zero means no per-attempt timeout.
+	AttemptTimeout time.Duration
+	// MaxRetryAfter is the longest Retry-After honoured; a longer one ends
+	// the operation at once with the response that carried it. Defaults to
+	// DefaultMaxRetryAfter.
+	MaxRetryAfter time.Duration
+	// ConflictTimeout is the time budget for waiting on 409 Conflict
+	// answers to a keyed request, separate from MaxAttempts and the retry
+	// budget. When it runs out, RoundTrip returns an [*InProgressError].
+	// Defaults to DefaultConflictTimeout.
+	ConflictTimeout time.Duration
+	// MaxConflictRetries caps the retries made on 409 answers. Defaults to
+	// DefaultMaxConflictRetries.
+	MaxConflictRetries int
+}
+
+// withDefaults returns a copy of p with the defaults in its zero fields.
+func (p RetryPolicy) withDefaults() RetryPolicy {
+	if p.MaxAttempts <= 0 {
+		p.MaxAttempts = DefaultMaxAttempts
+	}
+	if p.InitialInterval <= 0 {
+		p.InitialInterval = DefaultInitialInterval
+	}
+	if p.MaxInterval <= 0 {
+		p.MaxInterval = DefaultMaxInterval
+	}
+	if p.Multiplier == 0 {
+		p.Multiplier = DefaultMultiplier
+	}
+	p.Multiplier = max(p.Multiplier, 1)
+	if p.Jitter <= 0 || p.Jitter > 1 {
+		p.Jitter = DefaultJitter
+	}
+	if p.MaxElapsedTime <= 0 {
+		p.MaxElapsedTime = DefaultMaxElapsedTime
+	}
+	if p.MaxRetryAfter <= 0 {
+		p.MaxRetryAfter = DefaultMaxRetryAfter
+	}
+	if p.ConflictTimeout <= 0 {
+		p.ConflictTimeout = DefaultConflictTimeout
+	}
+	if p.MaxConflictRetries <= 0 {
+		p.MaxConflictRetries = DefaultMaxConflictRetries
+	}
+	return p
+}
+
+// verdict is what one attempt's outcome calls for.
+type verdict int
+
+const (
+	// done: hand the response or error to the caller.
+	done verdict = iota
+	// retry: back off and send again (spends an attempt and budget).
+	retry
+	// conflict: the first request with the key is still running; wait and
+	// send again (spends the conflict budget only).
+	conflict
+	// keyReuse: 422 to a keyed request; the caller gets a KeyReuseError.
+	keyReuse
+)
+
+// decide is the retry decision for one attempt's outcome: resp or err, for
+// a request that is keyed (POST and PATCH) or not. It looks at nothing but
+// its arguments; context and budgets are the caller's to check. The reason
+// names the outcome for logs and [Attempt.Reason].
+func decide(keyed bool, resp *http.Response, err error) (v verdict, reason string) {
+	if err != nil {
+		if retryableError(err) {
+			return retry, errorReason(err)
+		}
+		return done, errorReason(err)
+	}
+	switch code := resp.StatusCode; code {
+	case http.StatusRequestTimeout, http.StatusTooManyRequests,
+		http.StatusInternalServerError, http.StatusBadGateway,
+		http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+		return retry, resp.Status
+	case http.StatusConflict:
+		if keyed {
+			return conflict, resp.Status
+		}
+	case http.StatusUnprocessableEntity:
+		if keyed {
+			return keyReuse, resp.Status
+		}
+	}
+	return done, resp.Status
+}
+
+// retryableError reports whether an attempt's error may be retried: it
+// failed to connect, the connection broke before a response, or the attempt
+// timed out. The caller's own cancellation is not retried, nor errors that
+// will recur (bad certificate, unsupported scheme, malformed request).
+func retryableError(err error) bool {
+	if errors.Is(err, ErrAttemptTimeout) {
+		return true
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		return false
+	}
+	var (
+		certErr     *tls.CertificateVerificationError
+		unknownAuth x509.UnknownAuthorityError
+		hostErr     x509.HostnameError
+		recordErr   tls.RecordHeaderError
+	)
+	if errors.As(err, &certErr) || errors.As(err, &unknownAuth) || errors.As(err, &hostErr) || errors.As(err, &recordErr) {
+		return false
+	}
+	var dnsErr *net.DNSError
+	if errors.As(err, &dnsErr) {
+		return dnsErr.IsTimeout || dnsErr.IsTemporary
+	}
+	switch {
+	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET),
+		errors.Is(err, syscall.ECONNABORTED), errors.Is(err, syscall.EPIPE),
+		errors.Is(err, syscall.ETIMEDOUT), errors.Is(err, syscall.EHOSTUNREACH),
+		errors.Is(err, syscall.ENETUNREACH), errors.Is(err, syscall.ENETDOWN):
+		return true
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		// The server closed the connection before a full response.
+		return true
+	}
+	var opErr *net.OpError
+	if errors.As(err, &opErr) && opErr.Op == "dial" {
+		return true
+	}
+	var netErr net.Error
+	return errors.As(err, &netErr) && netErr.Timeout()
+}
+
+func errorReason(err error) string {
+	switch {
+	case errors.Is(err, ErrAttemptTimeout):
+		return "attempt timed out"
+	case errors.Is(err, syscall.ECONNREFUSED):
+		return "connection refused"
+	case errors.Is(err, syscall.ECONNRESET):
+		return "connection reset"
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "connection closed before response"
+	case errors.Is(err, context.Canceled):
+		return "canceled"
+	case errors.Is(err, context.DeadlineExceeded):
+		return "deadline exceeded"
+	}
+	return "error"
+}
+
+// maxRetryAfterSeconds bounds the parsed value so the Duration cannot
+// overflow; anything that large is far past any MaxRetryAfter.
+const maxRetryAfterSeconds = math.MaxInt64 / int64(time.Second)
+
+// parseRetryAfter parses a Retry-After value (RFC 9110, section 10.2.3):
+// delay-seconds or an HTTP-date, taken relative to now. A date in the past
+// is a wait of zero. It reports false for a missing or malformed value.
+func parseRetryAfter(v string, now time.Time) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0, false
+	}
+	if v[0] >= '0' && v[0] <= '9' {
+		secs, err := strconv.ParseInt(v, 10, 64)
+		if err != nil {
+			var numErr *strconv.NumError
+			if errors.As(err, &numErr) && numErr.Err == strconv.ErrRange {
+				return time.Duration(math.MaxInt64), true
+			}
+			return 0, false
+		}
+		return time.Duration(min(secs, maxRetryAfterSeconds)) * time.Second, true
+	}
+	t, err := http.ParseTime(v)
+	if err != nil {
+		return 0, false
+	}
+	return max(t.Sub(now), 0), true
+}

@@ -1,0 +1,591 @@
+package idem
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v4"
+)
+
+// DefaultMaxBufferedBody is the largest request body without GetBody that
+// [Transport] buffers in memory so it can send it again: 1 MiB.
+const DefaultMaxBufferedBody = 1 << 20
+
+// maxDrain bounds how much of a retried response's body is read before it
+// is closed, so that its connection can be reused without reading a large
+// error page to the end.
+const maxDrain = 64 << 10
+
+// Transport is an [http.RoundTripper] that makes payment-style calls safe to
+// retry. Each call to RoundTrip is one logical operation:
+//
+//   - POST and PATCH get an idempotency key: the one already in the
+//     request's key header, else the one pinned with [WithKey], else a new
+//     UUIDv4. Every attempt sends the same key and the same body bytes.
+//   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
+//     as idempotent. Other methods are sent once.
+//   - Connection errors, attempt timeouts, 408, 429, 500, 502, 503 and 504
+//     are retried with exponential backoff and jitter, within
+//     [RetryPolicy.MaxAttempts], [RetryPolicy.MaxElapsedTime], the request
+//     context and the [RetryBudget]. Retry-After (seconds or HTTP-date) is
+//     honoured on any retried answer, up to [RetryPolicy.MaxRetryAfter];
+//     one that would wait past the operation's time ends it at once.
+//   - 409 Conflict to a keyed request means the first request with the key
+//     is still running: the Transport waits and asks again with the same
+//     key, within [RetryPolicy.ConflictTimeout], and returns an
+//     [*InProgressError] when that runs out.
+//   - 422 to a keyed request means the key was used for another request:
+//     RoundTrip returns a [*KeyReuseError] without retrying.
+//   - When attempts run out on a status, RoundTrip returns that last
+//     response as it came; when they run out on an error, a [*RetryError].
+//
+// Nothing is retried once the request's context is done. The request
+// passed in is never modified; each attempt is a clone. Bodies of retried
+// responses are drained (up to 64 KiB) and closed so their connections are
+// reused. RoundTrip starts no goroutine that outlives it.
+//
+// The zero value is ready to use. A Transport is safe for concurrent use by
+// multiple goroutines; like [http.Transport], it should be reused rather
+// than created per request, and must not be copied after first use (its
+// retry budget is shared by all its operations).
+type Transport struct {
+	// Base sends each attempt. If nil, http.DefaultTransport is used.
+	Base http.RoundTripper
+
+	// Retry says when and how long to wait between attempts. Its zero
+	// fields take the documented defaults.
+	Retry RetryPolicy
+
+	// KeyHeader names the header that carries the key. If empty,
+	// DefaultKeyHeader ("Idempotency-Key") is used; some APIs use another
+	// name, such as "PayPal-Request-Id".
+	KeyHeader string
+
+	// KeyFormat says how new and pinned keys are written: KeyBare (the
+	// zero value, as Stripe expects) or KeySFString (the IETF draft's
+	// quoted form). A key header already on the request is sent as it is.
+	KeyFormat KeyFormat
+
+	// NewKey makes the key of an operation that has none. If nil, [NewKey]
+	// (a random UUIDv4) is used. It must return a fresh key on every call.
+	NewKey func() string
+
+	// Budget limits retries across operations. If nil, the Transport uses
+	// a budget of its own, made by NewRetryBudget(0, 0) on first use.
+	Budget *RetryBudget
+
+	// DisableBudget turns the retry budget off: every operation may make
+	// all the retries its RetryPolicy allows, even during an outage.
+	DisableBudget bool
+
+	// MaxBufferedBody is the largest request body without GetBody that is
+	// buffered in memory to be sent again. A larger one is sent once and
+	// not retried (the operation ends with ErrBodyNotReplayable in a
+	// RetryError if the attempt fails in a retryable way). If zero,
+	// DefaultMaxBufferedBody is used; a negative value buffers nothing.
+	// Requests made by http.NewRequest from a bytes.Buffer, bytes.Reader or
+	// strings.Reader have GetBody and are never buffered.
+	MaxBufferedBody int64
+
+	// OnAttempt, if not nil, is called after every attempt, from the
+	// goroutine that called RoundTrip, with what happened and what comes
+	// next. It must not read or close the response body.
+	OnAttempt func(Attempt)
+
+	// Logger, if not nil, receives one record per attempt: Debug for the
+	// last successful one, Info for a retry, Warn when the operation gives
+	// up. Records carry the key and attempt number; never a body.
+	Logger *slog.Logger
+
+	budgetOnce sync.Once
+	budget     *RetryBudget
+}
+
+// Attempt describes one attempt of an operation, for [Transport.OnAttempt].
+type Attempt struct {
+	Request  *http.Request  // the attempt as sent; do not modify it
+	Key      string         // the operation's key; "" when unkeyed
+	Number   int            // 1 for the first attempt
+	Response *http.Response // nil when Err is set; do not touch its body
+	Err      error
+	Retry    bool          // whether another attempt follows
+	Wait     time.Duration // the wait before it
+	Reason   string        // why: "backoff", "Retry-After", "409: still running", "attempts exhausted", …
+}
+
+// Replayed reports whether resp is a replay of an earlier outcome: the
+// server answered a retry from its stored result (Idempotent-Replayed: true)
+// instead of running the operation again.
+func Replayed(resp *http.Response) bool {
+	v := strings.TrimSpace(resp.Header.Get("Idempotent-Replayed"))
+	return strings.EqualFold(v, "true") || v == "?1"
+}
+
+func (t *Transport) base() http.RoundTripper {
+	if t.Base != nil {
+		return t.Base
+	}
+	return http.DefaultTransport
+}
+
+func (t *Transport) retryBudget() *RetryBudget {
+	if t.DisableBudget {
+		return nil
+	}
+	if t.Budget != nil {
+		return t.Budget
+	}
+	t.budgetOnce.Do(func() { t.budget = NewRetryBudget(0, 0) })
+	return t.budget
+}
+
+// CloseIdleConnections closes the idle connections of the base transport,
+// if it has such a method.
+func (t *Transport) CloseIdleConnections() {
+	type closeIdler interface{ CloseIdleConnections() }
+	if ci, ok := t.base().(closeIdler); ok {
+		ci.CloseIdleConnections()
+	}
+}
+
+// errAttemptTimedOut is the cancellation cause of an attempt that ran past
+// RetryPolicy.AttemptTimeout.
+var errAttemptTimedOut = errors.New("attempt timeout")
+
+// RoundTrip sends req as one logical operation, retrying as the
+// [Transport] documentation says. It returns the final response, or a
+// [*KeyReuseError], [*InProgressError] or [*RetryError], or the error of a
+// single attempt that is not retryable. It always closes req.Body.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	op := operation{
+		t:      t,
+		req:    req,
+		ctx:    req.Context(),
+		policy: t.Retry.withDefaults(),
+		start:  time.Now(),
+	}
+	return op.run()
+}
+
+// operation holds the state of one RoundTrip; it lives on its stack.
+type operation struct {
+	t      *Transport
+	req    *http.Request
+	ctx    context.Context
+	policy RetryPolicy
+	start  time.Time
+
+	keyed, idempotent bool
+	header, key, val  string
+
+	body        body
+	lastReq     *http.Request // the last attempt sent
+	attempts    int           // attempts sent
+	conflicts   int           // of which answered 409
+	firstClash  time.Time
+	backoff     *backoff.ExponentialBackOff
+	clashBackof *backoff.ExponentialBackOff
+}
+
+func (op *operation) run() (*http.Response, error) {
+	req := op.req
+	method := cmp.Or(req.Method, http.MethodGet)
+	op.keyed = method == http.MethodPost || method == http.MethodPatch
+	op.idempotent = op.keyed || isIdempotent(method)
+	if op.keyed {
+		op.header = cmp.Or(op.t.KeyHeader, DefaultKeyHeader)
+		newKey := op.t.NewKey
+		if newKey == nil {
+			newKey = NewKey
+		}
+		var err error
+		op.key, op.val, err = keyFor(req, op.header, op.t.KeyFormat, newKey)
+		if err != nil {
+			closeBody(req)
+			return nil, err
+		}
+	}
+	if err := op.body.init(req, op.t.maxBuffered()); err != nil {
+		return nil, err
+	}
+	for {
+		resp, cancel, err := op.send()
+		v, reason := decide(op.keyed, resp, err)
+		if op.ctx.Err() != nil && (v == retry || v == conflict) {
+			v = done // the caller has given up: nothing more is sent
+		}
+		switch v {
+		case done:
+			return op.finish(resp, err, cancel, reason)
+		case keyReuse:
+			problem, _ := readProblem(resp)
+			cancel()
+			op.report(resp, nil, false, 0, "422: key used for another request")
+			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
+		}
+		wait, why, gaveUp := op.plan(v, resp)
+		if gaveUp != nil {
+			return gaveUp(resp, err, cancel, why)
+		}
+		if resp != nil {
+			drain(resp)
+		}
+		cancel()
+		op.report(resp, err, true, wait, why)
+		if err := op.sleep(wait); err != nil {
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %s", err, outcome(resp, err))}
+		}
+	}
+}
+
+// giveUp ends an operation that cannot go on; see plan.
+type giveUp func(resp *http.Response, err error, cancel func(), why string) (*http.Response, error)
+
+// plan returns how long to wait before the next attempt and why, or, when
+// no further attempt may be sent, the way to end the operation.
+func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string, giveUp) {
+	p := &op.policy
+	if !op.idempotent {
+		return 0, op.req.Method + " is not retried", op.finish
+	}
+	if !op.body.replayable {
+		return 0, "body cannot be replayed", op.failWith(ErrBodyNotReplayable)
+	}
+	ra, hasRA := time.Duration(0), false
+	if resp != nil {
+		ra, hasRA = parseRetryAfter(resp.Header.Get("Retry-After"), time.Now())
+	}
+	var wait time.Duration
+	why := "backoff"
+	if hasRA {
+		wait, why = ra, "Retry-After"
+	}
+	if v == conflict {
+		op.conflicts++
+		if op.conflicts == 1 {
+			op.firstClash = time.Now()
+		}
+		if !hasRA {
+			wait = next(&op.clashBackof, p)
+		}
+		why = "409: still running, " + why
+		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstClash)+wait > p.ConflictTimeout {
+			return 0, "conflict budget exhausted", op.inProgress
+		}
+	} else {
+		if op.attempts-op.conflicts >= p.MaxAttempts {
+			return 0, "attempts exhausted", op.finish
+		}
+		if !hasRA {
+			wait = next(&op.backoff, p)
+		}
+	}
+	if hasRA && ra > p.MaxRetryAfter {
+		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), op.finish
+	}
+	if time.Since(op.start)+wait > p.MaxElapsedTime {
+		return 0, "wait would pass MaxElapsedTime", op.finish
+	}
+	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
+		return 0, "wait would pass the context deadline", op.finish
+	}
+	if v == retry {
+		if b := op.t.retryBudget(); b != nil && !b.spend() {
+			return 0, "retry budget exhausted", op.failWith(ErrBudgetExhausted)
+		}
+	}
+	return wait, why, nil
+}
+
+// next returns the next computed backoff wait, jittered and capped by
+// MaxInterval. The backoff is made on first use: a first-try success
+// allocates none.
+func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
+	if *b == nil {
+		*b = &backoff.ExponentialBackOff{
+			InitialInterval:     p.InitialInterval,
+			RandomizationFactor: p.Jitter,
+			Multiplier:          p.Multiplier,
+			MaxInterval:         p.MaxInterval,
+			MaxElapsedTime:      0, // the operation keeps its own time
+			Stop:                backoff.Stop,
+			Clock:               backoff.SystemClock,
+		}
+		(*b).Reset()
+	}
+	return min((*b).NextBackOff(), p.MaxInterval)
+}
+
+// send sends one attempt. cancel releases the attempt's context; for a
+// returned response it must run only once the caller closes the body.
+func (op *operation) send() (resp *http.Response, cancel func(), err error) {
+	op.attempts++
+	ctx, cancel := op.ctx, func() {}
+	var timer *time.Timer
+	if d := op.policy.AttemptTimeout; d > 0 {
+		var cancelCause context.CancelCauseFunc
+		ctx, cancelCause = context.WithCancelCause(op.ctx)
+		// A timer rather than WithTimeout: it is stopped once the headers
+		// are in, so a slow read of the final body is not cut off.
+		timer = time.AfterFunc(d, func() { cancelCause(errAttemptTimedOut) })
+		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
+	}
+	areq := op.req.Clone(ctx)
+	if areq.Body, err = op.body.open(op.attempts); err != nil {
+		cancel()
+		return nil, cancel, fmt.Errorf("idem: reopening request body: %w", err)
+	}
+	areq.GetBody = op.body.getBody
+	if op.body.length >= 0 {
+		areq.ContentLength = op.body.length
+	}
+	if op.keyed {
+		areq.Header.Set(op.header, op.val)
+	}
+	resp, err = op.t.base().RoundTrip(areq)
+	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
+		// The attempt ran out of time: the headers came too late, or not
+		// at all. Its context is canceled either way.
+		if resp != nil {
+			drain(resp)
+			resp = nil
+		}
+		err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+	}
+	op.lastReq = areq
+	return resp, cancel, err
+}
+
+// finish hands the outcome of the last attempt to the caller.
+func (op *operation) finish(resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
+	if err != nil {
+		cancel()
+		op.report(nil, err, false, 0, why)
+		if op.attempts > 1 {
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+		}
+		return nil, err
+	}
+	if b := op.t.retryBudget(); b != nil {
+		if v, _ := decide(op.keyed, resp, nil); v == done {
+			b.succeed() // a definitive answer, not a failure given up on
+		}
+	}
+	op.report(resp, nil, false, 0, why)
+	if op.policy.AttemptTimeout > 0 && resp.StatusCode != http.StatusSwitchingProtocols {
+		resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+	}
+	return resp, nil
+}
+
+// failWith returns a giveUp that ends the operation with a RetryError
+// whose chain holds sentinel and the last attempt's outcome.
+func (op *operation) failWith(sentinel error) giveUp {
+	return func(resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
+		if resp != nil {
+			drain(resp)
+		}
+		cancel()
+		op.report(resp, err, false, 0, why)
+		if err != nil {
+			err = fmt.Errorf("%w; last attempt: %w", sentinel, err)
+		} else {
+			err = fmt.Errorf("%w; last attempt: %s", sentinel, resp.Status)
+		}
+		return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+	}
+}
+
+// inProgress ends an operation whose conflict budget ran out.
+func (op *operation) inProgress(resp *http.Response, _ error, cancel func(), why string) (*http.Response, error) {
+	problem, _ := readProblem(resp)
+	cancel()
+	op.report(resp, nil, false, 0, why)
+	return nil, &InProgressError{
+		Key: op.key, Method: op.req.Method, URL: redact(op.req),
+		Polls: op.conflicts, Waited: time.Since(op.firstClash), Problem: problem,
+	}
+}
+
+// sleep waits d, or less if the request's context ends first, in which
+// case it returns the context's error.
+func (op *operation) sleep(d time.Duration) error {
+	if d <= 0 {
+		return op.ctx.Err()
+	}
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-timer.C:
+		return nil
+	case <-op.ctx.Done():
+		return op.ctx.Err()
+	}
+}
+
+func (op *operation) report(resp *http.Response, err error, retry bool, wait time.Duration, why string) {
+	t := op.t
+	if t.OnAttempt == nil && t.Logger == nil {
+		return
+	}
+	a := Attempt{
+		Request: op.lastReq, Key: op.key, Number: op.attempts,
+		Response: resp, Err: err, Retry: retry, Wait: wait, Reason: why,
+	}
+	if t.OnAttempt != nil {
+		t.OnAttempt(a)
+	}
+	if t.Logger != nil {
+		level := slog.LevelDebug
+		switch {
+		case retry:
+			level = slog.LevelInfo
+		case err != nil || (resp != nil && resp.StatusCode >= 400):
+			level = slog.LevelWarn
+		}
+		t.Logger.LogAttrs(op.ctx, level, "idem: attempt",
+			slog.String("method", op.req.Method),
+			slog.String("url", redact(op.req)),
+			slog.String("key", op.key),
+			slog.Int("attempt", op.attempts),
+			slog.String("outcome", outcome(resp, err)),
+			slog.Bool("retry", retry),
+			slog.Duration("wait", wait),
+			slog.String("reason", why),
+		)
+	}
+}
+
+// outcome names an attempt's result: its status line or its error.
+func outcome(resp *http.Response, err error) string {
+	if err != nil {
+		return err.Error()
+	}
+	if resp != nil {
+		return resp.Status
+	}
+	return "no response"
+}
+
+func (t *Transport) maxBuffered() int64 {
+	if t.MaxBufferedBody == 0 {
+		return DefaultMaxBufferedBody
+	}
+	return t.MaxBufferedBody
+}
+
+// body gives every attempt of an operation the same request body bytes.
+type body struct {
+	first      io.ReadCloser // for the first attempt
+	getBody    func() (io.ReadCloser, error)
+	length     int64 // the length to send, or -1 to keep the request's
+	replayable bool
+}
+
+// init prepares the body of req: no body; the request's own GetBody; or a
+// buffered copy of a body without one, up to limit bytes.
+func (b *body) init(req *http.Request, limit int64) error {
+	b.length = -1
+	b.replayable = true
+	if req.Body == nil || req.Body == http.NoBody {
+		b.first = req.Body
+		return nil
+	}
+	b.first = req.Body
+	if req.GetBody != nil {
+		b.getBody = req.GetBody
+		return nil
+	}
+	if limit < 0 {
+		b.replayable = false
+		return nil
+	}
+	size := limit + 1
+	if req.ContentLength > 0 && req.ContentLength <= limit {
+		size = req.ContentLength + 1 // +1 to see io.EOF without growing
+	}
+	buf := bytes.NewBuffer(make([]byte, 0, min(size, 64<<10)))
+	n, err := io.Copy(buf, io.LimitReader(req.Body, limit+1))
+	if err != nil {
+		req.Body.Close()
+		return fmt.Errorf("idem: reading request body: %w", err)
+	}
+	if n > limit {
+		// Too large to keep: send what was read and the rest, once.
+		b.first = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf.Bytes()), req.Body), req.Body}
+		b.replayable = false
+		return nil
+	}
+	req.Body.Close()
+	data := buf.Bytes()
+	b.length = int64(len(data))
+	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
+	b.first, _ = b.getBody()
+	return nil
+}
+
+// open returns the body for the given attempt number.
+func (b *body) open(attempt int) (io.ReadCloser, error) {
+	if attempt == 1 || b.getBody == nil {
+		return b.first, nil
+	}
+	return b.getBody()
+}
+
+// cancelOnClose releases an attempt's context when the caller closes the
+// final response's body.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel func()
+}
+
+func (c *cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
+// drain reads (bounded) and closes the body of a response that will not be
+// returned, so its connection can serve the next attempt.
+func drain(resp *http.Response) {
+	_, _ = io.CopyN(io.Discard, resp.Body, maxDrain)
+	resp.Body.Close()
+}
+
+func closeBody(req *http.Request) {
+	if req.Body != nil {
+		req.Body.Close()
+	}
+}
+
+func isIdempotent(method string) bool {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace,
+		http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
+}
+
+// redact returns the request URL without user info and query, which may
+// hold secrets, for errors and logs.
+func redact(req *http.Request) string {
+	if req.URL == nil {
+		return ""
+	}
+	u := *req.URL
+	u.User, u.RawQuery, u.Fragment = nil, "", ""
+	return u.String()
+}

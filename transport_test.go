@@ -1,0 +1,567 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// fastPolicy keeps the wire tests quick: the waits are real but short.
+var fastPolicy = RetryPolicy{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond}
+
+// recorded is one request as a test server saw it.
+type recorded struct {
+	method, key, body string
+}
+
+// recorder is an httptest handler that answers from a script of statuses
+// (the last one repeats) and records every request.
+type recorder struct {
+	mu      sync.Mutex
+	reqs    []recorded
+	script  []int
+	headers map[string]string // set on every non-2xx answer
+}
+
+func (rec *recorder) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	rec.mu.Lock()
+	rec.reqs = append(rec.reqs, recorded{r.Method, r.Header.Get("Idempotency-Key"), string(body)})
+	n := len(rec.reqs)
+	status := rec.script[min(n, len(rec.script))-1]
+	rec.mu.Unlock()
+	if status >= 300 {
+		for k, v := range rec.headers {
+			w.Header().Set(k, v)
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	io.WriteString(w, `{"attempt":`+string(rune('0'+n))+`}`)
+}
+
+func (rec *recorder) requests() []recorded {
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	return append([]recorded(nil), rec.reqs...)
+}
+
+func newServer(t *testing.T, h http.Handler) *httptest.Server {
+	t.Helper()
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	return srv
+}
+
+func newTransport(t *testing.T, p RetryPolicy) *Transport {
+	t.Helper()
+	base := &http.Transport{}
+	t.Cleanup(base.CloseIdleConnections)
+	return &Transport{Base: base, Retry: p}
+}
+
+func post(t *testing.T, tr http.RoundTripper, ctx context.Context, url, body string) (*http.Response, error) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	return tr.RoundTrip(req)
+}
+
+func readAll(t *testing.T, resp *http.Response) string {
+	t.Helper()
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+func TestFlaky503ThenCreatedReusesKeyAndBody(t *testing.T) {
+	rec := &recorder{script: []int{503, 503, 201}}
+	srv := newServer(t, rec)
+	tr := newTransport(t, fastPolicy)
+	const body = `{"amount":4200,"currency":"usd","customer":"cus_123"}`
+
+	resp, err := post(t, tr, context.Background(), srv.URL, body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 201 {
+		t.Fatalf("status = %d, want 201", resp.StatusCode)
+	}
+	if got := readAll(t, resp); got != `{"attempt":3}` {
+		t.Errorf("body = %s, want the third attempt's", got)
+	}
+	reqs := rec.requests()
+	if len(reqs) != 3 {
+		t.Fatalf("server saw %d requests, want 3", len(reqs))
+	}
+	key, err := uuid.Parse(reqs[0].key)
+	if err != nil || key.Version() != 4 || key.String() != reqs[0].key {
+		t.Fatalf("key %q is not a canonical UUIDv4 (%v)", reqs[0].key, err)
+	}
+	for i, r := range reqs {
+		if r.key != reqs[0].key || r.body != body || r.method != http.MethodPost {
+			t.Errorf("attempt %d = %+v, want the same key %s and body on every attempt", i+1, r, reqs[0].key)
+		}
+	}
+}
+
+func TestDistinctOperationsGetDistinctKeys(t *testing.T) {
+	rec := &recorder{script: []int{201}}
+	srv := newServer(t, rec)
+	tr := newTransport(t, fastPolicy)
+	for range 3 {
+		resp, err := post(t, tr, context.Background(), srv.URL, `{}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		readAll(t, resp)
+	}
+	seen := map[string]bool{}
+	for _, r := range rec.requests() {
+		if seen[r.key] {
+			t.Errorf("key %s sent by two operations", r.key)
+		}
+		seen[r.key] = true
+	}
+}
+
+func TestKeyPrecedence(t *testing.T) {
+	rec := &recorder{script: []int{201}}
+	srv := newServer(t, rec)
+	tr := newTransport(t, fastPolicy)
+
+	ctx := WithKey(context.Background(), "pinned-key-1")
+	resp, err := post(t, tr, ctx, srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if got, _ := KeyFromContext(ctx); got != "pinned-key-1" {
+		t.Errorf("KeyFromContext = %q", got)
+	}
+
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL, strings.NewReader(`{}`))
+	req.Header.Set("Idempotency-Key", "from-header")
+	resp, err = tr.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+
+	got := rec.requests()
+	if got[0].key != "pinned-key-1" || got[1].key != "from-header" {
+		t.Errorf("keys = %q, %q; want the pinned key, then the request's own header", got[0].key, got[1].key)
+	}
+	if req.Header.Get("Idempotency-Key") != "from-header" || len(req.Header) != 1 {
+		t.Errorf("the caller's request was modified: %v", req.Header)
+	}
+}
+
+func TestInvalidPinnedKeyFailsBeforeSending(t *testing.T) {
+	rec := &recorder{script: []int{201}}
+	srv := newServer(t, rec)
+	tr := newTransport(t, fastPolicy)
+	for _, key := range []string{"", "has space", strings.Repeat("k", MaxKeyLen+1), "clé"} {
+		_, err := post(t, tr, WithKey(context.Background(), key), srv.URL, `{}`)
+		if err == nil {
+			t.Errorf("key %q: no error", key)
+		}
+	}
+	if n := len(rec.requests()); n != 0 {
+		t.Errorf("server saw %d requests, want none", n)
+	}
+}
+
+func TestUnkeyedMethods(t *testing.T) {
+	for _, method := range []string{"GET", "PUT", "DELETE", "HEAD", "OPTIONS"} {
+		t.Run(method, func(t *testing.T) {
+			rec := &recorder{script: []int{502, 200}}
+			srv := newServer(t, rec)
+			req, _ := http.NewRequest(method, srv.URL, nil)
+			resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			reqs := rec.requests()
+			if len(reqs) != 2 || reqs[0].key != "" || reqs[1].key != "" {
+				t.Errorf("requests = %+v, want two without a key", reqs)
+			}
+		})
+	}
+}
+
+func TestConnectionClosedMidRequestIsRetried(t *testing.T) {
+	var calls atomic.Int32
+	var keys sync.Map
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		keys.Store(r.Header.Get("Idempotency-Key"), true)
+		if calls.Add(1) == 1 {
+			// Hang up without answering: the client sees EOF.
+			conn, _, err := w.(http.Hijacker).Hijack()
+			if err == nil {
+				conn.Close()
+			}
+			return
+		}
+		w.WriteHeader(201)
+	}))
+	resp, err := post(t, newTransport(t, fastPolicy), context.Background(), srv.URL, `{"a":1}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if resp.StatusCode != 201 || calls.Load() != 2 {
+		t.Errorf("status %d after %d calls, want 201 after 2", resp.StatusCode, calls.Load())
+	}
+	n := 0
+	keys.Range(func(any, any) bool { n++; return true })
+	if n != 1 {
+		t.Errorf("%d distinct keys, want 1", n)
+	}
+}
+
+func TestConnectionRefusedExhaustsToRetryError(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := ln.Addr().String()
+	ln.Close() // nothing listens there now
+
+	var attempts []Attempt
+	tr := newTransport(t, RetryPolicy{MaxAttempts: 3, InitialInterval: time.Millisecond})
+	tr.OnAttempt = func(a Attempt) { attempts = append(attempts, a) }
+	_, err = post(t, tr, context.Background(), "http://"+addr, `{}`)
+	var rerr *RetryError
+	if !errors.As(err, &rerr) {
+		t.Fatalf("err = %v, want *RetryError", err)
+	}
+	if rerr.Attempts != 3 || rerr.Key == "" {
+		t.Errorf("RetryError = %+v, want 3 attempts and the key", rerr)
+	}
+	if len(attempts) != 3 || !attempts[0].Retry || !attempts[1].Retry || attempts[2].Retry {
+		t.Errorf("attempts = %+v", attempts)
+	}
+	if attempts[2].Reason != "attempts exhausted" {
+		t.Errorf("last reason = %q", attempts[2].Reason)
+	}
+}
+
+func TestExhaustionOnStatusReturnsLastResponse(t *testing.T) {
+	rec := &recorder{script: []int{503}}
+	srv := newServer(t, rec)
+	resp, err := post(t, newTransport(t, RetryPolicy{MaxAttempts: 3, InitialInterval: time.Millisecond}), context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatalf("err = %v, want the last response", err)
+	}
+	if resp.StatusCode != 503 || readAll(t, resp) != `{"attempt":3}` {
+		t.Errorf("got %d, want the third 503 as it came", resp.StatusCode)
+	}
+}
+
+func TestAttemptTimeoutIsRetriedAndSlowBodyIsNotCut(t *testing.T) {
+	var calls atomic.Int32
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body) // the server notices a hang-up only once the body is read
+		if calls.Add(1) == 1 {
+			select { // first attempt: slower than the attempt timeout
+			case <-r.Context().Done():
+			case <-time.After(5 * time.Second):
+			}
+			return
+		}
+		w.WriteHeader(201)
+		w.(http.Flusher).Flush()
+		time.Sleep(120 * time.Millisecond) // a body slower than the attempt timeout
+		io.WriteString(w, "paid")
+	}))
+	p := fastPolicy
+	p.AttemptTimeout = 50 * time.Millisecond
+	var reasons []string
+	tr := newTransport(t, p)
+	tr.OnAttempt = func(a Attempt) { reasons = append(reasons, errorReason(a.Err)) }
+	resp, err := post(t, tr, context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := readAll(t, resp); got != "paid" {
+		t.Errorf("body = %q, want the whole slow body", got)
+	}
+	if calls.Load() != 2 || reasons[0] != "attempt timed out" {
+		t.Errorf("calls = %d, reasons = %v; want a timed-out attempt then success", calls.Load(), reasons)
+	}
+}
+
+func TestAttemptTimeoutExhaustedIsDistinctFromCancel(t *testing.T) {
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		io.Copy(io.Discard, r.Body) // the server notices a hang-up only once the body is read
+		<-r.Context().Done()
+	}))
+	p := fastPolicy
+	p.MaxAttempts, p.AttemptTimeout = 2, 20*time.Millisecond
+	_, err := post(t, newTransport(t, p), context.Background(), srv.URL, `{}`)
+	if !errors.Is(err, ErrAttemptTimeout) {
+		t.Errorf("err = %v, want ErrAttemptTimeout in the chain", err)
+	}
+	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("err = %v: an attempt timeout must not look like the caller's cancellation", err)
+	}
+}
+
+func TestContextCanceledDuringWaitReturnsPromptly(t *testing.T) {
+	rec := &recorder{script: []int{503}, headers: map[string]string{"Retry-After": "20"}}
+	srv := newServer(t, rec)
+	ctx, cancel := context.WithCancel(context.Background())
+	tr := newTransport(t, RetryPolicy{})
+	tr.OnAttempt = func(a Attempt) {
+		if a.Retry {
+			go func() { time.Sleep(10 * time.Millisecond); cancel() }()
+		}
+	}
+	start := time.Now()
+	_, err := post(t, tr, ctx, srv.URL, `{}`)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("err = %v, want context.Canceled in the chain", err)
+	}
+	var rerr *RetryError
+	if !errors.As(err, &rerr) || rerr.Attempts != 1 {
+		t.Errorf("err = %#v, want a RetryError after 1 attempt", err)
+	}
+	// Not a timing assertion on speed: a Retry-After of 20s was not slept.
+	if time.Since(start) > 10*time.Second {
+		t.Errorf("RoundTrip slept through the cancellation")
+	}
+	if n := len(rec.requests()); n != 1 {
+		t.Errorf("server saw %d requests after cancellation, want 1", n)
+	}
+}
+
+func TestConflictThenCreated(t *testing.T) {
+	rec := &recorder{script: []int{409, 409, 201}, headers: map[string]string{"Retry-After": "0"}}
+	srv := newServer(t, rec)
+	p := fastPolicy
+	p.MaxAttempts = 1 // 409 waits must not use attempts
+	resp, err := post(t, newTransport(t, p), context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	reqs := rec.requests()
+	if resp.StatusCode != 201 || len(reqs) != 3 {
+		t.Fatalf("status %d after %d requests, want 201 after 3", resp.StatusCode, len(reqs))
+	}
+	if reqs[0].key != reqs[1].key || reqs[1].key != reqs[2].key {
+		t.Errorf("keys differ across 409 retries: %+v", reqs)
+	}
+}
+
+func TestConflictBudgetEndsInProgress(t *testing.T) {
+	rec := &recorder{script: []int{409}, headers: map[string]string{"Content-Type": "application/problem+json"}}
+	srv := newServer(t, rec)
+	p := fastPolicy
+	p.MaxConflictRetries = 3
+	_, err := post(t, newTransport(t, p), context.Background(), srv.URL, `{}`)
+	var inprog *InProgressError
+	if !errors.As(err, &inprog) {
+		t.Fatalf("err = %v, want *InProgressError", err)
+	}
+	if inprog.Polls != 4 || inprog.Key == "" || !strings.Contains(err.Error(), "retry later with the same key") {
+		t.Errorf("InProgressError = %+v (%v)", inprog, err)
+	}
+	var rerr *RetryError
+	if errors.As(err, &rerr) {
+		t.Errorf("an unknown outcome must be distinct from a RetryError")
+	}
+}
+
+func TestUnprocessableIsKeyReuseErrorAfterOneRequest(t *testing.T) {
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(422)
+		io.WriteString(w, `{"type":"https://idemkit.dev/problems/idempotency-key-mismatch","title":"Idempotency key reused","detail":"The key was first used with another body."}`)
+	}))
+	client := &http.Client{Transport: newTransport(t, fastPolicy)}
+	ctx := WithKey(context.Background(), "k-422")
+	req, _ := http.NewRequestWithContext(ctx, http.MethodPost, srv.URL+"/v1/payments", strings.NewReader(`{}`))
+	_, err := client.Do(req)
+	var reuse *KeyReuseError
+	if !errors.As(err, &reuse) {
+		t.Fatalf("err = %v, want *KeyReuseError through http.Client", err)
+	}
+	if reuse.Key != "k-422" || reuse.Method != "POST" || !strings.HasSuffix(reuse.URL, "/v1/payments") {
+		t.Errorf("KeyReuseError = %+v", reuse)
+	}
+	if reuse.Problem.Type != "https://idemkit.dev/problems/idempotency-key-mismatch" || reuse.Problem.Status != 422 {
+		t.Errorf("Problem = %+v", reuse.Problem)
+	}
+	if !strings.Contains(err.Error(), "bug") {
+		t.Errorf("message %q does not say it is a bug", err)
+	}
+}
+
+// onceReader is a body with no GetBody that can be read once.
+type onceReader struct{ r io.Reader }
+
+func (o *onceReader) Read(p []byte) (int, error) { return o.r.Read(p) }
+
+func TestNonRewindableBodyIsBufferedAndReplayed(t *testing.T) {
+	rec := &recorder{script: []int{500, 201}}
+	srv := newServer(t, rec)
+	const body = `{"amount":1}`
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, &onceReader{strings.NewReader(body)})
+	if req.GetBody != nil {
+		t.Fatal("test body must have no GetBody")
+	}
+	resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	for i, r := range rec.requests() {
+		if r.body != body {
+			t.Errorf("attempt %d body = %q, want %q", i+1, r.body, body)
+		}
+	}
+}
+
+func TestOversizedNonRewindableBodyIsSentOnce(t *testing.T) {
+	rec := &recorder{script: []int{503, 201}}
+	srv := newServer(t, rec)
+	big := strings.Repeat("x", 100)
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, &onceReader{strings.NewReader(big)})
+	tr := newTransport(t, fastPolicy)
+	tr.MaxBufferedBody = 10
+	_, err := tr.RoundTrip(req)
+	if !errors.Is(err, ErrBodyNotReplayable) {
+		t.Fatalf("err = %v, want ErrBodyNotReplayable", err)
+	}
+	reqs := rec.requests()
+	if len(reqs) != 1 || reqs[0].body != big {
+		t.Errorf("requests = %d, want the whole body sent once", len(reqs))
+	}
+}
+
+func TestRetriedResponsesReuseConnections(t *testing.T) {
+	rec := &recorder{script: []int{503, 503, 503, 201}}
+	srv := httptest.NewUnstartedServer(rec)
+	var conns atomic.Int32
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	tr := newTransport(t, fastPolicy)
+	for range 3 {
+		resp, err := post(t, tr, context.Background(), srv.URL, `{}`)
+		if err != nil {
+			t.Fatal(err)
+		}
+		readAll(t, resp)
+		rec.mu.Lock()
+		rec.reqs = nil
+		rec.mu.Unlock()
+	}
+	if n := conns.Load(); n != 1 {
+		t.Errorf("%d connections for 12 sequential attempts, want 1 (retried bodies drained)", n)
+	}
+}
+
+func TestCallerRequestIsNotModified(t *testing.T) {
+	rec := &recorder{script: []int{503, 201}}
+	srv := newServer(t, rec)
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, bytes.NewReader([]byte(`{"a":1}`)))
+	req.Header.Set("X-Test", "1")
+	before := req.Header.Clone()
+	resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if len(req.Header) != len(before) || req.Header.Get("Idempotency-Key") != "" {
+		t.Errorf("caller's headers changed: %v", req.Header)
+	}
+	if resp.Request == req {
+		t.Errorf("the response's Request is the caller's request, not a clone")
+	}
+	if resp.Request.Header.Get("Idempotency-Key") == "" {
+		t.Errorf("the response's Request does not show the key sent")
+	}
+}
+
+func TestConcurrentUseOfOneTransport(t *testing.T) {
+	var mu sync.Mutex
+	perKey := map[string]int{}
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		perKey[r.Header.Get("Idempotency-Key")]++
+		n := perKey[r.Header.Get("Idempotency-Key")]
+		mu.Unlock()
+		if n == 1 {
+			w.WriteHeader(503)
+			return
+		}
+		w.WriteHeader(201)
+	}))
+	tr := newTransport(t, fastPolicy)
+	var wg sync.WaitGroup
+	for range 50 {
+		wg.Go(func() {
+			resp, err := post(t, tr, context.Background(), srv.URL, `{}`)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			readAll(t, resp)
+			if resp.StatusCode != 201 {
+				t.Errorf("status %d", resp.StatusCode)
+			}
+		})
+	}
+	wg.Wait()
+	if len(perKey) != 50 {
+		t.Errorf("%d keys for 50 operations", len(perKey))
+	}
+	for k, n := range perKey {
+		if n != 2 {
+			t.Errorf("key %s sent %d times, want 2", k, n)
+		}
+	}
+}
+
+func TestSFStringKeyFormatAndCustomHeader(t *testing.T) {
+	var got []string
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		got = r.Header.Values("PayPal-Request-Id")
+		w.WriteHeader(201)
+	}))
+	tr := newTransport(t, fastPolicy)
+	tr.KeyHeader, tr.KeyFormat = "PayPal-Request-Id", KeySFString
+	resp, err := post(t, tr, WithKey(context.Background(), "abc-1"), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if len(got) != 1 || got[0] != `"abc-1"` {
+		t.Errorf("header = %q, want one sf-string", got)
+	}
+}
