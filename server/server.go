@@ -176,12 +176,6 @@ func New(cfg Config) (*Server, error) {
 		chargeTimeout: cmp.Or(durationOpt(cfg.LockTimeout, DefaultLockTimeout), DefaultLockTimeout),
 		afterCharge:   cfg.AfterCharge,
 	}
-	v1 := http.NewServeMux()
-	v1.HandleFunc("POST /v1/payments", api.create)
-	v1.HandleFunc("GET /v1/payments/{id}", api.get)
-	v1.HandleFunc("/v1/payments", methodNotAllowed("POST"))
-	v1.HandleFunc("/v1/payments/{id}", methodNotAllowed("GET"))
-	v1.HandleFunc("/", notFound)
 	keyed := Idempotency(cfg.Store, IdempotencyOptions{
 		LockTimeout:       cfg.LockTimeout,
 		Retention:         cfg.Retention,
@@ -192,6 +186,12 @@ func New(cfg Config) (*Server, error) {
 		Logger:            log,
 		OnEvent:           s.metrics.Observe,
 	})
+	v1 := http.NewServeMux()
+	v1.Handle("POST /v1/payments", keyed(http.HandlerFunc(api.create)))
+	v1.HandleFunc("GET /v1/payments/{id}", api.get)
+	v1.HandleFunc("/v1/payments", methodNotAllowed("POST"))
+	v1.HandleFunc("/v1/payments/{id}", methodNotAllowed("GET"))
+	v1.HandleFunc("/", notFound)
 
 	root := http.NewServeMux()
 	root.HandleFunc("GET /healthz", func(w http.ResponseWriter, r *http.Request) {
@@ -199,7 +199,7 @@ func New(cfg Config) (*Server, error) {
 		w.Write([]byte("ok\n"))
 	})
 	root.Handle("GET /metrics", s.metrics.Handler())
-	root.Handle("/v1/", BearerAuth(cfg.APIKeys)(keyed(v1)))
+	root.Handle("/v1/", BearerAuth(cfg.APIKeys)(v1))
 	root.HandleFunc("/", notFound)
 	s.handler = root
 	return s, nil

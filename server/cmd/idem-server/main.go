@@ -1,0 +1,245 @@
+// Command idem-server runs the reference payments API of idem: POST
+// /v1/payments behind the Idempotency-Key contract, on PostgreSQL or, without
+// a database URL, on an in-memory store.
+//
+//	go run ./server/cmd/idem-server -addr 127.0.0.1:8080
+//	curl -X POST localhost:8080/v1/payments \
+//	  -H 'Authorization: Bearer sk_test_demo' -H "Idempotency-Key: $(uuidgen)" \
+//	  -d amount=4200 -d currency=usd -d customer=cus_123
+//
+// Flags (see -h): -addr, -database-url (or DATABASE_URL), -api-keys (or
+// IDEM_API_KEYS), -retention, -lock-timeout, -purge-interval,
+// -processor-delay, -processor-failure-rate, -processor-url,
+// -store-server-errors, -wait-for-completion, -max-body-bytes,
+// -shutdown-timeout, -log-level, -log-format.
+//
+// The fake card processor the payments are charged through listens on its
+// own loopback port (logged at start) unless -processor-url names another.
+// SIGINT or SIGTERM stops the server gracefully: it stops accepting
+// connections, lets in-flight requests finish (each completes or releases
+// its key, so a clean stop leaves no key started), stops the purge job and
+// exits.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/server"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Getenv, os.Stdout)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "idem-server:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+// options are the parsed flags.
+type options struct {
+	addr                 string
+	databaseURL          string
+	apiKeys              string
+	retention            time.Duration
+	lockTimeout          time.Duration
+	purgeInterval        time.Duration
+	processorDelay       time.Duration
+	processorFailureRate float64
+	processorURL         string
+	storeServerErrors    bool
+	waitForCompletion    time.Duration
+	maxBodyBytes         int64
+	shutdownTimeout      time.Duration
+	logLevel             slog.Level
+	logFormat            string
+}
+
+func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
+	var o options
+	fs := flag.NewFlagSet("idem-server", flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.StringVar(&o.addr, "addr", "127.0.0.1:8080", "listen `address`")
+	fs.StringVar(&o.databaseURL, "database-url", getenv("DATABASE_URL"),
+		"PostgreSQL connection string (pgx `DSN`); empty: in-memory store (env DATABASE_URL)")
+	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
+		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
+	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
+		"how long a key is kept; older keys count as absent and the purge job deletes them")
+	fs.DurationVar(&o.lockTimeout, "lock-timeout", server.DefaultLockTimeout,
+		"a started key older than this may be taken over by a retry")
+	fs.DurationVar(&o.purgeInterval, "purge-interval", server.DefaultPurgeInterval, "how often the purge job runs")
+	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor")
+	fs.Float64Var(&o.processorFailureRate, "processor-failure-rate", 0,
+		"share of charge requests the fake processor fails with 503, in [0, 1]")
+	fs.StringVar(&o.processorURL, "processor-url", "",
+		"base `URL` of the card processor; empty: the fake one, on its own loopback port")
+	fs.BoolVar(&o.storeServerErrors, "store-server-errors", false,
+		"store and replay 5xx answers (Stripe's behaviour); default: a 5xx releases the key so a retry runs again")
+	fs.DurationVar(&o.waitForCompletion, "wait-for-completion", 0,
+		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once")
+	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes, "largest request body; larger ones get 413")
+	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
+		"how long a graceful stop waits for in-flight requests")
+	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
+	fs.StringVar(&o.logFormat, "log-format", "text", "log `format`: text or json")
+	if err := fs.Parse(args); err != nil {
+		return o, err
+	}
+	switch {
+	case fs.NArg() > 0:
+		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
+	case o.logFormat != "text" && o.logFormat != "json":
+		return o, fmt.Errorf("-log-format %q: want text or json", o.logFormat)
+	case o.processorFailureRate < 0 || o.processorFailureRate > 1:
+		return o, fmt.Errorf("-processor-failure-rate %v: want a value in [0, 1]", o.processorFailureRate)
+	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
+		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
+	case o.lockTimeout >= o.retention:
+		return o, errors.New("-lock-timeout must be shorter than -retention")
+	}
+	return o, nil
+}
+
+func cmpOr(s, def string) string {
+	if s == "" {
+		return def
+	}
+	return s
+}
+
+// run runs the server until ctx is done, then stops it gracefully. Logs go
+// to stdout.
+func run(ctx context.Context, args []string, getenv func(string) string, stdout io.Writer) error {
+	o, err := parseFlags(args, getenv, stdout)
+	if err != nil {
+		return err
+	}
+	hopts := &slog.HandlerOptions{Level: o.logLevel}
+	var log *slog.Logger
+	if o.logFormat == "json" {
+		log = slog.New(slog.NewJSONHandler(stdout, hopts))
+	} else {
+		log = slog.New(slog.NewTextHandler(stdout, hopts))
+	}
+
+	keys, err := server.ParseAPIKeys(o.apiKeys)
+	if err != nil {
+		return err
+	}
+	if o.apiKeys == server.DefaultAPIKeys {
+		log.Warn("using the demo API key; set -api-keys or IDEM_API_KEYS for real tokens", "api_keys", server.DefaultAPIKeys)
+	} else {
+		clients := slices.Sorted(func(yield func(string) bool) {
+			for _, c := range keys {
+				if !yield(c) {
+					return
+				}
+			}
+		})
+		log.Info("API keys loaded", "clients", strings.Join(slices.Compact(clients), ","))
+	}
+
+	var store server.Store
+	if o.databaseURL == "" {
+		store = server.NewMemoryStore()
+		log.Warn("no database URL: using the in-memory store; keys and payments are lost on exit (set -database-url or DATABASE_URL for PostgreSQL)")
+	} else {
+		pool, err := pgxpool.New(ctx, o.databaseURL)
+		if err != nil {
+			return fmt.Errorf("database: %w", err)
+		}
+		defer pool.Close()
+		if err := pool.Ping(ctx); err != nil {
+			return fmt.Errorf("database: %w", err)
+		}
+		if err := server.Migrate(ctx, pool); err != nil {
+			return fmt.Errorf("database: migrating: %w", err)
+		}
+		cc := pool.Config().ConnConfig
+		log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User)
+		store = server.NewPostgresStore(pool)
+	}
+
+	srv, err := server.New(server.Config{
+		Store:                store,
+		APIKeys:              keys,
+		Retention:            o.retention,
+		LockTimeout:          o.lockTimeout,
+		StoreServerErrors:    o.storeServerErrors,
+		WaitForCompletion:    o.waitForCompletion,
+		MaxBodyBytes:         o.maxBodyBytes,
+		PurgeInterval:        o.purgeInterval,
+		ProcessorURL:         o.processorURL,
+		ProcessorDelay:       o.processorDelay,
+		ProcessorFailureRate: o.processorFailureRate,
+		Logger:               log,
+	})
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+
+	ln, err := net.Listen("tcp", o.addr)
+	if err != nil {
+		return err
+	}
+	hs := &http.Server{
+		Handler:           srv,
+		ReadHeaderTimeout: 10 * time.Second,
+		IdleTimeout:       2 * time.Minute,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+	log.Info("listening", "addr", ln.Addr().String(),
+		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
+		"store_server_errors", o.storeServerErrors, "processor_url", srv.ProcessorURL())
+
+	purgeCtx, stopPurge := context.WithCancel(context.WithoutCancel(ctx))
+	purgeDone := make(chan struct{})
+	go func() {
+		defer close(purgeDone)
+		srv.Run(purgeCtx)
+	}()
+	defer func() {
+		stopPurge()
+		<-purgeDone
+	}()
+
+	served := make(chan error, 1)
+	go func() { served <- hs.Serve(ln) }()
+	select {
+	case err := <-served:
+		return err
+	case <-ctx.Done():
+	}
+
+	log.Info("shutting down: waiting for in-flight requests", "timeout", o.shutdownTimeout)
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), o.shutdownTimeout)
+	defer cancel()
+	if err := hs.Shutdown(shutdownCtx); err != nil {
+		hs.Close()
+		return fmt.Errorf("graceful shutdown: %w; in-flight requests were cut and their keys may stay started until the lock timeout", err)
+	}
+	<-served
+	log.Info("stopped")
+	return nil
+}

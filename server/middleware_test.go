@@ -1,0 +1,370 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// mwServer serves h behind Idempotency on store, with every request
+// authenticated as client "c" unless opts.ClientID says otherwise.
+func mwServer(t *testing.T, store Store, opts IdempotencyOptions, h http.HandlerFunc) *testServer {
+	t.Helper()
+	if opts.Logger == nil {
+		opts.Logger = testLogger(t)
+	}
+	var handler http.Handler = Idempotency(store, opts)(h)
+	if opts.ClientID == nil {
+		inner := handler
+		handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			inner.ServeHTTP(w, r.WithContext(WithClientID(r.Context(), "c")))
+		})
+	}
+	hs := httptest.NewServer(handler)
+	client := &http.Client{Transport: &http.Transport{}}
+	t.Cleanup(func() {
+		client.CloseIdleConnections()
+		hs.Close()
+	})
+	return &testServer{URL: hs.URL, client: client}
+}
+
+// TestIdempotencyStatusPolicy checks which handler statuses are stored
+// (replayed to the retry) and which release the key (the retry runs again).
+func TestIdempotencyStatusPolicy(t *testing.T) {
+	for _, storeServerErrors := range []bool{false, true} {
+		for _, tt := range []struct {
+			status int
+			stored bool
+		}{
+			{200, true}, {201, true}, {204, true}, {303, true},
+			{400, false}, {401, false}, {402, true}, {403, false}, {404, false},
+			{409, false}, {410, true}, {422, true}, {429, false},
+			{500, storeServerErrors}, {502, storeServerErrors}, {503, storeServerErrors},
+		} {
+			t.Run(fmt.Sprintf("%d/store5xx=%v", tt.status, storeServerErrors), func(t *testing.T) {
+				var calls atomic.Int32
+				ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{StoreServerErrors: storeServerErrors},
+					func(w http.ResponseWriter, r *http.Request) {
+						n := calls.Add(1)
+						w.WriteHeader(tt.status)
+						if tt.status != http.StatusNoContent {
+							fmt.Fprintf(w, "call %d", n)
+						}
+					})
+				first := ts.mustSend(t, keyed("k", "{}"))
+				second := ts.mustSend(t, keyed("k", "{}"))
+				if first.status != tt.status || second.status != tt.status {
+					t.Fatalf("statuses %d, %d; want %d", first.status, second.status, tt.status)
+				}
+				if got := calls.Load() == 1; got != tt.stored {
+					t.Errorf("handler ran %d times; stored = %v, want %v", calls.Load(), got, tt.stored)
+				}
+				if second.replayed() != tt.stored || (tt.stored && string(second.body) != string(first.body)) {
+					t.Errorf("second answer replayed=%v %q, first %q", second.replayed(), second.body, first.body)
+				}
+			})
+		}
+	}
+}
+
+func TestIdempotencyPassesOtherMethods(t *testing.T) {
+	for _, method := range []string{"GET", "HEAD", "PUT", "DELETE", "OPTIONS"} {
+		var sawTx bool
+		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{ClientID: func(*http.Request) (string, bool) { return "", false }},
+			func(w http.ResponseWriter, r *http.Request) {
+				_, sawTx = TxFromContext(r.Context())
+				w.WriteHeader(http.StatusTeapot)
+			})
+		r := ts.mustSend(t, call{method: method, token: "-"})
+		if r.status != http.StatusTeapot || sawTx || r.header.Get("Idempotency-Key") != "" {
+			t.Errorf("%s: %d tx=%v, want the handler's 418 untouched", method, r.status, sawTx)
+		}
+	}
+}
+
+// TestIdempotencyReplayHeaders checks what a replay carries: the stored
+// status, content type, headers and body, not cookies.
+func TestIdempotencyReplayHeaders(t *testing.T) {
+	var calls atomic.Int32
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		claim, ok := ClaimFromContext(r.Context())
+		if !ok || claim.ClientID != "c" || claim.Key != "k" || claim.OperationID == "" {
+			t.Errorf("claim in context: %+v %v", claim, ok)
+		}
+		if b, _ := io.ReadAll(r.Body); string(b) != `{"b": 1}` {
+			t.Errorf("handler read body %q", b)
+		}
+		h := w.Header()
+		h.Set("Location", "/things/1")
+		h.Add("X-Multi", "a")
+		h.Add("X-Multi", "b")
+		h.Set("Set-Cookie", "session=1")
+		h.Set("Content-Type", "text/csv")
+		w.WriteHeader(http.StatusAccepted)
+		io.WriteString(w, "a,b\n1,2\n")
+	})
+	first := ts.mustSend(t, keyed("k", `{"b": 1}`))
+	again := ts.mustSend(t, keyed("k", `{"b":1}`))
+	if calls.Load() != 1 || again.status != http.StatusAccepted || string(again.body) != "a,b\n1,2\n" || !again.replayed() {
+		t.Fatalf("replay %d %q replayed=%v after %d calls", again.status, again.body, again.replayed(), calls.Load())
+	}
+	for h, want := range map[string]string{
+		"Content-Type": "text/csv", "Location": "/things/1", "X-Multi": "a, b",
+		"Set-Cookie": "", "Idempotency-Key": "k", "Content-Length": "8",
+	} {
+		if got := again.header.Get(h); got != want {
+			t.Errorf("replayed %s = %q, want %q", h, got, want)
+		}
+	}
+	if first.header.Get("Set-Cookie") == "" || first.replayed() {
+		t.Error("the first answer lost its cookie or says it is replayed")
+	}
+}
+
+// TestIdempotencyOtherRequestSameKey checks that the method, path, query and
+// body are all part of the request a key belongs to.
+func TestIdempotencyOtherRequestSameKey(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	})
+	if r := ts.mustSend(t, keyed("k", `{"a": 1}`)); r.status != http.StatusCreated {
+		t.Fatalf("first: %d", r.status)
+	}
+	for _, c := range []call{
+		{method: "PATCH", keys: []string{"k"}, body: `{"a": 1}`},
+		{path: "/v1/refunds", keys: []string{"k"}, body: `{"a": 1}`},
+		{path: "/v1/payments?expand=x", keys: []string{"k"}, body: `{"a": 1}`},
+		{keys: []string{"k"}, body: `{"a": 2}`},
+		{keys: []string{"k"}},
+	} {
+		r := ts.mustSend(t, c)
+		if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != ProblemKeyMismatch {
+			t.Errorf("%s %s %q: %d, want 422", c.method, c.path, c.body, r.status)
+		}
+	}
+}
+
+func TestIdempotencyEmptyResponseSniffed(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/html" {
+			io.WriteString(w, "<html>hi</html>")
+		}
+	})
+	for _, path := range []string{"/empty", "/html"} {
+		first := ts.mustSend(t, call{path: path, keys: []string{"k" + path}})
+		again := ts.mustSend(t, call{path: path, keys: []string{"k" + path}})
+		if first.status != 200 || !again.replayed() || again.header.Get("Content-Type") != first.header.Get("Content-Type") {
+			t.Errorf("%s: %d, replay %v with Content-Type %q, first %q", path, first.status, again.replayed(),
+				again.header.Get("Content-Type"), first.header.Get("Content-Type"))
+		}
+	}
+}
+
+// TestIdempotencyPanic checks that a panicking handler's key is released
+// (the retry runs again), unless it marked its work irreversible.
+func TestIdempotencyPanic(t *testing.T) {
+	for _, irreversible := range []bool{false, true} {
+		t.Run(fmt.Sprintf("irreversible=%v", irreversible), func(t *testing.T) {
+			var calls atomic.Int32
+			ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+				if calls.Add(1) == 1 {
+					if irreversible {
+						MarkIrreversible(r.Context())
+					}
+					panic(http.ErrAbortHandler)
+				}
+				w.WriteHeader(http.StatusCreated)
+			})
+			if r := ts.send(t, keyed("k", "{}")); r.err == nil {
+				t.Fatalf("panicking handler answered %d", r.status)
+			}
+			r := ts.mustSend(t, keyed("k", "{}"))
+			want := http.StatusCreated
+			if irreversible {
+				want = http.StatusConflict // started until the lock timeout
+			}
+			if r.status != want {
+				t.Errorf("retry: %d, want %d", r.status, want)
+			}
+		})
+	}
+}
+
+// TestIdempotencyClientGone checks that a handler that finishes after its
+// client went away is completed, so the retry gets the replay.
+func TestIdempotencyClientGone(t *testing.T) {
+	entered, finish := make(chan struct{}), make(chan struct{})
+	var calls atomic.Int32
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		if calls.Add(1) == 1 {
+			close(entered)
+			<-finish
+		}
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, "done")
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	errc := make(chan error)
+	go func() {
+		req, _ := http.NewRequestWithContext(ctx, "POST", ts.URL+"/v1/payments", strings.NewReader("{}"))
+		req.Header.Set("Idempotency-Key", "k")
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := ts.client.Do(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		errc <- err
+	}()
+	<-entered
+	cancel()
+	if err := <-errc; !errors.Is(err, context.Canceled) {
+		t.Fatalf("client: %v", err)
+	}
+	close(finish)
+	// Until the first request's handler has returned, the key is started.
+	r := ts.mustSend(t, keyed("k", "{}"))
+	for i := 0; r.status == http.StatusConflict && i < 500; i++ {
+		time.Sleep(10 * time.Millisecond)
+		r = ts.mustSend(t, keyed("k", "{}"))
+	}
+	if r.status != http.StatusCreated || !r.replayed() || calls.Load() != 1 {
+		t.Errorf("retry: %d replayed=%v after %d calls; want the stored outcome", r.status, r.replayed(), calls.Load())
+	}
+}
+
+func TestIdempotencyOptions(t *testing.T) {
+	ok := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }
+	t.Run("KeyHeader", func(t *testing.T) {
+		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{KeyHeader: "x-request-key"}, ok)
+		r := ts.mustSend(t, keyed("k", "{}"))
+		if r.status != http.StatusBadRequest || !strings.Contains(r.problem(t).Detail, "X-Request-Key") {
+			t.Errorf("without the custom header: %d %s", r.status, r.body)
+		}
+		req, _ := http.NewRequest("POST", ts.URL, strings.NewReader("{}"))
+		req.Header.Set("X-Request-Key", "k")
+		resp, err := ts.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusCreated || resp.Header.Get("X-Request-Key") != "k" {
+			t.Errorf("with the custom header: %d, echo %q", resp.StatusCode, resp.Header.Get("X-Request-Key"))
+		}
+	})
+	t.Run("ClientID", func(t *testing.T) {
+		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{ClientID: func(r *http.Request) (string, bool) {
+			id := r.Header.Get("X-Tenant")
+			return id, id != ""
+		}}, ok)
+		r := ts.mustSend(t, keyed("k", "{}"))
+		if r.status != http.StatusUnauthorized || r.problem(t).Type != ProblemUnauthorized {
+			t.Errorf("no tenant: %d", r.status)
+		}
+	})
+	t.Run("RetryAfter", func(t *testing.T) {
+		store := NewMemoryStore()
+		ts := mwServer(t, store, IdempotencyOptions{RetryAfter: 1500 * time.Millisecond}, ok)
+		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
+		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
+		r := ts.mustSend(t, keyed("k", "{}"))
+		if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" {
+			t.Errorf("%d Retry-After %q, want 409 and 2", r.status, r.header.Get("Retry-After"))
+		}
+	})
+	t.Run("NoLockTimeout", func(t *testing.T) {
+		store, clock := newClockedMemoryStore()
+		ts := mwServer(t, store, IdempotencyOptions{LockTimeout: -1}, ok)
+		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
+		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
+		clock.Advance(time.Hour)
+		if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusConflict {
+			t.Errorf("stale key without lock timeout: %d, want 409", r.status)
+		}
+	})
+	t.Run("UnlimitedBody", func(t *testing.T) {
+		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{MaxBodyBytes: -1}, ok)
+		big := `{"x": "` + strings.Repeat("y", 2<<20) + `"}`
+		if r := ts.mustSend(t, keyed("k", big)); r.status != http.StatusCreated {
+			t.Errorf("2 MiB body without a limit: %d", r.status)
+		}
+	})
+}
+
+// failingStore fails the operations named in fail.
+type failingStore struct {
+	*MemoryStore
+	fail string
+}
+
+var errBroken = errors.New("store is broken")
+
+func (s *failingStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	if s.fail == "claim" {
+		return ClaimResult{}, errBroken
+	}
+	return s.MemoryStore.Claim(ctx, req)
+}
+
+func (s *failingStore) Begin(ctx context.Context, c Claim) (Tx, error) {
+	if s.fail == "begin" {
+		return nil, errBroken
+	}
+	tx, err := s.MemoryStore.Begin(ctx, c)
+	if s.fail == "complete" {
+		return failingTx{tx}, err
+	}
+	return tx, err
+}
+
+type failingTx struct{ Tx }
+
+func (failingTx) Complete(context.Context, StoredResponse) error { return errBroken }
+
+func TestIdempotencyStoreErrors(t *testing.T) {
+	for _, fail := range []string{"claim", "begin", "complete"} {
+		t.Run(fail, func(t *testing.T) {
+			store := &failingStore{MemoryStore: NewMemoryStore(), fail: fail}
+			ts := mwServer(t, store, IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusCreated)
+			})
+			r := ts.mustSend(t, keyed("k", "{}"))
+			if r.status != http.StatusInternalServerError || r.problem(t).Type != ProblemInternal {
+				t.Fatalf("%d %s, want 500 internal", r.status, r.body)
+			}
+			// The key was released: with the store fixed, the retry runs.
+			store.fail = ""
+			if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusCreated || r.replayed() {
+				t.Errorf("retry: %d replayed=%v", r.status, r.replayed())
+			}
+		})
+	}
+}
+
+func TestContextAccessorsOutsideRequests(t *testing.T) {
+	ctx := context.Background()
+	if _, ok := TxFromContext(ctx); ok {
+		t.Error("TxFromContext found a Tx")
+	}
+	if _, ok := ClaimFromContext(ctx); ok {
+		t.Error("ClaimFromContext found a Claim")
+	}
+	if _, ok := ClientIDFromContext(ctx); ok {
+		t.Error("ClientIDFromContext found a client")
+	}
+	MarkIrreversible(ctx) // does nothing
+	if got := EventTookOver.String(); got != "took_over" {
+		t.Errorf("EventTookOver = %q", got)
+	}
+	if got := Event(99).String(); got != "event(99)" {
+		t.Errorf("Event(99) = %q", got)
+	}
+}
