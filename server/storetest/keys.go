@@ -1,0 +1,365 @@
+package storetest
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"maps"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/server"
+)
+
+func testClaimNewKey(t *testing.T, b Backend) {
+	res := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
+	if res.Claim.Token == 0 {
+		t.Errorf("claim token is 0, want a fencing token")
+	}
+	if res.Record != nil {
+		t.Errorf("Claimed with a record %+v, want none", res.Record)
+	}
+}
+
+func testClaimStartedKey(t *testing.T, b Backend) {
+	req := request("cli_a", "key-1", "a")
+	claim(t, b.Store, req, server.Claimed)
+	rec := claim(t, b.Store, req, server.Exists).Record
+	if rec.Status != server.StatusStarted || rec.Response != nil {
+		t.Errorf("record status %q, response %+v; want started without a response", rec.Status, rec.Response)
+	}
+	if rec.ClientID != "cli_a" || rec.Key != "key-1" || rec.Method != "POST" || rec.Path != "/v1/payments" {
+		t.Errorf("record names %s %s %s %s, want cli_a key-1 POST /v1/payments", rec.ClientID, rec.Key, rec.Method, rec.Path)
+	}
+	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) || rec.FingerprintVersion != 1 {
+		t.Errorf("record fingerprint %x v%d, want %x v1", rec.Fingerprint, rec.FingerprintVersion, req.Fingerprint)
+	}
+	if rec.CreatedAt.IsZero() || rec.LockedAt.IsZero() {
+		t.Errorf("record created at %v, locked at %v; want both set", rec.CreatedAt, rec.LockedAt)
+	}
+}
+
+func testCompleteStoresResponse(t *testing.T, b Backend) {
+	req := request("cli_a", "key-1", "a")
+	c := claim(t, b.Store, req, server.Claimed).Claim
+	// Odd whitespace, key order and bytes that are not UTF-8: the replay
+	// must give back exactly these bytes.
+	want := server.StoredResponse{
+		Status:      201,
+		ContentType: "application/json; charset=utf-8",
+		Header:      map[string]string{"Location": "/v1/payments/pay_1", "X-Request-Id": "req_1"},
+		Body:        []byte("{\"z\": 1,\n  \"a\":[ 2 ,1], \"bin\": \"\xff\x00\"}\n"),
+	}
+	if err := complete(t, b, c, want); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+	rec := claim(t, b.Store, req, server.Exists).Record
+	if rec.Status != server.StatusCompleted || rec.Response == nil {
+		t.Fatalf("record status %q, response %+v; want completed with the response", rec.Status, rec.Response)
+	}
+	got := rec.Response
+	if got.Status != want.Status || got.ContentType != want.ContentType || !maps.Equal(got.Header, want.Header) {
+		t.Errorf("stored response %d %q %v, want %d %q %v", got.Status, got.ContentType, got.Header, want.Status, want.ContentType, want.Header)
+	}
+	if !bytes.Equal(got.Body, want.Body) {
+		t.Errorf("stored body %q, want %q byte for byte", got.Body, want.Body)
+	}
+
+	// Completing the claim again, from a new unit of work, is fenced.
+	tx, err := b.Store.Begin(context.Background(), c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Complete(context.Background(), want); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Complete of an already completed key: %v, want ErrFenced", err)
+	}
+
+	// A response without headers or body replays as such.
+	c2 := claim(t, b.Store, request("cli_a", "key-2", "a"), server.Claimed).Claim
+	if err := complete(t, b, c2, server.StoredResponse{Status: 204}); err != nil {
+		t.Fatal(err)
+	}
+	got = claim(t, b.Store, request("cli_a", "key-2", "a"), server.Exists).Record.Response
+	if got == nil || got.Status != 204 || got.ContentType != "" || len(got.Header) != 0 || len(got.Body) != 0 {
+		t.Errorf("stored empty response %+v, want 204 with nothing else", got)
+	}
+}
+
+func testFingerprintMismatch(t *testing.T, b Backend) {
+	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
+	other := request("cli_a", "key-1", "b")
+	rec := claim(t, b.Store, other, server.Exists).Record
+	if bytes.Equal(rec.Fingerprint, other.Fingerprint) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+		t.Errorf("record fingerprint %x, want the first request's %x", rec.Fingerprint, fingerprint("a"))
+	}
+	v2 := request("cli_a", "key-1", "a")
+	v2.FingerprintVersion = 2
+	if rec := claim(t, b.Store, v2, server.Exists).Record; rec.FingerprintVersion != 1 {
+		t.Errorf("record fingerprint version %d, want the stored 1", rec.FingerprintVersion)
+	}
+}
+
+// race runs n calls of f at once and waits for them.
+func race(n int, f func(i int)) {
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			f(i)
+		})
+	}
+	close(start)
+	wg.Wait()
+}
+
+// raceClaims runs n claims of req at once and counts their outcomes.
+func raceClaims(t *testing.T, s server.Store, n int, req server.ClaimRequest) (map[server.Outcome]int, []server.ClaimResult) {
+	t.Helper()
+	results := make([]server.ClaimResult, n)
+	errs := make([]error, n)
+	race(n, func(i int) { results[i], errs[i] = s.Claim(context.Background(), req) })
+	counts := map[server.Outcome]int{}
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("concurrent Claim: %v", err)
+		}
+		counts[results[i].Outcome]++
+	}
+	return counts, results
+}
+
+func testConcurrentClaims(t *testing.T, b Backend) {
+	const n = 50
+	counts, results := raceClaims(t, b.Store, n, request("cli_a", "key-1", "a"))
+	if counts[server.Claimed] != 1 || counts[server.Exists] != n-1 {
+		t.Fatalf("%d concurrent claims of one key: %d Claimed, %d Exists, %d TookOver; want 1, %d, 0",
+			n, counts[server.Claimed], counts[server.Exists], counts[server.TookOver], n-1)
+	}
+	for _, r := range results {
+		if r.Outcome == server.Exists && r.Record.Status != server.StatusStarted {
+			t.Errorf("a losing claim saw status %q, want started", r.Record.Status)
+		}
+	}
+}
+
+func testKeysScopedByClient(t *testing.T, b Backend) {
+	a := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	bc := claim(t, b.Store, request("cli_b", "key-1", "b"), server.Claimed).Claim
+	if a.Token == bc.Token || a.OperationID == bc.OperationID {
+		t.Errorf("two clients' claims share token or operation: %+v and %+v", a, bc)
+	}
+	if err := complete(t, b, a, created("pay_a")); err != nil {
+		t.Fatal(err)
+	}
+	rec := claim(t, b.Store, request("cli_b", "key-1", "b"), server.Exists).Record
+	if rec.ClientID != "cli_b" || rec.Status != server.StatusStarted || rec.Response != nil {
+		t.Errorf("client b sees %+v, want its own started key", rec)
+	}
+	rec = claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
+	if rec.ClientID != "cli_a" || rec.Status != server.StatusCompleted {
+		t.Errorf("client a sees %+v, want its own completed key", rec)
+	}
+}
+
+// stale claims req and waits until the claim's lock is older than the
+// suite's lock timeout.
+func stale(t *testing.T, b Backend, req server.ClaimRequest) server.Claim {
+	t.Helper()
+	c := claim(t, b.Store, req, server.Claimed).Claim
+	time.Sleep(pause)
+	return c
+}
+
+func testTakeover(t *testing.T, b Backend) {
+	req := withLockTimeout(request("cli_a", "key-1", "a"))
+	first := stale(t, b, req)
+	second := claim(t, b.Store, req, server.TookOver).Claim
+	if second.Token == first.Token {
+		t.Errorf("takeover kept token %d, want a new one", first.Token)
+	}
+	if second.OperationID != first.OperationID {
+		t.Errorf("takeover changed the operation %q to %q, want it kept", first.OperationID, second.OperationID)
+	}
+	// The lock is fresh again: the next request waits.
+	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted {
+		t.Errorf("after takeover: status %q, want started", rec.Status)
+	}
+}
+
+func testTakeoverRace(t *testing.T, b Backend) {
+	req := withLockTimeout(request("cli_a", "key-1", "a"))
+	first := stale(t, b, req)
+	const n = 10
+	counts, results := raceClaims(t, b.Store, n, req)
+	if counts[server.TookOver] != 1 || counts[server.Exists] != n-1 {
+		t.Fatalf("%d racing takers: %d TookOver, %d Exists, %d Claimed; want 1, %d, 0",
+			n, counts[server.TookOver], counts[server.Exists], counts[server.Claimed], n-1)
+	}
+	for _, r := range results {
+		if r.Outcome == server.TookOver && r.Claim.OperationID != first.OperationID {
+			t.Errorf("winner's operation %q, want the first claim's %q", r.Claim.OperationID, first.OperationID)
+		}
+	}
+}
+
+func testTakeoverRefusedForOtherFingerprint(t *testing.T, b Backend) {
+	first := stale(t, b, withLockTimeout(request("cli_a", "key-1", "a")))
+	rec := claim(t, b.Store, withLockTimeout(request("cli_a", "key-1", "b")), server.Exists).Record
+	if rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+		t.Errorf("record %+v, want the first request's started key", rec)
+	}
+	v2 := withLockTimeout(request("cli_a", "key-1", "a"))
+	v2.FingerprintVersion = 2
+	claim(t, b.Store, v2, server.Exists)
+	// The original still owns the key.
+	if err := complete(t, b, first, created("pay_1")); err != nil {
+		t.Errorf("original's Complete after refused takeovers: %v", err)
+	}
+}
+
+func testNoTakeoverWithoutLockTimeout(t *testing.T, b Backend) {
+	req := request("cli_a", "key-1", "a") // LockTimeout 0: never
+	stale(t, b, req)
+	claim(t, b.Store, req, server.Exists)
+}
+
+func testReleaseThenClaim(t *testing.T, b Backend) {
+	req := request("cli_a", "key-1", "a")
+	first := claim(t, b.Store, req, server.Claimed).Claim
+	if err := b.Store.Release(context.Background(), first); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	second := claim(t, b.Store, req, server.Claimed).Claim
+	if second.Token == first.Token {
+		t.Errorf("claim after release reused token %d", first.Token)
+	}
+	if err := b.Store.Release(context.Background(), first); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("second Release of the first claim: %v, want ErrFenced", err)
+	}
+	// The new owner is untouched.
+	claim(t, b.Store, req, server.Exists)
+}
+
+func testReleaseFenced(t *testing.T, b Backend) {
+	ctx := context.Background()
+	req := withLockTimeout(request("cli_a", "key-1", "a"))
+	first := stale(t, b, req)
+	second := claim(t, b.Store, req, server.TookOver).Claim
+	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Release by the taken-over claim: %v, want ErrFenced", err)
+	}
+	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted {
+		t.Errorf("after a fenced release: status %q, want started", rec.Status)
+	}
+	if err := complete(t, b, second, created("pay_1")); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.Store.Release(ctx, second); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Release of a completed key: %v, want ErrFenced", err)
+	}
+	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusCompleted {
+		t.Errorf("after Release of a completed key: status %q, want completed", rec.Status)
+	}
+}
+
+func testRetentionCompleted(t *testing.T, b Backend) {
+	req := withRetention(request("cli_a", "key-1", "a"))
+	first := claim(t, b.Store, req, server.Claimed).Claim
+	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); err != nil {
+		t.Fatal(err)
+	}
+	// Still live within retention, and forever with no retention.
+	claim(t, b.Store, req, server.Exists)
+	time.Sleep(pause)
+	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists)
+
+	// Expired: the key is absent although nothing purged it, and a new
+	// operation starts.
+	second := claim(t, b.Store, req, server.Claimed).Claim
+	if second.OperationID == first.OperationID || second.Token == first.Token {
+		t.Errorf("claim after expiry %+v reuses the first claim's operation or token %+v", second, first)
+	}
+	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted || rec.Response != nil {
+		t.Errorf("renewed key: %+v, want started without the old response", rec)
+	}
+	// The new operation may create its own payment with the same key.
+	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
+		t.Errorf("Complete of the new operation: %v", err)
+	}
+	mustGetPayment(t, b, "cli_a", payment(first, "pay_1"))
+	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
+}
+
+func testRetentionStarted(t *testing.T, b Backend) {
+	req := withRetention(withLockTimeout(request("cli_a", "key-1", "a")))
+	first := stale(t, b, req)
+	// Expired beats everything, a different fingerprint included.
+	other := withRetention(withLockTimeout(request("cli_a", "key-1", "b")))
+	second := claim(t, b.Store, other, server.Claimed).Claim
+	if second.OperationID == first.OperationID {
+		t.Errorf("expired key kept its operation %q", first.OperationID)
+	}
+	if rec := claim(t, b.Store, other, server.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
+		t.Errorf("renewed key has fingerprint %x, want the new request's", rec.Fingerprint)
+	}
+	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Complete of the expired claim: %v, want ErrFenced", err)
+	}
+	mustNotFindPayment(t, b, "cli_a", "pay_1")
+}
+
+func testPurge(t *testing.T, b Backend) {
+	ctx := context.Background()
+	old := []string{"old-0", "old-1", "old-2", "old-3", "old-4"}
+	for i, key := range old {
+		c := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+		if i%2 == 0 {
+			if err := complete(t, b, c, created(key)); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	time.Sleep(2 * pause)
+	fresh := []string{"new-0", "new-1"}
+	for _, key := range fresh {
+		claim(t, b.Store, request("cli_b", key, "a"), server.Claimed)
+	}
+
+	purge := func(want int64) {
+		t.Helper()
+		n, err := b.Store.Purge(ctx, pause, 3)
+		if err != nil || n != want {
+			t.Fatalf("Purge(%v, 3) = %d, %v; want %d", pause, n, err, want)
+		}
+	}
+	purge(3) // the three oldest, no more than the limit
+	for _, key := range old[:3] {
+		claim(t, b.Store, request("cli_a", key, "a"), server.Claimed) // gone
+	}
+	claim(t, b.Store, request("cli_a", old[3], "a"), server.Exists)
+	purge(2)
+	purge(0)
+	for _, key := range fresh {
+		claim(t, b.Store, request("cli_b", key, "a"), server.Exists)
+	}
+	if n, err := b.Store.Purge(ctx, time.Hour, 100); err != nil || n != 0 {
+		t.Errorf("Purge(1h, 100) = %d, %v; want 0", n, err)
+	}
+}
+
+func testPurgeNothing(t *testing.T, b Backend) {
+	ctx := context.Background()
+	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
+	time.Sleep(pause)
+	for _, tt := range []struct {
+		retention time.Duration
+		limit     int
+	}{{0, 10}, {-time.Second, 10}, {time.Millisecond, 0}, {time.Millisecond, -1}} {
+		if n, err := b.Store.Purge(ctx, tt.retention, tt.limit); err != nil || n != 0 {
+			t.Errorf("Purge(%v, %d) = %d, %v; want 0, nil", tt.retention, tt.limit, n, err)
+		}
+	}
+	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists)
+}
