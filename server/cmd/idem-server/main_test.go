@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/pgtest"
 )
 
 func TestMain(m *testing.M) {
@@ -200,5 +202,40 @@ func TestRunFlags(t *testing.T) {
 				t.Errorf("run(%q) = %v, want an error with %q", tt.args, err, tt.want)
 			}
 		})
+	}
+}
+
+// TestRunPostgres runs the binary's code on PostgreSQL: it migrates the
+// schema at start and serves payments from it.
+func TestRunPostgres(t *testing.T) {
+	dsn := pgtest.SchemaURL(t)
+	url, out, stop := start(t, nil, map[string]string{"DATABASE_URL": dsn})
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+	resp, b := post(t, client, url, "sk_test_demo", "k-pg", body)
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, b)
+	}
+	resp, b2 := post(t, client, url, "sk_test_demo", "k-pg", body)
+	if resp.Header.Get("Idempotent-Replayed") != "true" || b2 != b {
+		t.Errorf("retry: %d %s, want the replay", resp.StatusCode, b2)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	if logs := out.String(); !strings.Contains(logs, "using PostgreSQL") || strings.Contains(logs, "in-memory") {
+		t.Errorf("log does not say PostgreSQL:\n%s", logs)
+	}
+	// A second start on the same schema migrates nothing and still serves
+	// the stored outcome.
+	url, _, stop = start(t, []string{"-database-url", dsn}, nil)
+	resp, b3 := post(t, client, url, "sk_test_demo", "k-pg", body)
+	if resp.Header.Get("Idempotent-Replayed") != "true" || b3 != b {
+		t.Errorf("after a restart: %d %s, want the replay", resp.StatusCode, b3)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
 	}
 }
