@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/textproto"
 	"strings"
 	"sync"
 	"time"
@@ -202,7 +203,7 @@ func (op *operation) run() (*http.Response, error) {
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
 	if op.keyed {
-		op.header = cmp.Or(op.t.KeyHeader, DefaultKeyHeader)
+		op.header = textproto.CanonicalMIMEHeaderKey(cmp.Or(op.t.KeyHeader, DefaultKeyHeader))
 		newKey := op.t.NewKey
 		if newKey == nil {
 			newKey = NewKey
@@ -232,9 +233,16 @@ func (op *operation) run() (*http.Response, error) {
 			op.report(resp, nil, false, 0, "422: key used for another request")
 			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
 		}
-		wait, why, gaveUp := op.plan(v, resp)
-		if gaveUp != nil {
-			return gaveUp(resp, err, cancel, why)
+		wait, why, end := op.plan(v, resp)
+		switch end {
+		case endFinish:
+			return op.finish(resp, err, cancel, why)
+		case endInProgress:
+			return op.inProgress(resp, cancel, why)
+		case endBudget:
+			return op.fail(ErrBudgetExhausted, resp, err, cancel, why)
+		case endNotReplayable:
+			return op.fail(ErrBodyNotReplayable, resp, err, cancel, why)
 		}
 		if resp != nil {
 			drain(resp)
@@ -247,18 +255,27 @@ func (op *operation) run() (*http.Response, error) {
 	}
 }
 
-// giveUp ends an operation that cannot go on; see plan.
-type giveUp func(resp *http.Response, err error, cancel func(), why string) (*http.Response, error)
+// ending says how plan ends an operation that cannot go on.
+type ending int
+
+const (
+	goOn             ending = iota // no ending: wait and send again
+	endFinish                      // hand the last outcome to the caller
+	endInProgress                  // the conflict budget ran out
+	endBudget                      // the retry budget is empty
+	endNotReplayable               // the body cannot be sent again
+)
 
 // plan returns how long to wait before the next attempt and why, or, when
-// no further attempt may be sent, the way to end the operation.
-func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string, giveUp) {
+// no further attempt may be sent, how to end the operation. (An enum rather
+// than a method value keeps the operation on RoundTrip's stack.)
+func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string, ending) {
 	p := &op.policy
 	if !op.idempotent {
-		return 0, op.req.Method + " is not retried", op.finish
+		return 0, op.req.Method + " is not retried", endFinish
 	}
 	if !op.body.replayable {
-		return 0, "body cannot be replayed", op.failWith(ErrBodyNotReplayable)
+		return 0, "body cannot be replayed", endNotReplayable
 	}
 	ra, hasRA := time.Duration(0), false
 	if resp != nil {
@@ -279,31 +296,31 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 		}
 		why = "409: still running, " + why
 		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstClash)+wait > p.ConflictTimeout {
-			return 0, "conflict budget exhausted", op.inProgress
+			return 0, "conflict budget exhausted", endInProgress
 		}
 	} else {
 		if op.attempts-op.conflicts >= p.MaxAttempts {
-			return 0, "attempts exhausted", op.finish
+			return 0, "attempts exhausted", endFinish
 		}
 		if !hasRA {
 			wait = next(&op.backoff, p)
 		}
 	}
 	if hasRA && ra > p.MaxRetryAfter {
-		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), op.finish
+		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
 	if time.Since(op.start)+wait > p.MaxElapsedTime {
-		return 0, "wait would pass MaxElapsedTime", op.finish
+		return 0, "wait would pass MaxElapsedTime", endFinish
 	}
 	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
-		return 0, "wait would pass the context deadline", op.finish
+		return 0, "wait would pass the context deadline", endFinish
 	}
 	if v == retry {
 		if b := op.t.retryBudget(); b != nil && !b.spend() {
-			return 0, "retry budget exhausted", op.failWith(ErrBudgetExhausted)
+			return 0, "retry budget exhausted", endBudget
 		}
 	}
-	return wait, why, nil
+	return wait, why, goOn
 }
 
 // next returns the next computed backoff wait, jittered and capped by
@@ -339,7 +356,14 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 		timer = time.AfterFunc(d, func() { cancelCause(errAttemptTimedOut) })
 		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
 	}
-	areq := op.req.Clone(ctx)
+	// A shallow copy with a header of its own, rather than req.Clone: no
+	// RoundTripper may modify a request, so the URL and the rest can be
+	// shared, and a first-try success saves the allocations of a deep copy.
+	// The caller's request is never modified either way.
+	areq := op.req.WithContext(ctx)
+	if op.keyed {
+		areq.Header = headerWith(op.req.Header, op.header, op.val)
+	}
 	if areq.Body, err = op.body.open(op.attempts); err != nil {
 		cancel()
 		return nil, cancel, fmt.Errorf("idem: reopening request body: %w", err)
@@ -347,9 +371,6 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
-	}
-	if op.keyed {
-		areq.Header.Set(op.header, op.val)
 	}
 	resp, err = op.t.base().RoundTrip(areq)
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
@@ -387,26 +408,24 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 	return resp, nil
 }
 
-// failWith returns a giveUp that ends the operation with a RetryError
-// whose chain holds sentinel and the last attempt's outcome.
-func (op *operation) failWith(sentinel error) giveUp {
-	return func(resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
-		if resp != nil {
-			drain(resp)
-		}
-		cancel()
-		op.report(resp, err, false, 0, why)
-		if err != nil {
-			err = fmt.Errorf("%w; last attempt: %w", sentinel, err)
-		} else {
-			err = fmt.Errorf("%w; last attempt: %s", sentinel, resp.Status)
-		}
-		return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+// fail ends the operation with a RetryError whose chain holds sentinel and
+// the last attempt's outcome.
+func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
+	if resp != nil {
+		drain(resp)
 	}
+	cancel()
+	op.report(resp, err, false, 0, why)
+	if err != nil {
+		err = fmt.Errorf("%w; last attempt: %w", sentinel, err)
+	} else {
+		err = fmt.Errorf("%w; last attempt: %s", sentinel, resp.Status)
+	}
+	return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 }
 
 // inProgress ends an operation whose conflict budget ran out.
-func (op *operation) inProgress(resp *http.Response, _ error, cancel func(), why string) (*http.Response, error) {
+func (op *operation) inProgress(resp *http.Response, cancel func(), why string) (*http.Response, error) {
 	problem, _ := readProblem(resp)
 	cancel()
 	op.report(resp, nil, false, 0, why)
@@ -555,6 +574,29 @@ func (c *cancelOnClose) Close() error {
 	err := c.ReadCloser.Close()
 	c.cancel()
 	return err
+}
+
+// headerWith returns a copy of h with the header key (in canonical form)
+// set to the single value val, in two allocations: the map and one array
+// that backs every value slice.
+func headerWith(h http.Header, key, val string) http.Header {
+	n := 1
+	for _, vs := range h {
+		n += len(vs)
+	}
+	backing := make([]string, n)
+	out := make(http.Header, len(h)+1)
+	for k, vs := range h {
+		if k == key {
+			continue
+		}
+		m := copy(backing, vs)
+		out[k] = backing[:m:m]
+		backing = backing[m:]
+	}
+	backing[0] = val
+	out[key] = backing[:1:1]
+	return out
 }
 
 // drain reads (bounded) and closes the body of a response that will not be
