@@ -4,12 +4,13 @@ import (
 	"bytes"
 	"cmp"
 	"context"
-	"crypto/rand"
 	"errors"
 	"maps"
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/google/uuid"
 )
 
 // ErrDuplicatePayment is returned by [Tx.Complete] of a [MemoryStore] when a
@@ -97,7 +98,7 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 				LockedAt:           now,
 			},
 			token:       s.lastToken,
-			operationID: "op_" + rand.Text(),
+			operationID: uuid.NewString(), // a UUIDv4, like the PostgreSQL store's
 		}
 		s.keys[ref] = k
 		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil

@@ -62,9 +62,11 @@ type IdempotencyOptions struct {
 
 	// WaitForCompletion is how long a duplicate that finds its key started
 	// waits for the first request to finish, checking the store with a
-	// growing interval, before it is answered. A duplicate that sees the
-	// first complete gets the replay; one that times out gets the 409. If
-	// zero, a duplicate gets the 409 at once, as the IETF draft describes.
+	// growing interval (10ms to 250ms), before it is answered. A duplicate
+	// that sees the first complete gets the replay; one that sees the key
+	// released (or stale) claims it and runs the operation itself; one that
+	// times out gets the 409. If zero, a duplicate gets the 409 at once, as
+	// the IETF draft describes.
 	WaitForCompletion time.Duration
 
 	// MaxBodyBytes caps the request body; a larger one gets 413. The body is
@@ -129,8 +131,10 @@ func (e Event) String() string {
 // Idempotency returns middleware that makes POST and PATCH requests safe to
 // retry with an Idempotency-Key header, as the IETF draft
 // (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe.
-// Other methods pass through untouched. The returned middleware is safe for
-// concurrent use; store must be too.
+// Other methods pass through untouched. Wrap each route that needs it (a
+// route that 404s or 405s behind it still claims and releases the key), and
+// put it behind the authentication that identifies the client. The returned
+// middleware is safe for concurrent use; store must be too.
 //
 // For a POST or PATCH it:
 //
@@ -359,6 +363,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		rec := res.Record
+		// A record of a version this server cannot compute (written by a
+		// newer server) cannot match: it is answered as a mismatch.
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true

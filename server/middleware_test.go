@@ -368,3 +368,18 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 		t.Errorf("Event(99) = %q", got)
 	}
 }
+
+// TestIdempotencyUnknownFingerprintVersion checks that a record stored with
+// a fingerprint version this server does not know is never replayed to a
+// request it cannot compare with.
+func TestIdempotencyUnknownFingerprintVersion(t *testing.T) {
+	store := NewMemoryStore()
+	ts := mwServer(t, store, IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	})
+	store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+		Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
+	if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusUnprocessableEntity {
+		t.Errorf("%d, want 422", r.status)
+	}
+}

@@ -104,6 +104,13 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	}
 	log := a.log.With("client", clientID, "key", claim.Key, "operation", claim.OperationID)
 
+	// Step 4 of the design asks a request that takes over a stale key to
+	// check whether the work already happened. Here that check is built in:
+	// the payment commits only together with the key's completion, so a
+	// started key has no payment; and the charge, the one thing that may
+	// have happened, is asked for again under the same downstream key,
+	// which the processor answers with the existing charge.
+
 	// The money movement is not abandoned when the client hangs up: once
 	// begun, it runs to its end and is stored, so the retry gets the replay.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.chargeTimeout)
