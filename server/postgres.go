@@ -19,9 +19,11 @@ import (
 // of server processes can share one database.
 //
 // Each operation is one SQL statement in one round trip: a claim inserts,
-// renews or takes over the key or reads the live row in one statement; a
-// completion writes the staged payments and completes the key in one
-// statement, which commits both or neither.
+// renews or takes over the key, or reads the live row, in one statement
+// (run again in the rare case it lost a race); a completion writes the
+// staged payments and completes the key in one statement, which commits
+// both or neither. A request that claims, creates its payment and completes
+// therefore costs two round trips and two commits (one with AsyncClaims).
 //
 // The zero value is not usable; call [NewPostgresStore]. A PostgresStore is
 // safe for concurrent use by many goroutines and many processes.

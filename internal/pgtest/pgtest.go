@@ -69,7 +69,7 @@ func SchemaURL(t testing.TB) string {
 	schema := schemaName(t.Name())
 	ctx := context.Background()
 	if err := execOnce(ctx, base, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
-		t.Fatalf("pgtest: create schema: %v", err)
+		t.Fatalf("pgtest: create schema %s (set %s to use another database): %v", schema, EnvURL, err)
 	}
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
