@@ -23,8 +23,10 @@ const (
 var (
 	// ErrFenced is returned by [Tx.Complete] and [Store.Release] when the claim
 	// is no longer the current owner of the key: it was taken over after the
-	// lock timeout, released, or expired. Complete rolls back the whole unit
-	// of work (the business writes included) before returning it.
+	// lock timeout, released, or its expired row was claimed anew. Complete
+	// writes nothing of the unit of work (the business writes included)
+	// before returning it. (A key that merely expired, with no new claim,
+	// still completes: retention is checked when a key is claimed.)
 	ErrFenced = errors.New("server: claim no longer owns the key")
 	// ErrNotFound is returned by lookups that find nothing.
 	ErrNotFound = errors.New("server: not found")
@@ -119,13 +121,17 @@ type Store interface {
 	Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error)
 	// Begin opens the unit of work of a claim: the business writes made
 	// through the returned Tx commit together with the key's completion.
+	// It runs before the handler, which may call slow downstream systems,
+	// so it must not hold scarce resources (a pooled connection, a lock)
+	// until Complete: stores stage the writes and apply them in Complete.
 	Begin(ctx context.Context, c Claim) (Tx, error)
 	// Release deletes a started key still owned by c, so the next request
 	// with it runs again (validation failures, server errors, clean
 	// shutdown). It returns ErrFenced when c no longer owns the key.
 	Release(ctx context.Context, c Claim) error
 	// Purge deletes at most limit keys created before now minus retention
-	// and returns how many it deleted.
+	// and returns how many it deleted. A retention or limit of zero or less
+	// deletes nothing.
 	Purge(ctx context.Context, retention time.Duration, limit int) (int64, error)
 }
 
