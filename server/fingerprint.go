@@ -186,11 +186,8 @@ func canonicalJSON(body []byte) ([]byte, error) {
 	if err := writeCanonical(&out, dec, 0); err != nil {
 		return nil, err
 	}
-	if _, err := dec.Token(); err != io.EOF {
-		if err == nil {
-			err = errors.New("data after the top-level value")
-		}
-		return nil, err
+	if len(bytes.TrimLeft(body[dec.InputOffset():], " \t\r\n")) > 0 {
+		return nil, errors.New("data after the top-level value")
 	}
 	return out.Bytes(), nil
 }
@@ -289,11 +286,56 @@ func writeObject(out *bytes.Buffer, dec *json.Decoder, depth int) error {
 	return nil
 }
 
-// writeString writes s as a JSON string, escaped as encoding/json does
-// without HTML escaping.
+// writeString writes s, which is valid UTF-8, as a JSON string escaped as
+// encoding/json escapes it with HTML escaping off: '"', '\\' and control
+// characters are escaped (\b, \f, \n, \r, \t by name, others as \u00XX), and so
+// are U+2028 and U+2029; everything else is written as it is.
 func writeString(out *bytes.Buffer, s string) {
-	enc := json.NewEncoder(out)
-	enc.SetEscapeHTML(false)
-	enc.Encode(s) // cannot fail for a string
-	out.Truncate(out.Len() - 1)
+	const hex = "0123456789abcdef"
+	out.WriteByte('"')
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+			i++
+			continue
+		}
+		if c >= utf8.RuneSelf {
+			r, size := utf8.DecodeRuneInString(s[i:])
+			if r != '\u2028' && r != '\u2029' {
+				i += size
+				continue
+			}
+			out.WriteString(s[start:i])
+			out.WriteString(`\u202`)
+			out.WriteByte(hex[r&0xf])
+			i += size
+			start = i
+			continue
+		}
+		out.WriteString(s[start:i])
+		switch c {
+		case '"', '\\':
+			out.WriteByte('\\')
+			out.WriteByte(c)
+		case '\n':
+			out.WriteString(`\n`)
+		case '\r':
+			out.WriteString(`\r`)
+		case '\t':
+			out.WriteString(`\t`)
+		case '\b':
+			out.WriteString(`\b`)
+		case '\f':
+			out.WriteString(`\f`)
+		default:
+			out.WriteString(`\u00`)
+			out.WriteByte(hex[c>>4])
+			out.WriteByte(hex[c&0xf])
+		}
+		i++
+		start = i
+	}
+	out.WriteString(s[start:])
+	out.WriteByte('"')
 }

@@ -220,3 +220,22 @@ func FuzzFingerprint(f *testing.F) {
 		}
 	})
 }
+
+// TestWriteString checks the string escaping against encoding/json's.
+func TestWriteString(t *testing.T) {
+	var all strings.Builder
+	for c := range 0x80 {
+		all.WriteByte(byte(c))
+	}
+	for _, s := range []string{"", "plain", all.String(), "<>&", "é😀\u2028\u2029\ufffd", `"\\"`} {
+		var got bytes.Buffer
+		writeString(&got, s)
+		var want bytes.Buffer
+		enc := json.NewEncoder(&want)
+		enc.SetEscapeHTML(false)
+		enc.Encode(s)
+		if got.String()+"\n" != want.String() {
+			t.Errorf("writeString(%q) = %s, want %s", s, got.String(), want.String())
+		}
+	}
+}

@@ -80,8 +80,9 @@ type IdempotencyOptions struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
-	// Logger receives one record per keyed request that does not simply
-	// complete, and store errors. Bodies are never logged. If nil,
+	// Logger receives takeovers, fenced completions, mismatches, failed
+	// irreversible requests, panics and store errors, each with the client,
+	// key, method and path as attributes. Bodies are never logged. If nil,
 	// [slog.Default] is used.
 	Logger *slog.Logger
 
