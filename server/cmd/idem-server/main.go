@@ -28,6 +28,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"os"
@@ -149,14 +150,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	if o.apiKeys == server.DefaultAPIKeys {
 		log.Warn("using the demo API key; set -api-keys or IDEM_API_KEYS for real tokens", "api_keys", server.DefaultAPIKeys)
 	} else {
-		clients := slices.Sorted(func(yield func(string) bool) {
-			for _, c := range keys {
-				if !yield(c) {
-					return
-				}
-			}
-		})
-		log.Info("API keys loaded", "clients", strings.Join(slices.Compact(clients), ","))
+		clients := slices.Compact(slices.Sorted(maps.Values(keys)))
+		log.Info("API keys loaded", "clients", strings.Join(clients, ","))
 	}
 
 	var store server.Store
