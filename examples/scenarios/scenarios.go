@@ -1,0 +1,420 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/server"
+)
+
+// scenarios are the stories of the article, in the order they are told.
+var scenarios = []scenario{
+	{
+		name:  "lost-response",
+		title: "the response is lost after the server committed",
+		run:   lostResponse,
+	},
+	{
+		name:  "server-errors",
+		title: "503, 503, then success",
+		run:   serverErrors,
+	},
+	{
+		name:   "slow-server",
+		title:  "an attempt times out while the server is still working",
+		server: func(c *server.Config) { c.ProcessorDelay = 400 * time.Millisecond },
+		run:    slowServer,
+	},
+	{
+		name:  "concurrent",
+		title: "two concurrent requests with one key",
+		run:   concurrent,
+	},
+	{
+		name:  "key-reuse",
+		title: "a key reused with another body",
+		run:   keyReuse,
+	},
+	{
+		name:  "missing-key",
+		title: "a request without a key against the raw API",
+		run:   missingKey,
+	},
+	{
+		name:   "crash",
+		title:  "the server crashes mid-request; the stuck key is taken over after the lock timeout",
+		server: func(c *server.Config) { c.LockTimeout = crashLockTimeout },
+		run:    crash,
+	},
+	{
+		name:   "retention",
+		title:  "the key expires after retention; the same key starts a new operation",
+		server: func(c *server.Config) { c.Retention = retention },
+		run:    expiry,
+	},
+	{
+		name:  "key-per-attempt",
+		title: "the classic client bug, a new key per attempt, against one key per operation",
+		run:   keyPerAttempt,
+	},
+}
+
+// customer is the customer id of a scenario's payments.
+func customer(name string) string { return "cus_" + identifier(name) }
+
+// lostResponse: the server commits the payment, the answer never reaches
+// the client, the client retries with the same key and gets the stored
+// answer.
+func lostResponse(ctx context.Context, e *env) error {
+	e.faults.add(loseResponse)
+	c := e.client(e.transport(policy))
+	cus := customer("lost-response")
+	_, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		return err
+	}
+	e.expect(e.faults.count() == 1, "first response lost")
+	e.expect(idem.Replayed(resp), "the retry got the stored response (Idempotent-Replayed)")
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// serverErrors: a proxy answers 503 twice; the third attempt reaches the
+// server.
+func serverErrors(ctx context.Context, e *env) error {
+	e.faults.add(unavailable, unavailable)
+	c := e.client(e.transport(policy))
+	cus := customer("server-errors")
+	_, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		return err
+	}
+	attempts, keys := e.tl.count(func(event) bool { return true }), e.tl.keys()
+	e.expect(attempts == 3 && keys == 1, "%d attempts, %d key", attempts, keys)
+	e.expect(resp.StatusCode == http.StatusCreated && !idem.Replayed(resp), "the last one created the payment")
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// slowServer: the card processor takes 400ms, the client gives each
+// attempt 150ms. The first attempt times out while the server works on; the
+// retry finds the key in progress (409), waits, and gets the outcome.
+func slowServer(ctx context.Context, e *env) error {
+	p := policy
+	p.AttemptTimeout = 150 * time.Millisecond
+	c := e.client(e.transport(p))
+	cus := customer("slow-server")
+	_, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		return err
+	}
+	timedOut := e.tl.count(func(ev event) bool { return ev.outcome == "attempt timed out" })
+	e.expect(timedOut >= 1, "attempts timed out: %d", timedOut)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// concurrent: two requests with one key at once, as two workers retrying
+// the same job would send. One runs; the other gets 409, waits, and gets
+// the first one's answer.
+func concurrent(ctx context.Context, e *env) error {
+	// Hold the running request after its charge until the other one has
+	// been answered 409, so the story does not depend on timing.
+	answered := make(chan struct{})
+	var once sync.Once
+	e.onAttempt(func(a idem.Attempt) {
+		if a.Response != nil && a.Response.StatusCode == http.StatusConflict {
+			once.Do(func() { close(answered) })
+		}
+	})
+	e.onCharge(func(ctx context.Context) error {
+		e.tl.note("the request that claimed the key is charged; it is held until the other is answered")
+		t := time.NewTimer(10 * time.Second)
+		defer t.Stop()
+		select {
+		case <-answered:
+		case <-t.C:
+		case <-ctx.Done():
+		}
+		return nil
+	})
+	c := e.client(e.transport(policy))
+	cus := customer("concurrent")
+	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
+	ctx = idem.WithKey(ctx, idem.NewKey())
+	type answer struct {
+		p    payment
+		resp *http.Response
+		err  error
+	}
+	var answers [2]answer
+	var wg sync.WaitGroup
+	for i, op := range []string{"A", "B"} {
+		wg.Go(func() {
+			p, resp, err := e.pay(ctx, c, op, in)
+			answers[i] = answer{p, resp, err}
+		})
+	}
+	wg.Wait()
+	replays := 0
+	for _, a := range answers {
+		if a.err != nil {
+			return a.err
+		}
+		if idem.Replayed(a.resp) {
+			replays++
+		}
+	}
+	conflicts := e.tl.count(func(ev event) bool { return strings.HasPrefix(ev.outcome, "409") })
+	e.expect(conflicts >= 1, "409 x%d while the other ran", conflicts)
+	e.expect(replays == 1, "one ran, the other got its replay (replays: %d)", replays)
+	e.expect(answers[0].p.ID == answers[1].p.ID, "both got %s", answers[0].p.ID)
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// keyReuse: a key is sent again with another amount: the server answers
+// 422, and idem returns a *idem.KeyReuseError instead of retrying.
+func keyReuse(ctx context.Context, e *env) error {
+	c := e.client(e.transport(policy))
+	cus := customer("key-reuse")
+	key := idem.NewKey()
+	ctx = idem.WithKey(ctx, key)
+	if _, _, err := e.pay(ctx, c, "first", payment{Amount: 4200, Currency: "usd", Customer: cus}); err != nil {
+		return err
+	}
+	_, _, err := e.pay(ctx, c, "reuse", payment{Amount: 9900, Currency: "usd", Customer: cus})
+	var reuse *idem.KeyReuseError
+	if !errors.As(err, &reuse) {
+		e.expect(false, "the reuse returned a *idem.KeyReuseError (got %v)", err)
+		return nil
+	}
+	e.note("what the developer sees (err.Error() of the second Post):")
+	e.note(wrap(err.Error(), 96)...)
+	sent := e.tl.count(func(ev event) bool { return ev.op == "reuse" })
+	e.expect(reuse.Key == key && reuse.Problem.Status == http.StatusUnprocessableEntity && sent == 1,
+		"*idem.KeyReuseError with the key and the server's 422, after %d attempt", sent)
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// missingKey: a client that does not use idem forgets the key. The server
+// refuses the payment with 400 and problem details that say what to do.
+func missingKey(ctx context.Context, e *env) error {
+	cus := customer("missing-key")
+	body, _ := json.Marshal(payment{Amount: 4200, Currency: "usd", Customer: cus})
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.url+"/v1/payments", bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := (&http.Client{Transport: e.base}).Do(req)
+	e.tl.rawAttempt("raw", 1, "", resp, err, "done")
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	if err != nil {
+		return err
+	}
+	ct := resp.Header.Get("Content-Type")
+	e.note(fmt.Sprintf("what the developer sees: %s, Content-Type: %s", resp.Status, ct))
+	var pretty bytes.Buffer
+	if json.Indent(&pretty, raw, "", "  ") == nil {
+		e.note(strings.Split(strings.TrimSpace(pretty.String()), "\n")...)
+	} else {
+		e.note(strings.TrimSpace(string(raw)))
+	}
+	var problem idem.Problem
+	mt, _, _ := mime.ParseMediaType(ct)
+	e.expect(resp.StatusCode == http.StatusBadRequest, "status %d", resp.StatusCode)
+	e.expect(mt == "application/problem+json" && json.Unmarshal(raw, &problem) == nil && problem.Type == server.ProblemKeyMissing,
+		"problem+json of type idempotency-key-missing")
+	return e.expectStored(ctx, cus, 0, 0)
+}
+
+// crashLockTimeout is the lock timeout of the crash scenario's server: a
+// started key older than this is presumed dead and may be taken over.
+const crashLockTimeout = 500 * time.Millisecond
+
+// crash: the server charges the card, then dies before it records the
+// payment. The key stays started: retries get 409 until the lock timeout,
+// then one takes the key over, finds the charge already made (the
+// processor call is keyed by the operation) and records the payment.
+func crash(ctx context.Context, e *env) error {
+	var crashed atomic.Bool
+	e.onCharge(func(context.Context) error {
+		if crashed.CompareAndSwap(false, true) {
+			e.tl.fault("the server crashes after the charge, before recording the payment; the key stays started")
+			return errors.New("injected crash")
+		}
+		return nil
+	})
+	c := e.client(e.transport(policy))
+	cus := customer("crash")
+	_, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		return err
+	}
+	stuck := e.tl.count(func(ev event) bool { return strings.HasPrefix(ev.outcome, "409") })
+	tookOver, err := e.counter("idem_keys_taken_over_total")
+	if err != nil {
+		return err
+	}
+	e.expect(stuck >= 1, "key stuck: 409 x%d", stuck)
+	e.expect(tookOver == 1, "taken over after the %s lock timeout (takeovers: %v)", crashLockTimeout, tookOver)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// retention is how long the retention scenario's server keeps a key.
+const retention = time.Second
+
+// expiry: within retention a retry gets the replay; once the key has
+// expired, the same key is a new operation (as Stripe documents for keys
+// older than 24 hours).
+func expiry(ctx context.Context, e *env) error {
+	c := e.client(e.transport(policy))
+	cus := customer("retention")
+	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
+	ctx = idem.WithKey(ctx, idem.NewKey())
+	first, _, err := e.pay(ctx, c, "first", in)
+	if err != nil {
+		return err
+	}
+	again, resp, err := e.pay(ctx, c, "retry", in)
+	if err != nil {
+		return err
+	}
+	e.expect(idem.Replayed(resp) && again.ID == first.ID, "within retention: replay of %s", first.ID)
+	wait := retention + 300*time.Millisecond
+	e.tl.note("the client waits %s; the server keeps keys for %s", wait, retention)
+	if err := sleep(ctx, wait); err != nil {
+		return err
+	}
+	later, resp, err := e.pay(ctx, c, "later", in)
+	if err != nil {
+		return err
+	}
+	e.expect(!idem.Replayed(resp) && later.ID != first.ID, "after retention: new payment %s", later.ID)
+	return e.expectStored(ctx, cus, 2, 2)
+}
+
+// keyPerAttempt: the same lost response, met by two clients. A naive
+// retry loop that makes a new key on every attempt creates a second
+// payment and a second charge; idem, one key per operation, does not.
+func keyPerAttempt(ctx context.Context, e *env) error {
+	e.faults.add(loseResponse, pass, loseResponse)
+
+	naiveCus := customer("key-per-attempt-naive")
+	if err := naiveLoop(ctx, e, payment{Amount: 4200, Currency: "usd", Customer: naiveCus}); err != nil {
+		return err
+	}
+	naivePayments, err := e.payments(ctx, naiveCus)
+	if err != nil {
+		return err
+	}
+	naiveCharges, err := e.charges(ctx)
+	if err != nil {
+		return err
+	}
+
+	idemCus := customer("key-per-attempt-idem")
+	c := e.client(e.transport(policy))
+	_, resp, err := e.pay(ctx, c, "idem", payment{Amount: 4200, Currency: "usd", Customer: idemCus})
+	if err != nil {
+		return err
+	}
+	idemPayments, err := e.payments(ctx, idemCus)
+	if err != nil {
+		return err
+	}
+	charges, err := e.charges(ctx)
+	if err != nil {
+		return err
+	}
+	idemCharges := charges - naiveCharges
+
+	e.expect(naivePayments == 2 && naiveCharges == 2,
+		"new key per attempt: %d payments, %d charges for one purchase (the bug shown)", naivePayments, naiveCharges)
+	e.expect(idemPayments == 1 && idemCharges == 1 && idem.Replayed(resp),
+		"one key per operation: %d payment, %d charge, retry replayed", idemPayments, idemCharges)
+	return nil
+}
+
+// naiveLoop is the client bug of the article's troubleshooting section:
+// it retries a lost response, but makes a new key for every attempt, so
+// the server cannot tell the retry from a new payment.
+func naiveLoop(ctx context.Context, e *env, in payment) error {
+	body, _ := json.Marshal(in)
+	hc := &http.Client{Transport: e.base}
+	for n := 1; n <= 3; n++ {
+		key := idem.NewKey() // the bug: this belongs outside the loop
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, e.url+"/v1/payments", bytes.NewReader(body))
+		if err != nil {
+			return err
+		}
+		req.Header.Set("Authorization", "Bearer "+token)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set("Idempotency-Key", key)
+		resp, err := hc.Do(req)
+		if err != nil {
+			if ctx.Err() != nil {
+				return ctx.Err()
+			}
+			e.tl.rawAttempt("naive", n, key, nil, err, "retry in 50ms, with a new key")
+			if err := sleep(ctx, 50*time.Millisecond); err != nil {
+				return err
+			}
+			continue
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		e.tl.rawAttempt("naive", n, key, resp, nil, "done")
+		if resp.StatusCode < 500 {
+			return nil
+		}
+	}
+	return errors.New("the naive loop gave up")
+}
+
+// sleep waits d or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// wrap breaks s into lines of at most width characters, at spaces.
+func wrap(s string, width int) []string {
+	var lines []string
+	var line strings.Builder
+	for _, word := range strings.Fields(s) {
+		if line.Len() > 0 && line.Len()+1+len(word) > width {
+			lines = append(lines, line.String())
+			line.Reset()
+		}
+		if line.Len() > 0 {
+			line.WriteByte(' ')
+		}
+		line.WriteString(word)
+	}
+	if line.Len() > 0 {
+		lines = append(lines, line.String())
+	}
+	return lines
+}
