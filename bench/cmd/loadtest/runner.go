@@ -1,0 +1,632 @@
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// runner holds what the scenarios share: the server under test and the
+// database the load test reads its counters from.
+type runner struct {
+	cfg    config
+	stdout io.Writer
+	stderr io.Writer
+
+	dir  string // temporary directory of the binary and logs
+	bin  string // the built server; "" with -server-url
+	help string // its -h text
+	srv  *proc  // the started server; nil with -server-url
+	url  string // base URL of the server under test
+	db   *pgxpool.Pool
+	logs int // server logs written, to name the next
+}
+
+func (r *runner) logf(format string, args ...any) {
+	fmt.Fprintf(r.stderr, "loadtest: "+format+"\n", args...)
+}
+
+// setup builds and starts the server (or checks -server-url) and connects
+// to the database for its counters.
+func (r *runner) setup(ctx context.Context) error {
+	if r.cfg.databaseURL != "" {
+		pool, err := pgxpool.New(ctx, r.cfg.databaseURL)
+		if err != nil {
+			return fmt.Errorf("database: %w", err)
+		}
+		if err := pool.Ping(ctx); err != nil {
+			pool.Close()
+			return fmt.Errorf("database: %w", err)
+		}
+		r.db = pool
+	} else {
+		r.logf("no -database-url: the server uses its in-memory store, and commits per request are not counted")
+	}
+	if r.cfg.serverURL != "" {
+		r.url = strings.TrimRight(r.cfg.serverURL, "/")
+		p := &proc{url: r.url, exited: make(chan struct{})}
+		return waitHealthy(ctx, p, 10*time.Second)
+	}
+	dir, err := os.MkdirTemp("", "idem-loadtest-")
+	if err != nil {
+		return err
+	}
+	r.dir = dir
+	r.logf("building the server into %s", dir)
+	if r.bin, r.help, err = buildServer(ctx, dir); err != nil {
+		return err
+	}
+	r.srv, err = r.start(ctx, nil)
+	if err != nil {
+		return err
+	}
+	r.url = r.srv.url
+	r.logf("server %s started (log %s)", r.url, r.srv.logPath)
+	return nil
+}
+
+// start starts the built server with the common flags and extra.
+func (r *runner) start(ctx context.Context, extra []string) (*proc, error) {
+	args := []string{"-log-level", "warn"} // a log line per payment would be measured too
+	if r.cfg.databaseURL != "" {
+		args = append(args, "-database-url", r.cfg.databaseURL)
+	}
+	args = append(args, r.cfg.serverArgs...)
+	args = append(args, extra...)
+	r.logs++
+	return startServer(ctx, r.bin, args, filepath.Join(r.dir, fmt.Sprintf("server-%d.log", r.logs)))
+}
+
+func (r *runner) close() {
+	if r.srv != nil {
+		if err := r.srv.stop(); err != nil {
+			r.logf("%v", err)
+		}
+	}
+	if r.db != nil {
+		r.db.Close()
+	}
+	if r.dir != "" {
+		if r.cfg.keepServer {
+			r.logf("kept %s", r.dir)
+		} else {
+			os.RemoveAll(r.dir)
+		}
+	}
+}
+
+// result is the outcome of one scenario.
+type result struct {
+	Scenario string  `json:"scenario"`
+	Requests int     `json:"requests"`
+	ReqPerS  float64 `json:"req_per_s"`
+	P50      float64 `json:"p50_ms"`
+	P99      float64 `json:"p99_ms"`
+	P999     float64 `json:"p999_ms"`
+	Errors   int     `json:"errors"`
+
+	Concurrency int            `json:"concurrency"`
+	Statuses    map[string]int `json:"statuses"`        // by HTTP status; "0" for transport errors
+	Replayed    int            `json:"replayed"`        // answers with Idempotent-Replayed: true
+	Commits     *float64       `json:"commits_per_req"` // database transactions per request; null when not counted
+	Purge       *purgeResult   `json:"purge,omitempty"` // retention only
+	Note        string         `json:"note,omitempty"`  // what the figures mean, when it is not obvious
+	FirstError  string         `json:"first_error,omitempty"`
+}
+
+// purgeResult is what the retention scenario adds.
+type purgeResult struct {
+	Keys        int     `json:"keys"`
+	Seconds     float64 `json:"seconds"`
+	RowsPerS    float64 `json:"rows_per_s"`
+	P99Before   float64 `json:"p99_before_ms"`
+	P99During   float64 `json:"p99_during_ms"`
+	ReqPerSPrev float64 `json:"req_per_s_before"`
+	Finished    bool    `json:"finished"`
+}
+
+func (r *runner) scenario(ctx context.Context, name string) (result, error) {
+	switch name {
+	case "first":
+		return r.first(ctx, r.url, "first")
+	case "replay":
+		return r.replay(ctx)
+	case "unkeyed":
+		return r.unkeyed(ctx)
+	case "conflict":
+		return r.conflict(ctx)
+	case "retention":
+		return r.retention(ctx)
+	}
+	return result{}, fmt.Errorf("unknown scenario %q", name)
+}
+
+func (r *runner) measure() window {
+	from := time.Now().Add(r.cfg.warmup)
+	return window{from: from, to: from.Add(r.cfg.duration)}
+}
+
+// first measures first executions: every request has a new key.
+func (r *runner) first(ctx context.Context, base, name string) (result, error) {
+	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
+	defer c.close()
+	w := r.measure()
+	var t *tally
+	commits, err := r.countCommits(ctx, w, func() {
+		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
+			return c.post(ctx, uuid.NewString(), paymentBody(seq))
+		}, isStatus(http.StatusCreated, false))
+	})
+	if err != nil {
+		return result{}, err
+	}
+	return r.summarize(name, t, w, commits), nil
+}
+
+// replay creates replayKeys payments, then measures retries of them.
+func (r *runner) replay(ctx context.Context) (result, error) {
+	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	defer c.close()
+	n := r.cfg.replayKeys
+	keys := make([]string, n)
+	for i := range keys {
+		keys[i] = uuid.NewString()
+	}
+	// Create them, untimed, with the same concurrency.
+	errs := make(chan error, r.cfg.concurrency)
+	var next sync.Mutex
+	i := 0
+	var wg sync.WaitGroup
+	for range r.cfg.concurrency {
+		wg.Go(func() {
+			for {
+				next.Lock()
+				k := i
+				i++
+				next.Unlock()
+				if k >= n || ctx.Err() != nil {
+					return
+				}
+				if o := c.post(ctx, keys[k], paymentBody(int64(k))); o.status != http.StatusCreated {
+					errs <- fmt.Errorf("creating the keys to replay: %s", describe(o))
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return result{}, err
+	}
+	w := r.measure()
+	var t *tally
+	commits, err := r.countCommits(ctx, w, func() {
+		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
+			k := int(seq % int64(n))
+			return c.post(ctx, keys[k], paymentBody(int64(k)))
+		}, isStatus(http.StatusCreated, true))
+	})
+	if err != nil {
+		return result{}, err
+	}
+	return r.summarize("replay", t, w, commits), nil
+}
+
+// unkeyed measures the same payment without the idempotency layer: on a
+// second server started with -no-idempotency, or at -unkeyed-url.
+func (r *runner) unkeyed(ctx context.Context) (result, error) {
+	base := r.cfg.unkeyedURL
+	if base == "" {
+		if r.bin == "" {
+			return result{}, fmt.Errorf("%w: with -server-url, pass -unkeyed-url: the URL of a server started with -no-idempotency", errSkipped)
+		}
+		if !hasFlag(r.help, "no-idempotency") {
+			return result{}, fmt.Errorf("%w: idem-server has no -no-idempotency flag, so there is no payment route without the idempotency layer to compare with", errSkipped)
+		}
+		// Only one server runs at a time, so that they do not share the
+		// machine's two cores.
+		if err := r.srv.stop(); err != nil {
+			return result{}, err
+		}
+		p, err := r.start(ctx, []string{"-no-idempotency"})
+		if err != nil {
+			return result{}, err
+		}
+		defer func() {
+			p.stop()
+			if p, err := r.start(ctx, nil); err == nil {
+				r.srv, r.url = p, p.url
+			} else {
+				r.logf("restarting the server: %v", err)
+			}
+		}()
+		base = p.url
+	}
+	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
+	defer c.close()
+	w := r.measure()
+	var t *tally
+	commits, err := r.countCommits(ctx, w, func() {
+		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
+			return c.post(ctx, "", paymentBody(seq))
+		}, isStatus(http.StatusCreated, false))
+	})
+	if err != nil {
+		return result{}, err
+	}
+	return r.summarize("unkeyed", t, w, commits), nil
+}
+
+// conflict runs rounds in which every worker sends the same new key at
+// once: one request executes (201), the others find it started (409) or
+// completed (a replayed 201). A round starts when the last one has ended.
+func (r *runner) conflict(ctx context.Context) (result, error) {
+	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	defer c.close()
+	w := r.measure()
+	n := r.cfg.concurrency
+	ok := func(o outcome) bool {
+		return o.err == nil && (o.status == http.StatusCreated || o.status == http.StatusConflict)
+	}
+	tallies := make([]*tally, n)
+	for i := range tallies {
+		tallies[i] = newTally()
+	}
+	measured := 0
+	commits, err := r.countCommits(ctx, w, func() {
+		for round := int64(0); ctx.Err() == nil && measured < r.cfg.maxRequests; round++ {
+			start := time.Now()
+			if !start.Before(w.to) {
+				break
+			}
+			key, body := uuid.NewString(), paymentBody(round)
+			var wg sync.WaitGroup
+			gate := make(chan struct{})
+			for i := range n {
+				wg.Go(func() {
+					<-gate
+					s := time.Now()
+					o := c.post(ctx, key, body)
+					if !start.Before(w.from) {
+						tallies[i].add(s, time.Since(s), o, ok)
+					}
+				})
+			}
+			close(gate)
+			wg.Wait()
+			if !start.Before(w.from) {
+				measured += n
+			}
+		}
+	})
+	if err != nil {
+		return result{}, err
+	}
+	total := newTally()
+	for _, t := range tallies {
+		total.merge(t)
+	}
+	res := r.summarize("conflict", total, w, commits)
+	res.Note = fmt.Sprintf("rounds of %d concurrent requests with one key: 201 executed or replayed, 409 in progress", n)
+	return res, nil
+}
+
+// retention measures the first scenario on a freshly started server, then
+// again on a fresh server whose table holds expiredKeys expired keys, which
+// its purge job deletes from its start on.
+func (r *runner) retention(ctx context.Context) (result, error) {
+	if r.bin == "" || r.db == nil {
+		return result{}, fmt.Errorf("%w: retention needs -database-url and a server the load test starts (no -server-url)", errSkipped)
+	}
+	restart := func() error {
+		if err := r.srv.stop(); err != nil {
+			return err
+		}
+		p, err := r.start(ctx, nil)
+		if err != nil {
+			return err
+		}
+		r.srv, r.url = p, p.url
+		return nil
+	}
+	// Before: a fresh server, no expired keys.
+	if _, err := r.db.Exec(ctx, `DELETE FROM idempotency_keys WHERE client_id = 'loadtest_expired'`); err != nil {
+		return result{}, err
+	}
+	if err := restart(); err != nil {
+		return result{}, err
+	}
+	before, err := r.first(ctx, r.url, "retention-before")
+	if err != nil {
+		return result{}, err
+	}
+	r.logf("retention: before the purge: %.0f req/s, p99 %.2f ms", before.ReqPerS, before.P99)
+
+	// Stop the server, so that its purge job runs only once the keys are in.
+	if err := r.srv.stop(); err != nil {
+		return result{}, err
+	}
+	t0 := time.Now()
+	n := r.cfg.expiredKeys
+	_, err = r.db.Exec(ctx, `
+		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+			request_hash, fingerprint_version, status, operation_id, lock_token,
+			response_status, response_content_type, response_body, created_at, locked_at)
+		SELECT 'loadtest_expired', 'expired-' || g, 'POST', '/v1/payments',
+			sha256(g::text::bytea), 1, 'completed', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+			201, 'application/json', convert_to('{"id":"pay_expired_' || g || '"}', 'UTF8'),
+			now() - interval '48 hours' - g * interval '1 millisecond', now() - interval '48 hours'
+		FROM generate_series(1, $1::int) g`, n)
+	if err != nil {
+		return result{}, fmt.Errorf("inserting %d expired keys: %w", n, err)
+	}
+	if _, err := r.db.Exec(ctx, `VACUUM ANALYZE idempotency_keys`); err != nil {
+		return result{}, err
+	}
+	r.logf("retention: inserted %d expired keys in %s", n, time.Since(t0).Round(time.Millisecond))
+
+	// During: a fresh server purges at once while the load runs.
+	p, err := r.start(ctx, nil)
+	if err != nil {
+		return result{}, err
+	}
+	r.srv, r.url = p, p.url
+	purgeStart := p.started
+	done := make(chan time.Time, 1)
+	pollCtx, stopPoll := context.WithCancel(ctx)
+	defer stopPoll()
+	go func() {
+		for pollCtx.Err() == nil {
+			if v, err := purged(pollCtx, r.url); err == nil && v >= float64(n) {
+				done <- time.Now()
+				return
+			}
+			select {
+			case <-pollCtx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+		}
+	}()
+	// Run until the purge is done, within 10 minutes; the load goes on
+	// for the usual duration at least.
+	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	defer c.close()
+	w := r.measure()
+	w.to = w.from.Add(10 * time.Minute)
+	var purgeEnd time.Time
+	finished := false
+	loadCtx, stopLoad := context.WithCancel(ctx)
+	go func() {
+		select {
+		case purgeEnd = <-done:
+			finished = true
+			// Let the load go on to the usual duration when the purge was quick.
+			if min := w.from.Add(r.cfg.duration); purgeEnd.Before(min) {
+				time.Sleep(time.Until(min))
+			}
+		case <-time.After(time.Until(w.to)):
+		case <-ctx.Done():
+		}
+		stopLoad()
+	}()
+	t := drive(loadCtx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
+		return c.post(ctx, uuid.NewString(), paymentBody(seq))
+	}, isStatus(http.StatusCreated, false))
+	stopPoll()
+	if !finished {
+		purgeEnd = time.Now()
+	}
+	// "During" is the requests that started while the purge ran.
+	during := newTally()
+	during.statuses = t.statuses
+	during.errors, during.firstErr = t.errors, t.firstErr
+	for _, s := range t.samples {
+		if s.start.Before(purgeEnd) {
+			during.samples = append(during.samples, s)
+		}
+	}
+	span := window{from: w.from, to: purgeEnd}
+	if purgeEnd.Before(w.from) {
+		span.to = w.from.Add(time.Millisecond)
+	}
+	res := r.summarize("retention", during, span, nil)
+	secs := purgeEnd.Sub(purgeStart).Seconds()
+	res.Purge = &purgeResult{
+		Keys: n, Seconds: secs, RowsPerS: float64(n) / secs,
+		P99Before: before.P99, P99During: res.P99, ReqPerSPrev: before.ReqPerS, Finished: finished,
+	}
+	res.Note = "first executions while the purge job deletes the expired keys; purge timed from the server's start"
+	return res, nil
+}
+
+// purged reads idem_keys_purged_total from the server's /metrics.
+func purged(ctx context.Context, base string) (float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), "idem_keys_purged_total "); ok {
+			return strconv.ParseFloat(strings.TrimSpace(v), 64)
+		}
+	}
+	return 0, errors.New("no idem_keys_purged_total in /metrics")
+}
+
+// countCommits runs load and returns the database transactions committed
+// in w per request, or nil without a database. pg_stat_database is read at
+// the start and the end of the window while the load runs; backends
+// publish their counts at most a second late, which under steady load
+// shifts both ends alike.
+func (r *runner) countCommits(ctx context.Context, w window, load func()) (*commitCount, error) {
+	if r.db == nil {
+		load()
+		return nil, nil
+	}
+	cc := &commitCount{}
+	var wg sync.WaitGroup
+	var errFrom, errTo error
+	wg.Go(func() {
+		time.Sleep(time.Until(w.from))
+		cc.from, errFrom = r.commits(ctx)
+		time.Sleep(time.Until(w.to))
+		cc.to, errTo = r.commits(ctx)
+	})
+	load()
+	wg.Wait()
+	return cc, errors.Join(errFrom, errTo)
+}
+
+type commitCount struct{ from, to int64 }
+
+func (r *runner) commits(ctx context.Context) (int64, error) {
+	var n int64
+	err := r.db.QueryRow(ctx, `
+		SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
+	return n, err
+}
+
+// summarize turns a tally into a result.
+func (r *runner) summarize(name string, t *tally, w window, cc *commitCount) result {
+	lat := make([]time.Duration, len(t.samples))
+	for i, s := range t.samples {
+		lat[i] = s.latency
+	}
+	slices.Sort(lat)
+	res := result{
+		Scenario:    name,
+		Requests:    len(lat),
+		ReqPerS:     float64(len(lat)) / w.to.Sub(w.from).Seconds(),
+		P50:         ms(quantile(lat, 0.50)),
+		P99:         ms(quantile(lat, 0.99)),
+		P999:        ms(quantile(lat, 0.999)),
+		Errors:      t.errors,
+		Concurrency: r.cfg.concurrency,
+		Statuses:    make(map[string]int),
+		Replayed:    t.replayed,
+	}
+	for k, v := range t.statuses {
+		res.Statuses[strconv.Itoa(k)] = v
+	}
+	if cc != nil && len(lat) > 0 {
+		v := float64(cc.to-cc.from) / float64(len(lat))
+		res.Commits = &v
+	}
+	if t.firstErr != nil {
+		res.FirstError = t.firstErr.Error()
+	}
+	return res
+}
+
+// quantile returns the q-quantile of sorted (nearest rank).
+func quantile(sorted []time.Duration, q float64) time.Duration {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(q*float64(len(sorted))+0.999999) - 1
+	return sorted[max(0, min(i, len(sorted)-1))]
+}
+
+func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
+
+// isStatus returns the success test of a scenario: the status wanted, and
+// whether the answer must be a replay.
+func isStatus(status int, replayed bool) func(outcome) bool {
+	return func(o outcome) bool {
+		return o.err == nil && o.status == status && (!replayed || o.replayed)
+	}
+}
+
+func describe(o outcome) string {
+	if o.err != nil {
+		return o.err.Error()
+	}
+	return fmt.Sprintf("status %d", o.status)
+}
+
+func (r *runner) printJSON(res result) {
+	b, _ := json.Marshal(res)
+	fmt.Fprintf(r.stdout, "%s\n", b)
+}
+
+func printTable(w io.Writer, results []result) {
+	fmt.Fprintf(w, "%-10s %5s %9s %10s %9s %9s %9s %7s %8s  %s\n",
+		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "statuses")
+	for _, r := range results {
+		commits := "-"
+		if r.Commits != nil {
+			commits = fmt.Sprintf("%.2f", *r.Commits)
+		}
+		fmt.Fprintf(w, "%-10s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s  %s\n",
+			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, statusText(r))
+		if r.Purge != nil {
+			p := r.Purge
+			fmt.Fprintf(w, "%-10s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",
+				"", p.Keys, p.Seconds, p.RowsPerS, p.Finished, p.P99Before, p.P99During, p.P99During/p.P99Before)
+		}
+	}
+}
+
+func statusText(r result) string {
+	keys := make([]string, 0, len(r.Statuses))
+	for k := range r.Statuses {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	var b strings.Builder
+	for i, k := range keys {
+		if i > 0 {
+			b.WriteByte(' ')
+		}
+		fmt.Fprintf(&b, "%s:%d", k, r.Statuses[k])
+	}
+	if r.Replayed > 0 {
+		fmt.Fprintf(&b, " (replayed %d)", r.Replayed)
+	}
+	return b.String()
+}
+
+// printRatios prints the target ratios of the scenarios that ran.
+func (r *runner) printRatios(res map[string]result) {
+	out := r.stdout
+	if r.cfg.json {
+		out = r.stderr
+	}
+	ratio := func(name, num, den string, target float64) {
+		a, okA := res[num]
+		b, okB := res[den]
+		if !okA || !okB || b.ReqPerS == 0 {
+			fmt.Fprintf(out, "ratio %s/%s: not measured (%s and %s must both run)\n", num, den, num, den)
+			return
+		}
+		v := a.ReqPerS / b.ReqPerS
+		verdict := "met"
+		if v < target {
+			verdict = "MISSED"
+		}
+		fmt.Fprintf(out, "ratio %s: %s/%s req/s = %.2f (target >= %.1f: %s)\n", name, num, den, v, target, verdict)
+	}
+	ratio("(a)/(c)", "first", "unkeyed", 0.8)
+	ratio("(b)/(a)", "replay", "first", 1.5)
+}

@@ -1,0 +1,112 @@
+-- One first execution of POST /v1/payments on the reference server's
+-- PostgresStore, as pgbench runs it: claim the key, insert the card
+-- processor's charge, complete the key with the payment. GENERATED from
+-- server/postgres.go by bench/pgbench_test.go (go test -run
+-- TestPgbenchScripts -update); do not edit.
+--
+-- The statements are the server's, with its $n parameters as pgbench
+-- variables, and these changes, which pgbench needs and which leave the
+-- plans alone: unnamed result columns of the claim
+-- and the charge are named (\gset needs names); the
+-- charge's $1 is '' and $5 NULL, as the server sends them; the payment
+-- arrays $8 to $16 are one-element ARRAY[...] of variables (pgbench cannot
+-- build array literals), the created_at one ARRAY[now()].
+--
+-- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
+-- lockus retus status ctype hdr body customer currency.
+
+\set key random(1, 9000000000000000000)
+\set amount random(100, 100000)
+
+-- claimSQL
+WITH existing AS (
+    SELECT k.*,
+        (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond') AS expired,
+        (k.status = 'started'
+            AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
+            AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale
+    FROM idempotency_keys k
+    WHERE k.client_id = :client AND k.idempotency_key = :key
+), renewed AS (
+    UPDATE idempotency_keys k SET
+        request_method = :method,
+        request_path = :path,
+        request_hash = :fp,
+        fingerprint_version = :fpver,
+        status = 'started',
+        operation_id = CASE WHEN :retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond'
+            THEN gen_random_uuid() ELSE k.operation_id END,
+        lock_token = nextval('idempotency_lock_tokens'),
+        created_at = CASE WHEN :retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond'
+            THEN now() ELSE k.created_at END,
+        locked_at = now(),
+        response_status = NULL,
+        response_content_type = NULL,
+        response_headers = NULL,
+        response_body = NULL
+    WHERE k.client_id = :client AND k.idempotency_key = :key
+        AND ((:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
+            OR (k.status = 'started'
+                AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
+                AND k.fingerprint_version = :fpver AND k.request_hash = :fp))
+    RETURNING k.lock_token, k.operation_id, k.created_at = now() AS fresh
+), inserted AS (
+    INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
+    SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now()
+    WHERE NOT EXISTS (SELECT FROM existing)
+    ON CONFLICT (client_id, idempotency_key) DO NOTHING
+    RETURNING lock_token, operation_id
+)
+SELECT 1 AS outcome, lock_token, operation_id::text,
+    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false AS lost
+FROM inserted
+UNION ALL
+SELECT CASE WHEN fresh THEN 1 ELSE 2 END, lock_token, operation_id::text,
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+FROM renewed
+UNION ALL
+SELECT 3, NULL, NULL,
+    request_method, request_path, request_hash, fingerprint_version, status,
+    response_status, response_content_type, response_headers, response_body, created_at, locked_at,
+    expired OR stale
+FROM existing
+WHERE NOT EXISTS (SELECT FROM renewed)
+\gset
+
+-- createChargeSQL (the fake card processor)
+WITH inserted AS (
+    INSERT INTO charges (charge_id, idempotency_key, amount, currency, created_at)
+    VALUES (coalesce(nullif('', ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), :key, :amount, :currency, coalesce(NULL::timestamptz, now()))
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING charge_id, idempotency_key, amount, currency, created_at
+)
+SELECT charge_id, idempotency_key, amount, currency, created_at, true AS created FROM inserted
+UNION ALL
+SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM charges
+WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
+\gset ch_
+
+-- completeSQL
+WITH done AS (
+    UPDATE idempotency_keys SET
+        status = 'completed',
+        response_status = :status,
+        response_content_type = :ctype,
+        response_headers = :hdr,
+        response_body = :body
+    WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
+    RETURNING 1
+), paid AS (
+    INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
+        idempotency_key, operation_id, charge_id, created_at)
+    SELECT p.id, p.client_id, p.customer, p.amount, p.currency,
+        p.key, nullif(p.operation, '')::uuid, nullif(p.charge, ''), coalesce(p.created_at, now())
+    FROM unnest(ARRAY[:key]::text[], ARRAY[:client]::text[], ARRAY[:customer]::text[], ARRAY[:amount]::bigint[], ARRAY[:currency]::text[],
+            ARRAY[:key]::text[], ARRAY[:operation_id]::text[], ARRAY[:ch_charge_id]::text[], ARRAY[now()]::timestamptz[])
+        AS p(id, client_id, customer, amount, currency, key, operation, charge, created_at)
+    WHERE EXISTS (SELECT FROM done)
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM paid);

@@ -1,0 +1,168 @@
+package bench
+
+import (
+	"flag"
+	"fmt"
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+)
+
+var update = flag.Bool("update", false, "rewrite pgbench/*.sql from ../server/postgres.go")
+
+// TestPgbenchScripts checks that pgbench/first.sql and
+// pgbench/first-async.sql still run the statements of one first execution
+// of the reference server, as server/postgres.go has them, with the
+// substitutions listed in pgbenchHeader. Run with -update to rewrite them.
+func TestPgbenchScripts(t *testing.T) {
+	src, err := os.ReadFile("../server/postgres.go")
+	if err != nil {
+		t.Skipf("server/postgres.go not found: %v", err)
+	}
+	for _, async := range []bool{false, true} {
+		name := "pgbench/first.sql"
+		if async {
+			name = "pgbench/first-async.sql"
+		}
+		want, err := pgbenchScript(string(src), async)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if *update {
+			if err := os.WriteFile(name, []byte(want), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		got, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if string(got) != want {
+			t.Errorf("%s is not the server's SQL any more; run go test -run TestPgbenchScripts -update", name)
+		}
+	}
+}
+
+const pgbenchHeader = `-- One first execution of POST /v1/payments on the reference server's
+-- PostgresStore, as pgbench runs it: claim the key, insert the card
+-- processor's charge, complete the key with the payment. GENERATED from
+-- server/postgres.go by bench/pgbench_test.go (go test -run
+-- TestPgbenchScripts -update); do not edit.
+--
+-- The statements are the server's, with its $n parameters as pgbench
+-- variables, and these changes, which pgbench needs and which leave the
+-- plans alone: unnamed result columns of the claim
+-- and the charge are named (\gset needs names); the
+-- charge's $1 is '' and $5 NULL, as the server sends them; the payment
+-- arrays $8 to $16 are one-element ARRAY[...] of variables (pgbench cannot
+-- build array literals), the created_at one ARRAY[now()].
+--
+-- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
+-- lockus retus status ctype hdr body customer currency.
+`
+
+// pgbenchScript builds a pgbench script from the server's source.
+func pgbenchScript(src string, async bool) (string, error) {
+	claim, err := goConst(src, "claimSQL")
+	if err != nil {
+		return "", err
+	}
+	charge, err := goConst(src, "createChargeSQL")
+	if err != nil {
+		return "", err
+	}
+	complete, err := goConst(src, "completeSQL")
+	if err != nil {
+		return "", err
+	}
+	const firstCol = "SELECT 1, lock_token, operation_id::text,"
+	if !strings.Contains(claim, firstCol) {
+		return "", fmt.Errorf("claimSQL has no %q any more; update pgbenchScript", firstCol)
+	}
+	claim = strings.Replace(claim, firstCol, "SELECT 1 AS outcome, lock_token, operation_id::text,", 1)
+	const lastCol = ", false\nFROM inserted"
+	if !strings.Contains(claim, lastCol) {
+		return "", fmt.Errorf("claimSQL has no %q any more; update pgbenchScript", lastCol)
+	}
+	claim = strings.Replace(claim, lastCol, ", false AS lost\nFROM inserted", 1)
+	claim, err = params(claim, map[int]string{
+		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
+	})
+	if err != nil {
+		return "", fmt.Errorf("claimSQL: %w", err)
+	}
+	const createdCol = "created_at, true FROM inserted"
+	if !strings.Contains(charge, createdCol) {
+		return "", fmt.Errorf("createChargeSQL has no %q any more; update pgbenchScript", createdCol)
+	}
+	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
+	charge, err = params(charge, map[int]string{
+		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
+	})
+	if err != nil {
+		return "", fmt.Errorf("createChargeSQL: %w", err)
+	}
+	complete, err = params(complete, map[int]string{
+		1: ":client", 2: ":key", 3: ":lock_token", 4: ":status", 5: ":ctype", 6: ":hdr", 7: ":body",
+		8: "ARRAY[:key]", 9: "ARRAY[:client]", 10: "ARRAY[:customer]", 11: "ARRAY[:amount]",
+		12: "ARRAY[:currency]", 13: "ARRAY[:key]", 14: "ARRAY[:operation_id]", 15: "ARRAY[:ch_charge_id]",
+		16: "ARRAY[now()]",
+	})
+	if err != nil {
+		return "", fmt.Errorf("completeSQL: %w", err)
+	}
+	var b strings.Builder
+	b.WriteString(pgbenchHeader)
+	if async {
+		b.WriteString("--\n-- first-async.sql: the claim commits with synchronous_commit = off, as\n" +
+			"-- PostgresStore.AsyncClaims does. The store sends the setting and the claim\n" +
+			"-- in one pipeline (one round trip); pgbench allows no \\gset in a pipeline,\n" +
+			"-- so here they run in BEGIN ... COMMIT: three more loopback round trips, no\n" +
+			"-- more WAL flushes.\n")
+	}
+	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
+	if async {
+		async, err := goConst(src, "asyncCommitSQL")
+		if err != nil {
+			return "", err
+		}
+		b.WriteString("BEGIN;\n" + strings.TrimSpace(async) + ";\n")
+	}
+	b.WriteString("-- claimSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
+	if async {
+		b.WriteString("COMMIT;\n")
+	}
+	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
+	b.WriteString("\n-- completeSQL\n" + strings.TrimSpace(complete) + ";\n")
+	return b.String(), nil
+}
+
+// goConst returns the raw string constant name of Go source src.
+func goConst(src, name string) (string, error) {
+	re := regexp.MustCompile("(?s)\nconst " + name + " = `(.*?)`")
+	m := re.FindStringSubmatch(src)
+	if m == nil {
+		return "", fmt.Errorf("no raw string constant %s in server/postgres.go", name)
+	}
+	return m[1], nil
+}
+
+var paramRE = regexp.MustCompile(`\$(\d+)`)
+
+// params replaces the $n parameters of sql with vars[n]; every parameter
+// must have one.
+func params(sql string, vars map[int]string) (string, error) {
+	var missing error
+	out := paramRE.ReplaceAllStringFunc(sql, func(p string) string {
+		var n int
+		fmt.Sscan(p[1:], &n)
+		v, ok := vars[n]
+		if !ok {
+			missing = fmt.Errorf("parameter %s has no pgbench variable", p)
+		}
+		return v
+	})
+	return out, missing
+}
