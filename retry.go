@@ -111,8 +111,10 @@ func (p RetryPolicy) withDefaults() RetryPolicy {
 	if p.Multiplier == 0 {
 		p.Multiplier = DefaultMultiplier
 	}
-	p.Multiplier = max(p.Multiplier, 1)
-	if p.Jitter <= 0 || p.Jitter > 1 {
+	if !(p.Multiplier >= 1) { // below 1, or NaN from a parsed config
+		p.Multiplier = 1
+	}
+	if !(p.Jitter > 0 && p.Jitter <= 1) { // out of range, or NaN
 		p.Jitter = DefaultJitter
 	}
 	if p.MaxElapsedTime <= 0 {

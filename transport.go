@@ -120,7 +120,15 @@ type Attempt struct {
 	Err      error
 	Retry    bool          // whether another attempt follows
 	Wait     time.Duration // the wait before it
-	Reason   string        // why: "backoff", "Retry-After", "409: still running", "attempts exhausted", …
+	// Reason says why. When Retry is true it names the wait: "backoff",
+	// "Retry-After", or "409: still running, " and either. When the
+	// operation ends with this attempt it is the response's status line
+	// (Response.Status) or the error's kind ("connection reset", …) if the
+	// outcome called for no retry, or why no retry could be made:
+	// "attempts exhausted", "retry budget exhausted", "conflict budget
+	// exhausted", "wait would pass MaxElapsedTime", "422: key used for
+	// another request", and so on.
+	Reason string
 }
 
 // Replayed reports whether resp is a replay of an earlier outcome: the
@@ -226,7 +234,7 @@ func (op *operation) run() (*http.Response, error) {
 		}
 		switch v {
 		case done:
-			return op.finish(resp, err, cancel, reason)
+			return op.finish(resp, err, cancel, reason, false)
 		case keyReuse:
 			problem, _ := readProblem(resp)
 			cancel()
@@ -236,7 +244,7 @@ func (op *operation) run() (*http.Response, error) {
 		wait, why, end := op.plan(v, resp)
 		switch end {
 		case endFinish:
-			return op.finish(resp, err, cancel, why)
+			return op.finish(resp, err, cancel, why, true)
 		case endInProgress:
 			return op.inProgress(resp, cancel, why)
 		case endBudget:
@@ -386,12 +394,15 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 	return resp, cancel, err
 }
 
-// finish hands the outcome of the last attempt to the caller.
-func (op *operation) finish(resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
+// finish hands the outcome of the last attempt to the caller. gaveUp says
+// the outcome called for a retry that could not be made; an error is then a
+// RetryError, as it is after any retry. Only the error of a first attempt
+// that is not retryable comes back as it is.
+func (op *operation) finish(resp *http.Response, err error, cancel func(), why string, gaveUp bool) (*http.Response, error) {
 	if err != nil {
 		cancel()
 		op.report(nil, err, false, 0, why)
-		if op.attempts > 1 {
+		if op.attempts > 1 || gaveUp {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 		}
 		return nil, err
