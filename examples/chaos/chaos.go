@@ -1,0 +1,327 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	mrand "math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem/internal/faultproxy"
+)
+
+// Random streams derived from the seed, one per user, so that each draws
+// the same sequence whatever the others do.
+const (
+	streamProxy = iota + 1
+	streamKills
+	streamTerminations
+	streamClients // + client number
+)
+
+// stopTimeout bounds the graceful stop of a replica at the end of a run.
+const stopTimeout = 15 * time.Second
+
+// chaos is one run in progress.
+type chaos struct {
+	cfg   config
+	out   *syncWriter
+	start time.Time
+	db    *database
+	fleet *fleet
+	proxy *faultproxy.Proxy
+
+	mu                 sync.Mutex
+	kills              int
+	terminationRounds  int
+	backendsTerminated int
+	errs               []error // failures of the fault goroutines
+}
+
+// report is what a run found.
+type report struct {
+	cfg         config
+	schema      string
+	proxy       faultproxy.Stats
+	kills       int
+	termRounds  int
+	terminated  int
+	stats       *stats
+	ops         []*op
+	db          dbState
+	verdict     verdict
+	logsKeptIn  string
+	stopProblem error
+	serverLogs  map[string]int64 // the replicas' log records, by message
+}
+
+// runChaos runs the test and prints its report to stdout.
+func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, err error) {
+	out := &syncWriter{w: stdout}
+	runID := randomID()
+	schema := "idem_chaos_" + runID
+	db, err := openDatabase(ctx, cfg.databaseURL, schema, "idem-chaos-"+runID)
+	if err != nil {
+		return nil, err
+	}
+	defer func() {
+		if cerr := db.close(cfg.keepSchema); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+	}()
+
+	tmp, err := os.MkdirTemp("", "idem-chaos-")
+	if err != nil {
+		return nil, err
+	}
+	keepLogs := false
+	defer func() {
+		if !keepLogs {
+			os.RemoveAll(tmp)
+		}
+	}()
+	logsDir := tmp
+	if cfg.logsDir != "" {
+		logsDir = cfg.logsDir
+		if err := os.MkdirAll(logsDir, 0o755); err != nil {
+			return nil, err
+		}
+	}
+	bin := cfg.serverBin
+	if bin == "" {
+		fmt.Fprintln(out, "building idem-server …")
+		if bin, err = buildServer(ctx, tmp); err != nil {
+			return nil, err
+		}
+	}
+
+	c := &chaos{cfg: cfg, out: out, db: db, fleet: &fleet{logs: map[string]int64{}}}
+	accts := accounts(cfg.accounts)
+	for i := range cfg.replicas {
+		app := fmt.Sprintf("idem-chaos-%s-r%d", runID, i)
+		c.fleet.replicas = append(c.fleet.replicas, &replica{
+			n:       i,
+			appName: app,
+			bin:     bin,
+			args: []string{
+				"-database-url", db.serverURL(app),
+				"-api-keys", apiKeysFlag(accts),
+				"-lock-timeout", cfg.lockTimeout.String(),
+				"-processor-delay", cfg.processorDelay.String(),
+				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
+				"-shutdown-timeout", (stopTimeout - 5*time.Second).String(),
+				"-log-format", "json",
+			},
+			logPath: filepath.Join(logsDir, fmt.Sprintf("replica-%d.log", i)),
+			onLog:   c.fleet.countLog,
+		})
+	}
+	defer c.fleet.stopAll(stopTimeout) // on the error paths; a no-op after the stop below
+	var targets []string
+	for _, r := range c.fleet.replicas {
+		addr, err := r.start(ctx)
+		if err != nil {
+			keepLogs = true
+			return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
+		}
+		targets = append(targets, addr)
+	}
+
+	c.proxy, err = faultproxy.Listen("127.0.0.1:0", faultproxy.Config{
+		Targets:  targets,
+		Seed:     seedFor(cfg.seed, streamProxy),
+		Mix:      cfg.mix,
+		StallFor: 3 * cfg.attemptTimeout,
+	})
+	if err != nil {
+		return nil, err
+	}
+	defer c.proxy.Close()
+
+	printHeader(out, cfg, schema, redactURL(cfg.databaseURL))
+	st := newStats()
+	cl, base := newClients(cfg, "http://"+c.proxy.Addr(), st)
+	defer base.CloseIdleConnections()
+
+	c.start = time.Now()
+	runCtx, endRun := context.WithCancel(ctx)
+	defer endRun()
+	newOps, endNewOps := context.WithTimeout(runCtx, cfg.duration)
+	defer endNewOps()
+
+	var faults sync.WaitGroup
+	faults.Go(func() { c.killer(ctx, newOps, rng(cfg.seed, streamKills)) })
+	faults.Go(func() { c.terminator(newOps, rng(cfg.seed, streamTerminations)) })
+	var workers sync.WaitGroup
+	for w := range cfg.clients {
+		r := rng(cfg.seed, streamClients+uint64(w))
+		workers.Go(func() { cl.run(runCtx, newOps, w, r) })
+	}
+	settled := make(chan struct{})
+	go func() {
+		workers.Wait()
+		close(settled)
+	}()
+
+	<-newOps.Done()
+	c.proxy.SetMix(faultproxy.Mix{})
+	faults.Wait() // a replica being restarted is back
+	if err := ctx.Err(); err != nil {
+		endRun()
+		<-settled
+		return nil, err
+	}
+	c.event("faults off: %d operations without a definitive answer yet; waiting up to %s for them", cl.pending.Load(), cfg.grace)
+	grace := time.NewTimer(cfg.grace)
+	select {
+	case <-settled:
+		c.event("every client has a definitive answer for every operation")
+	case <-grace.C:
+		endRun()
+		<-settled
+		c.event("grace period over: %d operations without a definitive answer", cl.pending.Load())
+	case <-ctx.Done():
+		<-settled
+	}
+	grace.Stop()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	if err := errors.Join(c.errs...); err != nil {
+		keepLogs = true
+		return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
+	}
+
+	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps()}
+	c.proxy.Close()
+	rep.proxy = c.proxy.Stats()
+	rep.stopProblem = c.fleet.stopAll(stopTimeout)
+	rep.kills, rep.termRounds, rep.terminated = c.kills, c.terminationRounds, c.backendsTerminated
+	rep.serverLogs = c.fleet.logCounts()
+
+	lctx, cancel := context.WithTimeout(ctx, time.Minute)
+	defer cancel()
+	if rep.db, err = db.load(lctx); err != nil {
+		return nil, err
+	}
+	rep.verdict = check(rep.ops, rep.db)
+	if cfg.logsDir != "" || rep.verdict.err() != nil || rep.stopProblem != nil {
+		keepLogs = true
+		rep.logsKeptIn = logsDir
+	}
+	rep.print(out)
+	return rep, nil
+}
+
+// killer kills a replica with SIGKILL at cfg.kills random times while
+// faults runs, and starts it again after a short random downtime. A
+// restart is finished even after faults is done; it stops only when ctx is.
+func (c *chaos) killer(ctx, faults context.Context, rng *mrand.Rand) {
+	for _, at := range schedule(rng, c.cfg.kills, c.cfg.duration) {
+		if !sleep(faults, time.Until(c.start.Add(at))) {
+			return
+		}
+		i := rng.IntN(len(c.fleet.replicas))
+		down := 200*time.Millisecond + time.Duration(rng.Int64N(int64(time.Second)))
+		c.fleet.mu.Lock()
+		r := c.fleet.replicas[i]
+		pid := r.pid()
+		r.kill()
+		c.count(func() { c.kills++ })
+		c.event("kill -9 replica %d (pid %d); down for %s", i, pid, down.Round(time.Millisecond))
+		sleep(ctx, down)
+		addr, err := r.start(ctx)
+		for try := 1; err != nil && try < 3 && ctx.Err() == nil; try++ {
+			c.event("replica %d failed to start (%v); trying again", i, err)
+			sleep(ctx, time.Second)
+			addr, err = r.start(ctx)
+		}
+		c.fleet.mu.Unlock()
+		if err != nil {
+			c.count(func() { c.errs = append(c.errs, fmt.Errorf("restarting replica %d: %w", i, err)) })
+			return
+		}
+		c.proxy.SetTarget(i, addr)
+		c.event("replica %d back (pid %d, %s)", i, r.pid(), addr)
+	}
+}
+
+// terminator terminates the PostgreSQL backends of a random replica at
+// cfg.terminations random times while ctx runs.
+func (c *chaos) terminator(ctx context.Context, rng *mrand.Rand) {
+	for _, at := range schedule(rng, c.cfg.terminations, c.cfg.duration) {
+		if !sleep(ctx, time.Until(c.start.Add(at))) {
+			return
+		}
+		i := rng.IntN(len(c.fleet.replicas))
+		tctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		n, err := c.db.terminate(tctx, c.fleet.replicas[i].appName)
+		cancel()
+		if err != nil {
+			if ctx.Err() == nil {
+				c.event("pg_terminate_backend for replica %d failed: %v", i, err)
+			}
+			continue
+		}
+		c.count(func() { c.terminationRounds++; c.backendsTerminated += n })
+		c.event("pg_terminate_backend: %d backends of replica %d", n, i)
+	}
+}
+
+func (c *chaos) count(f func()) {
+	c.mu.Lock()
+	f()
+	c.mu.Unlock()
+}
+
+// event prints a line of the run's timeline.
+func (c *chaos) event(format string, args ...any) {
+	fmt.Fprintf(c.out, "  %6.1fs  %s\n", time.Since(c.start).Seconds(), fmt.Sprintf(format, args...))
+}
+
+// schedule returns n sorted random offsets within the middle 80% of d.
+func schedule(rng *mrand.Rand, n int, d time.Duration) []time.Duration {
+	ts := make([]time.Duration, n)
+	for i := range ts {
+		ts[i] = d/10 + time.Duration(rng.Int64N(int64(d*8/10)+1))
+	}
+	slices.Sort(ts)
+	return ts
+}
+
+// seedFor derives the seed of one random stream from the run's seed.
+func seedFor(seed, stream uint64) uint64 {
+	return mrand.New(mrand.NewPCG(seed, stream)).Uint64()
+}
+
+func rng(seed, stream uint64) *mrand.Rand {
+	return mrand.New(mrand.NewPCG(seed, stream))
+}
+
+// randomID names a run's schema and connections; it is not derived from
+// the seed, so that two runs with one seed on one database do not collide.
+func randomID() string {
+	var b [4]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// syncWriter serializes the writes of the run's goroutines.
+type syncWriter struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func (s *syncWriter) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.w.Write(p)
+}

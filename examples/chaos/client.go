@@ -1,0 +1,331 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// account is one API client of the payments API: a bearer token and the
+// client id the servers scope its keys by.
+type account struct{ token, id string }
+
+func accounts(n int) []account {
+	as := make([]account, n)
+	for i := range as {
+		as[i] = account{token: fmt.Sprintf("sk_chaos_%d", i), id: fmt.Sprintf("chaos%d", i)}
+	}
+	return as
+}
+
+// apiKeysFlag is the idem-server -api-keys value for accounts.
+func apiKeysFlag(as []account) string {
+	s := ""
+	for i, a := range as {
+		if i > 0 {
+			s += ","
+		}
+		s += a.token + ":" + a.id
+	}
+	return s
+}
+
+// state is where a logical operation stands, as its client knows it.
+type state int
+
+const (
+	pending   state = iota // no definitive answer yet
+	succeeded              // 2xx: the payment exists
+	failed                 // a definitive error: the payment does not exist
+)
+
+// op is one logical payment. Its amount and customer are unique to it, so
+// the final check finds its payment and its downstream charge in the
+// database whatever key they were made with.
+type op struct {
+	n        int
+	account  account
+	key      string
+	amount   int64
+	customer string
+
+	// Owned by the client goroutine that made the op until the clients
+	// are done.
+	state     state
+	calls     int
+	start     time.Time
+	end       time.Time // of the definitive answer
+	next      time.Time // when to call again, while pending
+	paymentID string    // as the API answered
+	chargeID  string
+	replayed  bool   // the success was a replay of an earlier attempt's outcome
+	last      string // the last unknown outcome or the definitive error
+}
+
+func newOp(n int, a account) *op {
+	return &op{
+		n:        n,
+		account:  a,
+		key:      idem.NewKey(),
+		amount:   amountOf(n),
+		customer: customerOf(n),
+	}
+}
+
+func amountOf(n int) int64    { return 1000 + int64(n) }
+func customerOf(n int) string { return fmt.Sprintf("cus_chaos_%d", n) }
+
+// outcome is what one call taught the client about its operation.
+type outcome struct {
+	state  state  // pending: unknown
+	reason string // why it is unknown, or the definitive error
+}
+
+// classify maps the result of one idem.Client call to what the caller
+// knows. Only a 2xx and a definitive error settle an operation: every
+// other outcome may or may not have been processed, and the operation must
+// be asked about again with the same key.
+func classify(err error) outcome {
+	if err == nil {
+		return outcome{state: succeeded}
+	}
+	var (
+		reuse      *idem.KeyReuseError
+		inProgress *idem.InProgressError
+		retryErr   *idem.RetryError
+		apiErr     *idem.APIError
+	)
+	switch {
+	case errors.As(err, &reuse):
+		return outcome{failed, "422 key reused"}
+	case errors.As(err, &inProgress):
+		return outcome{pending, "still in progress (409s)"}
+	case errors.Is(err, idem.ErrBudgetExhausted):
+		return outcome{pending, "retry budget exhausted"}
+	case errors.As(err, &retryErr) && errors.Is(err, idem.ErrAttemptTimeout):
+		return outcome{pending, "attempts ran out: timeout"}
+	case errors.As(err, &retryErr):
+		return outcome{pending, "attempts ran out: connection error"}
+	case errors.As(err, &apiErr):
+		switch s := apiErr.StatusCode; {
+		case s >= 500, s == http.StatusRequestTimeout, s == http.StatusConflict, s == http.StatusTooManyRequests:
+			return outcome{pending, fmt.Sprintf("attempts ran out: %d", s)}
+		default:
+			return outcome{failed, fmt.Sprintf("%d %s", s, http.StatusText(s))}
+		}
+	}
+	return outcome{pending, "other error"}
+}
+
+// stats are the clients' counters, safe for concurrent use.
+type stats struct {
+	attempts atomic.Int64
+	mu       sync.Mutex
+	byResult map[string]int64 // attempts by result
+	unknown  map[string]int64 // calls with an unknown outcome, by reason
+	calls    int64
+}
+
+func newStats() *stats {
+	return &stats{byResult: map[string]int64{}, unknown: map[string]int64{}}
+}
+
+// onAttempt is the Transport's OnAttempt hook.
+func (s *stats) onAttempt(a idem.Attempt) {
+	s.attempts.Add(1)
+	var k string
+	switch {
+	case a.Err != nil && errors.Is(a.Err, idem.ErrAttemptTimeout):
+		k = "timeout"
+	case a.Err != nil:
+		k = "connection error"
+	case a.Response.StatusCode < 300:
+		if idem.Replayed(a.Response) {
+			k = "2xx replayed"
+		} else {
+			k = "2xx"
+		}
+	default:
+		k = fmt.Sprint(a.Response.StatusCode)
+	}
+	s.mu.Lock()
+	s.byResult[k]++
+	s.mu.Unlock()
+}
+
+func (s *stats) call(o outcome) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.calls++
+	if o.state == pending {
+		s.unknown[o.reason]++
+	}
+}
+
+// clients runs the client goroutines.
+type clients struct {
+	cfg      config
+	api      []*idem.Client // one per account
+	accounts []account
+	stats    *stats
+	seq      atomic.Int64 // op numbers
+
+	pending atomic.Int64 // ops without a definitive answer
+
+	mu  sync.Mutex
+	ops []*op // every op ever started
+}
+
+// newClients returns clients that call baseURL through one idem.Transport
+// (so one retry budget, as in a real process).
+func newClients(cfg config, baseURL string, st *stats) (*clients, *http.Transport) {
+	base := &http.Transport{
+		// One connection per attempt: the proxy draws its fault per
+		// connection, so every attempt gets a draw of its own.
+		DisableKeepAlives:     true,
+		ResponseHeaderTimeout: 4 * cfg.attemptTimeout,
+	}
+	var rt http.RoundTripper = base
+	if cfg.keyPerAttempt {
+		rt = newKeyPerAttempt{base}
+	}
+	tr := &idem.Transport{
+		Base: rt,
+		Retry: idem.RetryPolicy{
+			// Few attempts and a conflict budget shorter than the servers'
+			// lock timeout, so that some calls end without an answer
+			// (a RetryError, or an InProgressError while a killed
+			// server's key waits to be taken over) and their operations
+			// are asked about again by a later call, as an application
+			// would from its own queue.
+			MaxAttempts:     3,
+			InitialInterval: 50 * time.Millisecond,
+			MaxInterval:     time.Second,
+			MaxElapsedTime:  15 * time.Second,
+			AttemptTimeout:  cfg.attemptTimeout,
+			ConflictTimeout: cfg.lockTimeout * 3 / 4,
+		},
+		OnAttempt: st.onAttempt,
+	}
+	hc := &http.Client{Transport: tr}
+	c := &clients{cfg: cfg, accounts: accounts(cfg.accounts), stats: st}
+	for _, a := range c.accounts {
+		c.api = append(c.api, &idem.Client{BaseURL: baseURL, Token: a.token, HTTPClient: hc})
+	}
+	return c, base
+}
+
+// run runs client goroutine w: it starts new operations until newOps is
+// done, and asks again about each of its operations whose outcome is
+// unknown, later, with the same key, until it learns the outcome or ctx is
+// done.
+func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
+	acct := w % len(c.accounts)
+	var todo []*op // pending, in no order
+	for ctx.Err() == nil {
+		// The pending operation that is due first.
+		var o *op
+		due := -1
+		for i, p := range todo {
+			if due < 0 || p.next.Before(todo[due].next) {
+				due = i
+			}
+		}
+		now := time.Now()
+		switch {
+		case due >= 0 && !todo[due].next.After(now):
+			o = todo[due]
+			todo = append(todo[:due], todo[due+1:]...)
+		case newOps.Err() == nil:
+			o = newOp(int(c.seq.Add(1)), c.accounts[acct])
+			o.start = now
+			c.pending.Add(1)
+			c.mu.Lock()
+			c.ops = append(c.ops, o)
+			c.mu.Unlock()
+		case due < 0:
+			return // nothing pending and no new operations: done
+		default:
+			if !sleep(ctx, todo[due].next.Sub(now)) {
+				return
+			}
+			continue
+		}
+		c.call(ctx, acct, o)
+		if o.state == pending {
+			// Ask again later; the wait grows with the calls made.
+			wait := min(100*time.Millisecond<<min(o.calls-1, 5), 2*time.Second)
+			o.next = time.Now().Add(wait/2 + time.Duration(rng.Int64N(int64(wait))))
+			todo = append(todo, o)
+		}
+	}
+}
+
+// call makes one call for o and records what it learned.
+func (c *clients) call(ctx context.Context, acct int, o *op) {
+	o.calls++
+	var out struct {
+		ID     string `json:"id"`
+		Charge string `json:"charge"`
+	}
+	body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
+	resp, err := c.api[acct].Post(idem.WithKey(ctx, o.key), "/v1/payments", body, &out)
+	res := classify(err)
+	switch {
+	case res.state == succeeded && out.ID == "":
+		res = outcome{pending, "2xx without a payment id"}
+	case res.state == pending && ctx.Err() != nil:
+		res = outcome{pending, "run ended"}
+	}
+	c.stats.call(res)
+	switch res.state {
+	case pending:
+		o.last = res.reason
+	case succeeded:
+		c.pending.Add(-1)
+		o.state, o.end = succeeded, time.Now()
+		o.paymentID, o.chargeID = out.ID, out.Charge
+		o.replayed = idem.Replayed(resp)
+	case failed:
+		c.pending.Add(-1)
+		o.state, o.end = failed, time.Now()
+		o.last = fmt.Sprintf("%s: %v", res.reason, err)
+	}
+}
+
+// newKeyPerAttempt replaces the key of every attempt with a new one: the
+// classic client bug that idem exists to prevent, for -bug-key-per-attempt.
+type newKeyPerAttempt struct{ base http.RoundTripper }
+
+func (t newKeyPerAttempt) RoundTrip(req *http.Request) (*http.Response, error) {
+	r := req.Clone(req.Context())
+	r.Header.Set("Idempotency-Key", idem.NewKey())
+	return t.base.RoundTrip(r)
+}
+
+// sleep waits d or until ctx is done; it reports whether it waited d.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}
+
+// allOps returns every operation started. Their fields may be read only
+// once the client goroutines have returned.
+func (c *clients) allOps() []*op {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return append([]*op(nil), c.ops...)
+}

@@ -1,0 +1,159 @@
+// Command chaos is idem's exactly-once test under real faults: it runs many
+// logical payments from concurrent clients against several replicas of the
+// reference server (the real idem-server binary) sharing one PostgreSQL
+// database, while a fault-injecting proxy between them resets connections,
+// drops and stalls answers the servers already sent, and adds latency;
+// while server processes are killed with SIGKILL and restarted; and while
+// the servers' PostgreSQL backends are terminated. Then it checks against
+// the database that every operation has exactly one payment and at most one
+// downstream charge, and that every client learned the outcome of every
+// operation:
+//
+//	go run ./examples/chaos -duration 30s -seed 1
+//
+// A client whose call ends with an unknown outcome (an idem.RetryError or
+// idem.InProgressError, a 5xx, a cut connection) retries the same operation
+// later with the same key (idem.WithKey), as the SDK's documentation tells
+// users to, until it gets a definitive answer or the grace period after the
+// faults ends. The run prints the faults it injected, the clients' figures
+// and, last, three lines:
+//
+//	operations: 4711
+//	duplicates: 0
+//	lost: 0
+//
+// and exits with status 1 if an invariant failed. It needs PostgreSQL (by
+// default the local server, postgres://postgres@127.0.0.1:5432/postgres; see
+// -database-url), creates a schema of its own there, and drops it at the
+// end. Everything listens on loopback only, and the run stops by itself.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/idemkit/idem/internal/faultproxy"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	err := run(ctx, os.Args[1:], os.Stdout)
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+	case err != nil:
+		fmt.Fprintln(os.Stderr, "chaos:", err)
+		stop()
+		os.Exit(1)
+	}
+}
+
+// defaultDatabaseURL is the local PostgreSQL server used without
+// -database-url.
+const defaultDatabaseURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// config is a run's settings, from the flags.
+type config struct {
+	duration       time.Duration // faults and new operations
+	grace          time.Duration // the longest wait for unresolved operations afterwards
+	seed           uint64
+	databaseURL    string
+	serverBin      string // a built idem-server; empty: go build it
+	replicas       int
+	clients        int // concurrent client goroutines
+	accounts       int // API keys (clients of the API) the goroutines share
+	kills          int
+	terminations   int
+	lockTimeout    time.Duration
+	attemptTimeout time.Duration
+	processorDelay time.Duration
+	processorFails float64
+	mix            faultproxy.Mix
+	keepSchema     bool
+	logsDir        string // where the replicas' logs are kept; empty: a temporary directory
+	keyPerAttempt  bool   // the classic client bug, a new key on every attempt: a negative control
+}
+
+func parseFlags(args []string, out io.Writer) (config, error) {
+	var c config
+	fs := flag.NewFlagSet("chaos", flag.ContinueOnError)
+	fs.SetOutput(out)
+	fs.DurationVar(&c.duration, "duration", 30*time.Second, "how long faults are injected and new operations started")
+	fs.DurationVar(&c.grace, "grace", time.Minute,
+		"after -duration, the longest wait for clients to learn the outcome of their unresolved operations (faults off)")
+	fs.Uint64Var(&c.seed, "seed", 1, "seed of every random choice: faults, their times and targets, client waits")
+	fs.StringVar(&c.databaseURL, "database-url", defaultDatabaseURL,
+		"PostgreSQL (pgx `DSN`); the run works in a schema of its own there and drops it at the end")
+	fs.StringVar(&c.serverBin, "server-bin", "", "idem-server `binary` to run; empty: go build ./server/cmd/idem-server into a temporary directory")
+	fs.IntVar(&c.replicas, "replicas", 3, "server replicas sharing the database")
+	fs.IntVar(&c.clients, "clients", 8, "concurrent clients")
+	fs.IntVar(&c.accounts, "accounts", 2, "API keys the clients are spread over (keys are scoped by API client)")
+	fs.IntVar(&c.kills, "kills", -1, "server processes killed with SIGKILL and restarted; -1: one per 5s of -duration")
+	fs.IntVar(&c.terminations, "pg-terminations", -1,
+		"rounds of pg_terminate_backend on one replica's PostgreSQL backends; -1: one per 3s of -duration")
+	fs.DurationVar(&c.lockTimeout, "lock-timeout", 2*time.Second, "the servers' -lock-timeout: when a started key may be taken over")
+	fs.DurationVar(&c.attemptTimeout, "attempt-timeout", time.Second, "the clients' per-attempt timeout (idem.RetryPolicy.AttemptTimeout)")
+	fs.DurationVar(&c.processorDelay, "processor-delay", 20*time.Millisecond, "the servers' -processor-delay: latency of the fake card processor")
+	fs.Float64Var(&c.processorFails, "processor-failure-rate", 0.02, "the servers' -processor-failure-rate: share of charges answered 503")
+	fs.Float64Var(&c.mix.Reset, "reset", 0.04, "share of proxied connections reset before the request reaches a server")
+	fs.Float64Var(&c.mix.Drop, "drop", 0.04, "share of proxied connections whose answer is dropped after the server sent it")
+	fs.Float64Var(&c.mix.Stall, "stall", 0.02, "share of proxied connections whose answer is held past the attempt timeout")
+	fs.Float64Var(&c.mix.Latency, "latency", 0.10, "share of proxied connections slowed by up to 50ms a chunk")
+	fs.BoolVar(&c.keepSchema, "keep-schema", false, "keep the run's schema (for inspection) instead of dropping it")
+	fs.StringVar(&c.logsDir, "logs", "", "keep the servers' logs in this `directory`; by default they are kept only when the run fails")
+	fs.BoolVar(&c.keyPerAttempt, "bug-key-per-attempt", false,
+		"negative control: send a new Idempotency-Key on every attempt (the classic client bug), which must show duplicates")
+	if err := fs.Parse(args); err != nil {
+		return c, err
+	}
+	if c.kills < 0 {
+		c.kills = max(1, int(c.duration/(5*time.Second)))
+	}
+	if c.terminations < 0 {
+		c.terminations = max(1, int(c.duration/(3*time.Second)))
+	}
+	switch {
+	case fs.NArg() > 0:
+		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
+	case c.duration <= 0 || c.grace <= 0:
+		return c, errors.New("-duration and -grace must be positive")
+	case c.duration > time.Hour:
+		return c, errors.New("-duration is capped at 1h")
+	case c.replicas < 1 || c.replicas > 16:
+		return c, errors.New("-replicas must be in [1, 16]")
+	case c.clients < 1 || c.clients > 256:
+		return c, errors.New("-clients must be in [1, 256]")
+	case c.accounts < 1 || c.accounts > c.clients:
+		return c, errors.New("-accounts must be in [1, -clients]")
+	case c.lockTimeout <= 0 || c.attemptTimeout <= 0:
+		return c, errors.New("-lock-timeout and -attempt-timeout must be positive")
+	case c.processorDelay < 0 || c.processorFails < 0 || c.processorFails > 1:
+		return c, errors.New("-processor-delay must not be negative, -processor-failure-rate must be in [0, 1]")
+	}
+	if err := c.mix.Valid(); err != nil {
+		return c, err
+	}
+	return c, nil
+}
+
+// run runs the chaos test as the flags in args say, writes its report to
+// stdout, and returns an error if the run failed or an invariant was
+// violated.
+func run(ctx context.Context, args []string, stdout io.Writer) error {
+	cfg, err := parseFlags(args, stdout)
+	if err != nil {
+		return err
+	}
+	rep, err := runChaos(ctx, cfg, stdout)
+	if err != nil {
+		return err
+	}
+	return rep.verdict.err()
+}

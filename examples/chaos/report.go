@@ -1,0 +1,165 @@
+package main
+
+import (
+	"cmp"
+	"fmt"
+	"io"
+	"maps"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/idemkit/idem/internal/faultproxy"
+)
+
+func printHeader(w io.Writer, cfg config, schema, dbURL string) {
+	fmt.Fprintf(w, "idem chaos test: seed %d, %s of faults, then up to %s for the clients to settle\n", cfg.seed, cfg.duration, cfg.grace)
+	fmt.Fprintf(w, "  %d idem-server replicas sharing %s (schema %s), lock timeout %s\n", cfg.replicas, dbURL, schema, cfg.lockTimeout)
+	fmt.Fprintf(w, "  %d clients over %d API keys, through a fault proxy; attempt timeout %s; an unknown outcome is asked again later with the same key\n",
+		cfg.clients, cfg.accounts, cfg.attemptTimeout)
+	fmt.Fprintf(w, "  %d kills, %d rounds of backend terminations; proxy: reset %g, drop %g, stall %g, latency %g of connections\n",
+		cfg.kills, cfg.terminations, cfg.mix.Reset, cfg.mix.Drop, cfg.mix.Stall, cfg.mix.Latency)
+	fmt.Fprintln(w)
+}
+
+// print writes the figures of the run, ending with the three lines
+// operations, duplicates and lost.
+func (r *report) print(w io.Writer) {
+	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
+	row := func(label string, format string, args ...any) { p("  %-46s "+format, append([]any{label}, args...)...) }
+	ps := r.proxy
+	p("")
+	p("faults injected")
+	row("connections through the proxy", "%6d", ps.Connections)
+	row("  reset before the request reached a server", "%6d", ps.Faults[faultproxy.Reset])
+	row("  answer dropped after the server sent it", "%6d", ps.Faults[faultproxy.Drop])
+	row("  answer held past the attempt timeout", "%6d", ps.Faults[faultproxy.Stall])
+	row(fmt.Sprintf("  slowed by up to %s a chunk", faultproxy.DefaultMaxLatency), "%6d", ps.Faults[faultproxy.Latency])
+	row("  dial failed over to another replica", "%6d", ps.Failovers)
+	if ps.Unreachable > 0 {
+		row("  no replica reachable: reset", "%6d", ps.Unreachable)
+	}
+	row("server processes killed (SIGKILL), restarted", "%6d", r.kills)
+	row("PostgreSQL backends terminated", "%6d in %d rounds", r.terminated, r.termRounds)
+	row("card processor 503s (inside the servers)", "%6.0f%% of charge requests", 100*r.cfg.processorFails)
+
+	st := r.stats
+	var unknown int64
+	for _, n := range st.unknown {
+		unknown += n
+	}
+	p("")
+	p("clients")
+	row("HTTP attempts", "%6d%s", st.attempts.Load(), breakdown(st.byResult))
+	row("calls (idem.Client.Post)", "%6d", st.calls)
+	row("  ended with an unknown outcome", "%6d%s", unknown, breakdown(st.unknown))
+	var times []time.Duration
+	retried := 0
+	for _, o := range r.ops {
+		if o.state == succeeded {
+			times = append(times, o.end.Sub(o.start))
+			if o.calls > 1 {
+				retried++
+			}
+		}
+	}
+	slices.Sort(times)
+	row("operations settled by a later call", "%6d", retried)
+	if len(times) > 0 {
+		row("time to success", "p50 %s, p99 %s, max %s",
+			round(percentile(times, 0.50)), round(percentile(times, 0.99)), round(times[len(times)-1]))
+	}
+
+	p("")
+	p("servers (counted from their logs)")
+	for _, e := range serverEvents {
+		if n := r.serverLogs[e.msg]; n > 0 || e.always {
+			row(e.label, "%6d", n)
+		}
+	}
+
+	v := r.verdict
+	p("")
+	p("database")
+	row("payments", "%6d", len(r.db.payments))
+	row("downstream charges", "%6d", len(r.db.charges))
+	row("keys left started", "%6d", r.db.keysStarted)
+	if len(v.problems) > 0 {
+		p("")
+		p("problems")
+		for _, s := range v.problems {
+			p("  %s", s)
+		}
+	}
+	if r.stopProblem != nil {
+		p("")
+		p("note: %v", r.stopProblem)
+	}
+	if r.logsKeptIn != "" {
+		p("server logs kept in %s", r.logsKeptIn)
+	}
+	p("")
+	if v.failed > 0 {
+		p("failed: %d", v.failed)
+	}
+	if n := v.mismatched + v.phantom; n > 0 {
+		p("mismatched: %d", n)
+	}
+	p("operations: %d", v.operations)
+	p("duplicates: %d", v.duplicates())
+	p("lost: %d", v.lost())
+}
+
+// serverEvents are the log records of idem-server worth a figure: the
+// recovery paths the faults drive the servers through.
+var serverEvents = []struct {
+	msg, label string
+	always     bool
+}{
+	{"payments: payment created", "payments made (logged before commit)", true},
+	{"idempotency: took over a stale key", "stale keys taken over", true},
+	{"idempotency: completion fenced: the request was taken over; its writes were rolled back", "completions fenced by a takeover", false},
+	{"payments: charge outcome unknown", "charge outcomes unknown", false},
+	{"idempotency: irreversible request failed; the key stays started until the lock timeout", "keys left started after a charge", false},
+	{"idempotency: claim failed", "claims failed (database)", false},
+	{"idempotency: completion failed", "completions failed (database)", false},
+	{"idempotency: release failed; the key stays started until the lock timeout", "releases failed (database)", false},
+	{"processor: storing the charge failed", "charges failed (database)", false},
+	{"processor: injected failure", "processor 503s injected", false},
+	{"payments: processor refused the charge", "charges refused after retries", false},
+}
+
+// breakdown formats counts by name, largest first: " (a 3, b 1)".
+func breakdown(m map[string]int64) string {
+	if len(m) == 0 {
+		return ""
+	}
+	keys := slices.SortedFunc(maps.Keys(m), func(a, b string) int {
+		return cmp.Or(cmp.Compare(m[b], m[a]), strings.Compare(a, b))
+	})
+	parts := make([]string, len(keys))
+	for i, k := range keys {
+		parts[i] = fmt.Sprintf("%s %d", k, m[k])
+	}
+	return " (" + strings.Join(parts, ", ") + ")"
+}
+
+// percentile returns the nearest-rank q-quantile of sorted ds.
+func percentile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	i := int(math.Ceil(q*float64(len(ds)))) - 1
+	return ds[min(max(i, 0), len(ds)-1)]
+}
+
+func round(d time.Duration) time.Duration {
+	switch {
+	case d >= time.Second:
+		return d.Round(10 * time.Millisecond)
+	case d >= time.Millisecond:
+		return d.Round(100 * time.Microsecond)
+	}
+	return d
+}
