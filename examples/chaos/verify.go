@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
@@ -173,7 +174,7 @@ func check(ops []*op, db dbState) verdict {
 			v.mismatched++
 			v.problem("op %d (client %s, key %s): payment %s was made by client %s with key %s for %d",
 				o.n, o.account.id, o.key, p.id, p.clientID, p.key, p.amount)
-		case len(charges) == 0 || charges[0].id != p.chargeID:
+		case !slices.ContainsFunc(charges, func(c chargeRow) bool { return c.id == p.chargeID }):
 			v.mismatched++
 			v.problem("op %d (client %s, key %s): payment %s refers to charge %q, the processor holds %s",
 				o.n, o.account.id, o.key, p.id, p.chargeID, chargeIDs(charges))
