@@ -169,10 +169,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 			return fmt.Errorf("%s: %w", s, err)
 		}
 		results[s] = res
-		ran = append(ran, res)
-		if c.json {
-			r.printJSON(res)
+		for _, b := range append(r.before, res) {
+			ran = append(ran, b)
+			if c.json {
+				r.printJSON(b)
+			}
 		}
+		r.before = nil
 	}
 	if !c.json {
 		printTable(stdout, ran)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs the RoundTrip benchmarks in ROUNDS interleaved rounds (each round runs
+# every peer once, so that the noise of a shared machine falls on all of
+# them alike), then compares the peers with benchstat, bare as the base.
+#
+#   bench/roundtrip.sh [ROUNDS] [OUTDIR]     (defaults: 10, bench/results)
+#
+# OUTDIR gets roundtrip.txt (the raw output) and one file per peer with the
+# peer's name taken out of the benchmark names, for benchstat.
+set -euo pipefail
+cd "$(dirname "$0")"
+rounds=${1:-10}
+out=${2:-results}
+mkdir -p "$out"
+bin=$(mktemp -d)/bench.test
+trap 'rm -rf "$(dirname "$bin")"' EXIT
+go test -c -o "$bin" .
+: > "$out/roundtrip.txt"
+for i in $(seq "$rounds"); do
+	echo "round $i of $rounds" >&2
+	"$bin" -test.run '^$' -test.bench 'RoundTrip' -test.benchmem >> "$out/roundtrip.txt"
+done
+peers=(bare idem retryablehttp failsafe)
+args=()
+for p in "${peers[@]}"; do
+	{
+		grep -E '^(goos|goarch|pkg|cpu):' "$out/roundtrip.txt" | awk '!seen[$0]++'
+		grep -E "^BenchmarkRoundTrip[A-Za-z]*/$p-" "$out/roundtrip.txt" | sed -E "s#/$p-#-#"
+	} > "$out/$p.txt"
+	args+=("$p=$out/$p.txt")
+done
+go tool benchstat "${args[@]}" | tee "$out/benchstat.txt"
