@@ -82,18 +82,20 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	if err != nil {
 		return nil, err
 	}
-	keepLogs := false
-	defer func() {
-		if !keepLogs {
-			os.RemoveAll(tmp)
-		}
-	}()
 	logsDir := tmp
 	if cfg.logsDir != "" {
 		logsDir = cfg.logsDir
-		if err := os.MkdirAll(logsDir, 0o755); err != nil {
-			return nil, err
+	}
+	keepLogs := false // set when the run fails: the servers' logs explain it
+	defer func() {
+		if keepLogs && logsDir == tmp {
+			os.Remove(filepath.Join(tmp, "idem-server")) // the logs are worth keeping, not the binary
+			return
 		}
+		os.RemoveAll(tmp)
+	}()
+	if err := os.MkdirAll(logsDir, 0o755); err != nil {
+		return nil, err
 	}
 	bin := cfg.serverBin
 	if bin == "" {
