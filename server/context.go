@@ -27,9 +27,21 @@ func ClientIDFromContext(ctx context.Context) (string, bool) {
 
 // run is what the middleware hands to the handler of a claimed key.
 type run struct {
-	tx           Tx
-	claim        Claim
-	irreversible atomic.Bool
+	tx    Tx
+	claim Claim
+	// crashed is set by the payments API's injected crash
+	// ([Config.AfterCharge]): the middleware then leaves the key as a
+	// crashed process would, started until the lock timeout, so tests and
+	// scenarios exercise the takeover. No public handler can set it.
+	crashed atomic.Bool
+}
+
+// simulateCrash marks the keyed request in ctx as crashed (see run.crashed).
+// Outside a keyed request it does nothing.
+func simulateCrash(ctx context.Context) {
+	if r, ok := ctx.Value(runKey).(*run); ok {
+		r.crashed.Store(true)
+	}
 }
 
 // TxFromContext returns the unit of work of the claimed key whose request
@@ -54,20 +66,4 @@ func ClaimFromContext(ctx context.Context) (Claim, bool) {
 		return Claim{}, false
 	}
 	return r.claim, true
-}
-
-// MarkIrreversible records that the handler of the keyed request in ctx has
-// done, or may have done, work outside its unit of work that a rerun must not
-// repeat under a new operation: typically a downstream charge keyed by
-// [Claim.OperationID]. From then on a failure of the request (a 5xx that is
-// not stored, a panic, a lost client, a failed completion) no longer releases
-// the key, because a released key would be claimed again under a new
-// OperationID and charged again downstream. The key stays started instead,
-// and after the lock timeout the next retry takes it over with the same
-// OperationID, so the downstream work is found and reused. Outside a keyed
-// request MarkIrreversible does nothing. It is safe for concurrent use.
-func MarkIrreversible(ctx context.Context) {
-	if r, ok := ctx.Value(runKey).(*run); ok {
-		r.irreversible.Store(true)
-	}
 }

@@ -35,10 +35,17 @@
 // 2xx, 3xx and definitive 4xx answers are stored and replayed. 400 and the
 // other 4xx that mean "nothing was done" (401, 403, 404, 405, 408, 409, 413,
 // 415, 425, 429) release the key, so the client can correct the request and
-// retry with the same key. 5xx answers release the key too by default, so
-// the retry runs again; [IdempotencyOptions.StoreServerErrors] stores and
-// replays them instead, as Stripe does. See [Idempotency] for the details,
-// panics and lost clients included.
+// retry with the same key. 5xx answers, panics and failed completions
+// release the key too by default, so the retry runs again at once;
+// [IdempotencyOptions.StoreServerErrors] stores and replays 5xx answers
+// instead, as Stripe does. See [Idempotency] for the details.
+//
+// A released key is not deleted: it keeps its [Claim.OperationID]
+// ([Store.Release]). The retry of the same request resumes the operation
+// under it, so a request that failed after an irreversible downstream call
+// keyed by the OperationID (a card charge) is not charged twice; a
+// different request with the key, such as the corrected one after a 400,
+// is a new operation.
 //
 // # Crashes and slow requests
 //
@@ -53,10 +60,11 @@
 //
 // # Retention
 //
-// Keys are kept for 24 hours by default. A key older than that counts as
-// absent at once, whatever the purge timing, so reusing it starts a new
-// operation; [Server.Run] deletes expired keys in bounded batches every
-// minute.
+// Keys are kept for 24 hours by default, counted from the first claim of
+// their operation. A key older than that counts as absent at once, whatever
+// its state and the purge timing, so reusing it starts a new operation;
+// [Server.Run] deletes expired keys, released ones included, in bounded
+// batches every minute.
 //
 // # The reference server
 //

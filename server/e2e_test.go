@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -42,6 +43,7 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"RacingTakers", testRacingTakers},
 		{"FencedSlowOriginal", testFencedSlowOriginal},
 		{"LostProcessorAnswer", testLostProcessorAnswer},
+		{"RetryAfterChargedFailure", testRetryAfterChargedFailure},
 		{"WaitForCompletion", testWaitForCompletion},
 		{"Retention", testRetention},
 		{"PurgeThenReuse", testPurgeThenReuse},
@@ -631,6 +633,105 @@ func testLostProcessorAnswer(t *testing.T, newStore newStoreFunc) {
 	}
 	if n := ts.charges.created.Load(); n != 1 {
 		t.Errorf("%d charges, want 1", n)
+	}
+}
+
+// failFirstComplete makes the first completion of its store fail, after
+// the handler has done its work (the charge included): nothing of the unit
+// of work is committed, and the middleware releases the key.
+type failFirstComplete struct {
+	Store
+	PaymentStore
+	ChargeStore
+	failed atomic.Bool
+}
+
+func (s *failFirstComplete) Begin(ctx context.Context, c Claim) (Tx, error) {
+	tx, err := s.Store.Begin(ctx, c)
+	if err != nil || s.failed.Swap(true) {
+		return tx, err
+	}
+	return failingTx{tx}, nil
+}
+
+func (s *failFirstComplete) CreatePayment(ctx context.Context, tx Tx, p Payment) error {
+	if f, ok := tx.(failingTx); ok {
+		tx = f.Tx
+	}
+	return s.PaymentStore.CreatePayment(ctx, tx, p)
+}
+
+// testRetryAfterChargedFailure fails a request with a 5xx after the
+// processor charged: the key is released with its operation, so the
+// immediate retry with the same key gets a fresh 201 (no 409, no wait for
+// the lock timeout), the processor's existing charge, and one payment.
+func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
+	for _, tt := range []struct {
+		name    string
+		store   func(Store) Store
+		inject  func(ts *testServer)
+		recover func(ts *testServer)
+		status  int
+		problem string
+	}{
+		{
+			// Every answer of the processor is lost after it charged: the
+			// payments API cannot tell whether it was charged and answers 502.
+			name:    "processor answers lost",
+			store:   func(s Store) Store { return s },
+			inject:  func(ts *testServer) { ts.Processor().LoseNext(100) },
+			recover: func(ts *testServer) { ts.Processor().LoseNext(0) },
+			status:  http.StatusBadGateway,
+			problem: ProblemProcessorUnavailable,
+		},
+		{
+			// The charge went through; storing the payment fails: 500.
+			name: "completion failed",
+			store: func(s Store) Store {
+				return &failFirstComplete{Store: s, PaymentStore: s.(PaymentStore), ChargeStore: s.(ChargeStore)}
+			},
+			inject:  func(*testServer) {},
+			recover: func(*testServer) {},
+			status:  http.StatusInternalServerError,
+			problem: ProblemInternal,
+		},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			// The default lock timeout (30s): a key left started would
+			// answer the retry 409 for that long.
+			ts := newTestServer(t, tt.store(newStore(t)), Config{})
+			tt.inject(ts)
+			r := ts.mustSend(t, keyed("k-charged", payment))
+			if r.status != tt.status || r.problem(t).Type != tt.problem {
+				t.Fatalf("failing request: %d %s, want %d %s", r.status, r.body, tt.status, tt.problem)
+			}
+			if n := ts.charges.created.Load(); n != 1 {
+				t.Fatalf("%d charges before the retry, want 1 (the failure must come after the charge)", n)
+			}
+			tt.recover(ts)
+			r = ts.mustSend(t, keyed("k-charged", payment))
+			if r.status != http.StatusCreated || r.replayed() {
+				t.Fatalf("immediate retry: %d replayed=%v %s, want a fresh 201", r.status, r.replayed(), r.body)
+			}
+			p := r.payment(t)
+			if n := ts.charges.created.Load(); n != 1 {
+				t.Errorf("%d charges after the retry, want 1", n)
+			}
+			for name, want := range map[string]float64{
+				"idem_keys_claimed_total": 2, "idem_keys_released_total": 1, "idem_keys_completed_total": 1,
+				"idem_keys_taken_over_total": 0, "idem_conflicts_total": 0,
+			} {
+				if got := ts.counter(t, name); got != want {
+					t.Errorf("%s = %v, want %v", name, got, want)
+				}
+			}
+			if g := ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + p.ID}); g.status != http.StatusOK || g.payment(t) != p {
+				t.Errorf("GET the payment: %d %s", g.status, g.body)
+			}
+			if again := ts.mustSend(t, keyed("k-charged", payment)); !again.replayed() || !bytes.Equal(again.body, r.body) {
+				t.Errorf("third request: %d replayed=%v, want the stored 201", again.status, again.replayed())
+			}
+		})
 	}
 }
 

@@ -24,6 +24,7 @@ var errTxDone = errors.New("server: unit of work already completed or rolled bac
 // MemoryStore is an in-memory [Store], [PaymentStore] and [ChargeStore] with
 // the same semantics as the PostgreSQL store: an atomic claim, takeover of a
 // stale started key with a matching fingerprint under a new fencing token,
+// a release that keeps the operation for the retry of the same request,
 // retention that is exact at lookup, fenced completion that applies the
 // staged payments together with the key's completion or not at all, and a
 // bounded purge. It keeps everything in process memory, so it serves the
@@ -79,9 +80,28 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	now := s.now()
 	ref := keyRef{req.ClientID, req.Key}
 	k := s.keys[ref]
-	if k != nil && expired(k, now, req.Retention) {
+	sameVersion := k != nil && k.rec.FingerprintVersion == req.FingerprintVersion
+	sameRequest := sameVersion && bytes.Equal(k.rec.Fingerprint, req.Fingerprint)
+	switch {
+	case k == nil:
+	case expired(k, now, req.Retention),
+		k.rec.Status == StatusReleased && sameVersion && !sameRequest:
+		// Absent, or free for another request: a new operation replaces it.
 		delete(s.keys, ref)
 		k = nil
+	case k.rec.Status == StatusReleased && sameRequest:
+		// The retry of the released request resumes its operation.
+		s.lastToken++
+		k.token = s.lastToken
+		k.rec.Status = StatusStarted
+		k.rec.LockedAt = now
+		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil
+	case k.rec.Status == StatusStarted && sameRequest &&
+		req.LockTimeout > 0 && now.Sub(k.rec.LockedAt) > req.LockTimeout:
+		s.lastToken++
+		k.token = s.lastToken
+		k.rec.LockedAt = now
+		return ClaimResult{Outcome: TookOver, Claim: k.claim()}, nil
 	}
 	if k == nil {
 		s.lastToken++
@@ -102,15 +122,6 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 		}
 		s.keys[ref] = k
 		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil
-	}
-	if k.rec.Status == StatusStarted &&
-		req.LockTimeout > 0 && now.Sub(k.rec.LockedAt) > req.LockTimeout &&
-		k.rec.FingerprintVersion == req.FingerprintVersion &&
-		bytes.Equal(k.rec.Fingerprint, req.Fingerprint) {
-		s.lastToken++
-		k.token = s.lastToken
-		k.rec.LockedAt = now
-		return ClaimResult{Outcome: TookOver, Claim: k.claim()}, nil
 	}
 	rec := k.rec.clone()
 	return ClaimResult{Outcome: Exists, Record: &rec}, nil
@@ -152,20 +163,23 @@ func (s *MemoryStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 	return &memTx{store: s, claim: c}, nil
 }
 
-// Release implements [Store.Release].
+// Release implements [Store.Release]: the key is marked released and keeps
+// its operation ID, fingerprint and creation time (and its token, which no
+// longer owns it: ownership needs a started key).
 func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.owned(c) == nil {
+	k := s.owned(c)
+	if k == nil {
 		return ErrFenced
 	}
-	delete(s.keys, keyRef{c.ClientID, c.Key})
+	k.rec.Status = StatusReleased
 	return nil
 }
 
 // Purge implements [Store.Purge]: it deletes the oldest of the keys created
-// more than retention ago, at most limit of them. A retention or limit that
-// is zero or negative purges nothing.
+// more than retention ago, whatever their status, at most limit of them. A
+// retention or limit that is zero or negative purges nothing.
 func (s *MemoryStore) Purge(ctx context.Context, retention time.Duration, limit int) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err

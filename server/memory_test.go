@@ -142,7 +142,14 @@ func TestMemoryStoreRelease(t *testing.T) {
 	if err := s.Release(ctx, c); !errors.Is(err, ErrFenced) {
 		t.Errorf("second Release = %v, want ErrFenced", err)
 	}
-	mustClaim(t, s, claimReq("a", "k", "another body"), Claimed)
+	if again := mustClaim(t, s, claimReq("a", "k", "fp"), Claimed).Claim; again.OperationID != c.OperationID {
+		t.Errorf("claim after release: operation %s, want the released %s", again.OperationID, c.OperationID)
+	} else if err := s.Release(ctx, again); err != nil {
+		t.Fatal(err)
+	}
+	if other := mustClaim(t, s, claimReq("a", "k", "another body"), Claimed).Claim; other.OperationID == c.OperationID {
+		t.Error("another request after release kept the released operation")
+	}
 	if _, err := s.GetPayment(ctx, "a", "p"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("rolled back payment visible: %v", err)
 	}

@@ -12,7 +12,7 @@ import (
 // own, not the global one, so a process (a test) can run many servers. The
 // counters are:
 //
-//	idem_keys_claimed_total        keys claimed by a first request (or after expiry)
+//	idem_keys_claimed_total        keys claimed by a first request (or after expiry or release)
 //	idem_keys_taken_over_total     stale started keys taken over after the lock timeout
 //	idem_keys_completed_total      outcomes stored with their business writes
 //	idem_replays_total             stored outcomes replayed to a retry
@@ -41,7 +41,7 @@ func NewMetrics() *Metrics {
 		m.registry.MustRegister(c)
 		return c
 	}
-	m.events[EventClaimed] = counter("keys_claimed_total", "Idempotency keys claimed by a first request.")
+	m.events[EventClaimed] = counter("keys_claimed_total", "Idempotency keys claimed by a first request, or after expiry or release.")
 	m.events[EventTookOver] = counter("keys_taken_over_total", "Stale started idempotency keys taken over after the lock timeout.")
 	m.events[EventCompleted] = counter("keys_completed_total", "Outcomes stored together with their business writes.")
 	m.events[EventReplayed] = counter("replays_total", "Stored outcomes replayed to a retry.")

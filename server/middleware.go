@@ -54,19 +54,20 @@ type IdempotencyOptions struct {
 	// If false (the default), the response is sent but not stored, the
 	// unit of work is rolled back and the key is released, so the client's
 	// retry runs the operation again; this is safe because the business
-	// writes are transactional and downstream calls are keyed (see
-	// [MarkIrreversible]). If true, the 5xx is stored and replayed to
-	// every retry, as Stripe's API does: consistent, but a transient error
-	// becomes the key's permanent outcome.
+	// writes are transactional, and the retry of the same request gets the
+	// same [Claim.OperationID] (see [Store.Release]), so downstream calls
+	// keyed by it find the work already done. If true, the 5xx is stored
+	// and replayed to every retry, as Stripe's API does: consistent, but a
+	// transient error becomes the key's permanent outcome.
 	StoreServerErrors bool
 
 	// WaitForCompletion is how long a duplicate that finds its key started
 	// waits for the first request to finish, checking the store with a
 	// growing interval (10ms to 250ms), before it is answered. A duplicate
 	// that sees the first complete gets the replay; one that sees the key
-	// released (or stale) claims it and runs the operation itself; one that
-	// times out gets the 409. If zero, a duplicate gets the 409 at once, as
-	// the IETF draft describes.
+	// released (or stale) claims it and runs the operation itself, under
+	// the same [Claim.OperationID]; one that times out gets the 409. If
+	// zero, a duplicate gets the 409 at once, as the IETF draft describes.
 	WaitForCompletion time.Duration
 
 	// MaxBodyBytes caps the request body; a larger one gets 413. The body is
@@ -80,10 +81,9 @@ type IdempotencyOptions struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
-	// Logger receives takeovers, fenced completions, mismatches, failed
-	// irreversible requests, panics and store errors, each with the client,
-	// key, method and path as attributes. Bodies are never logged. If nil,
-	// [slog.Default] is used.
+	// Logger receives takeovers, fenced completions, mismatches, panics
+	// and store errors, each with the client, key, method and path as
+	// attributes. Bodies are never logged. If nil, [slog.Default] is used.
 	Logger *slog.Logger
 
 	// OnEvent, if not nil, is called once for each [Event] of a keyed
@@ -98,7 +98,7 @@ type Event int
 
 // Events reported to [IdempotencyOptions.OnEvent].
 const (
-	EventClaimed   Event = iota + 1 // the key was new (or expired): the handler runs
+	EventClaimed   Event = iota + 1 // the key was new, expired or released: the handler runs
 	EventTookOver                   // a stale started key was taken over: the handler runs
 	EventCompleted                  // the outcome was stored with the business writes
 	EventReplayed                   // a stored outcome was replayed
@@ -171,16 +171,21 @@ func (e Event) String() string {
 //     the same key (and, after a 400, a corrected body).
 //   - 5xx: released like a 400 unless [IdempotencyOptions.StoreServerErrors]
 //     asks for Stripe's behaviour of storing them.
-//   - a panic in the handler: rolled back and released, then the panic goes
-//     on up.
+//   - a panic in the handler, or a completion that fails (other than
+//     fenced, below): rolled back and released; a panic then goes on up.
+//
+// A released key keeps its [Claim.OperationID] (see [Store.Release]): the
+// client's retry of the same request runs again at once, under the same
+// operation, so work the failed request did outside its unit of work and
+// keyed by the operation (a downstream charge) is found, not done twice. A
+// different request with the key is a new operation. So a handler may fail
+// at any point, also after an irreversible downstream call, and the key is
+// still free for the retry.
 //
 // When the completion fails with [ErrFenced], the request was taken over by
 // a retry after the lock timeout while it was still running; its writes are
 // rolled back and it gets 409 [ProblemKeyInUse], so only the retry's work
-// counts. A handler that did work outside its unit of work that must not be
-// redone under a new operation calls [MarkIrreversible]: its failures then
-// leave the key started rather than releasing it, to be taken over with the
-// same [Claim.OperationID].
+// counts.
 //
 // The outcome is decided by the status alone, also when the client has gone
 // away: a handler that finished its work is completed (store calls use
@@ -387,6 +392,13 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			writeStored(w, rec.Response)
 			return
 		}
+		if rec.Status != StatusStarted {
+			// A store claims a released key for a request of its
+			// fingerprint version; waiting on it would wait forever.
+			log.Error("idempotency: store returned a key it should have claimed or replayed", "status", rec.Status)
+			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
+			return
+		}
 		if !deadline.IsZero() {
 			if left := time.Until(deadline); left > 0 {
 				t := time.NewTimer(min(wait, left))
@@ -493,14 +505,15 @@ func (m *middleware) storable(status int) bool {
 	return true
 }
 
-// abandon rolls back the unit of work and releases the key, unless the
-// handler marked its work irreversible.
+// abandon rolls back the unit of work and releases the key, keeping its
+// operation for the retry (see [Store.Release]). A simulated crash releases
+// nothing, as a real one could not.
 func (m *middleware) abandon(ctx context.Context, st *run, log *slog.Logger) {
 	if err := st.tx.Rollback(ctx); err != nil {
 		log.Error("idempotency: rollback failed", "err", err)
 	}
-	if st.irreversible.Load() {
-		log.Warn("idempotency: irreversible request failed; the key stays started until the lock timeout",
+	if st.crashed.Load() {
+		log.Warn("idempotency: simulated crash; the key stays started until the lock timeout",
 			"operation", st.claim.OperationID, "lock_timeout", m.lockTimeout)
 		return
 	}
@@ -512,7 +525,7 @@ func (m *middleware) release(ctx context.Context, c Claim, log *slog.Logger) {
 	case err == nil:
 		m.event(EventReleased)
 	case errors.Is(err, ErrFenced):
-		log.Info("idempotency: key already taken over; nothing to release")
+		log.Info("idempotency: key no longer owned (taken over or completed); nothing to release")
 	default:
 		log.Error("idempotency: release failed; the key stays started until the lock timeout", "err", err)
 	}

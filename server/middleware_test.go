@@ -7,7 +7,9 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -169,33 +171,91 @@ func TestIdempotencyEmptyResponseSniffed(t *testing.T) {
 	}
 }
 
-// TestIdempotencyPanic checks that a panicking handler's key is released
-// (the retry runs again), unless it marked its work irreversible.
+// TestIdempotencyPanic checks that a panicking handler's key is released:
+// the retry runs again at once, under the same operation.
 func TestIdempotencyPanic(t *testing.T) {
-	for _, irreversible := range []bool{false, true} {
-		t.Run(fmt.Sprintf("irreversible=%v", irreversible), func(t *testing.T) {
-			var calls atomic.Int32
-			ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
-				if calls.Add(1) == 1 {
-					if irreversible {
-						MarkIrreversible(r.Context())
-					}
-					panic(http.ErrAbortHandler)
-				}
-				w.WriteHeader(http.StatusCreated)
-			})
-			if r := ts.send(t, keyed("k", "{}")); r.err == nil {
-				t.Fatalf("panicking handler answered %d", r.status)
-			}
-			r := ts.mustSend(t, keyed("k", "{}"))
-			want := http.StatusCreated
-			if irreversible {
-				want = http.StatusConflict // started until the lock timeout
-			}
-			if r.status != want {
-				t.Errorf("retry: %d, want %d", r.status, want)
-			}
-		})
+	var mu sync.Mutex
+	var ops []string
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		c, _ := ClaimFromContext(r.Context())
+		mu.Lock()
+		ops = append(ops, c.OperationID)
+		n := len(ops)
+		mu.Unlock()
+		if n == 1 {
+			panic(http.ErrAbortHandler)
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	if r := ts.send(t, keyed("k", "{}")); r.err == nil {
+		t.Fatalf("panicking handler answered %d", r.status)
+	}
+	if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusCreated || r.replayed() {
+		t.Errorf("retry: %d replayed=%v, want a fresh 201", r.status, r.replayed())
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(ops) != 2 || ops[0] == "" || ops[0] != ops[1] {
+		t.Errorf("operations %q, want the same one twice", ops)
+	}
+}
+
+// TestIdempotencyReleaseKeepsOperation checks what a released key gives the
+// next request: the retry of the same request runs at once (no 409) under
+// the same operation, so work keyed by it downstream is found; a corrected
+// request is a new operation.
+func TestIdempotencyReleaseKeepsOperation(t *testing.T) {
+	var mu sync.Mutex
+	charged := map[string]int{} // a downstream system keyed by the operation
+	var ops []string
+	seen := func() ([]string, int) {
+		mu.Lock()
+		defer mu.Unlock()
+		return slices.Clone(ops), len(charged)
+	}
+	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+		c, _ := ClaimFromContext(r.Context())
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		ops = append(ops, c.OperationID)
+		n := len(ops)
+		mu.Unlock()
+		if string(body) == `{"bad": true}` {
+			w.WriteHeader(http.StatusBadRequest)
+			return
+		}
+		mu.Lock()
+		charged[c.OperationID]++ // irreversible, but keyed
+		mu.Unlock()
+		if n == 1 {
+			w.WriteHeader(http.StatusServiceUnavailable) // fails after the charge
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	if r := ts.mustSend(t, keyed("k", `{"a": 1}`)); r.status != http.StatusServiceUnavailable {
+		t.Fatalf("first: %d, want 503", r.status)
+	}
+	if r := ts.mustSend(t, keyed("k", `{"a": 1}`)); r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("retry: %d replayed=%v, want a fresh 201 at once", r.status, r.replayed())
+	}
+	if ops, charges := seen(); len(ops) != 2 || ops[0] != ops[1] || charges != 1 {
+		t.Errorf("operations %q, %d charged; want one operation for both attempts", ops, charges)
+	}
+
+	// A 400 releases the key; the corrected request is a new operation.
+	if r := ts.mustSend(t, keyed("k2", `{"bad": true}`)); r.status != http.StatusBadRequest {
+		t.Fatalf("bad request: %d", r.status)
+	}
+	if r := ts.mustSend(t, keyed("k2", `{"a": 2}`)); r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("corrected request: %d replayed=%v, want a fresh 201", r.status, r.replayed())
+	}
+	if ops, _ := seen(); len(ops) != 4 || ops[2] == ops[3] || ops[2] == ops[0] {
+		t.Errorf("operations %q: want the corrected request under a new operation", ops)
+	}
+	// The released-then-replaced key now belongs to the corrected request.
+	if r := ts.mustSend(t, keyed("k2", `{"bad": true}`)); r.status != http.StatusUnprocessableEntity {
+		t.Errorf("the bad body again: %d, want 422", r.status)
 	}
 }
 
@@ -360,7 +420,7 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 	if _, ok := ClientIDFromContext(ctx); ok {
 		t.Error("ClientIDFromContext found a client")
 	}
-	MarkIrreversible(ctx) // does nothing
+	simulateCrash(ctx) // does nothing
 	if got := EventTookOver.String(); got != "took_over" {
 		t.Errorf("EventTookOver = %q", got)
 	}

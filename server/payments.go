@@ -69,19 +69,20 @@ func derive(purpose, clientID, operationID string, n int) string {
 //
 // It is derived from the client and [Claim.OperationID], not from the
 // client's Idempotency-Key: the operation ID is kept when a stale request is
-// taken over, so the retry that takes over finds the charge the crashed
-// request made instead of making a second; and it is new when the client's
-// key has expired and is used again, which is a new operation that must be
-// charged anew (a key derived from the client's key would silently reuse the
-// old charge). Hashing keeps the result within the processor's key rules
-// whatever the client id holds, and does not tell the processor the
-// client's key.
+// taken over, and when a request that failed (and released its key) is
+// retried, so the retry finds the charge the crashed or failed request made
+// instead of making a second; and it is new when the client's key has
+// expired and is used again, or is used for another request after a
+// release, which is a new operation that must be charged anew (a key
+// derived from the client's key would silently reuse the old charge).
+// Hashing keeps the result within the processor's key rules whatever the
+// client id holds, and does not tell the processor the client's key.
 func chargeKey(clientID, operationID string) string {
 	return "idem_ch_" + derive("charge", clientID, operationID, 40)
 }
 
-// paymentID is the id of the payment of an operation; a takeover gets the
-// same one.
+// paymentID is the id of the payment of an operation; a takeover or a retry
+// after a release gets the same one.
 func paymentID(clientID, operationID string) string {
 	return "pay_" + derive("payment", clientID, operationID, 24)
 }
@@ -107,9 +108,12 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	// Step 4 of the design asks a request that takes over a stale key to
 	// check whether the work already happened. Here that check is built in:
 	// the payment commits only together with the key's completion, so a
-	// started key has no payment; and the charge, the one thing that may
-	// have happened, is asked for again under the same downstream key,
-	// which the processor answers with the existing charge.
+	// started or released key has no payment; and the charge, the one thing
+	// that may have happened, is asked for again under the same downstream
+	// key, which the processor answers with the existing charge. The same
+	// holds for a retry after a failure: every failure below releases the
+	// key with its operation (see Store.Release), so the retry runs at once
+	// and is charged at most once.
 
 	// The money movement is not abandoned when the client hangs up: once
 	// begun, it runs to its end and is stored, so the retry gets the replay.
@@ -118,23 +122,20 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	charge, err := a.processor.charge(ctx, chargeKey(clientID, claim.OperationID), in.Amount, in.Currency)
 	switch {
 	case err == nil:
-		MarkIrreversible(r.Context())
 	case errors.Is(err, errProcessorDeclined):
 		log.Warn("payments: processor refused the charge", "err", err)
 		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
 			"The card processor is unavailable; nothing was charged. Retry with the same Idempotency-Key.")
 		return
 	case errors.Is(err, errProcessorConflict):
-		MarkIrreversible(r.Context())
 		log.Error("payments: processor holds another charge for this operation")
 		writeProblem(w, r, ProblemProcessorConflict, http.StatusConflict,
 			"The card processor already holds a charge for this operation with another amount or currency. Use a new Idempotency-Key.")
 		return
 	default:
-		// The charge may or may not have happened: keep the key started so
-		// that the retry that takes it over asks again with the same
-		// downstream key.
-		MarkIrreversible(r.Context())
+		// The charge may or may not have happened. The 502 releases the
+		// key with its operation, so the client's retry asks again under
+		// the same downstream key and gets the charge if there was one.
 		log.Error("payments: charge outcome unknown", "err", err)
 		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
 			"The card processor did not answer. Retry with the same Idempotency-Key; you will not be charged twice.")
@@ -143,6 +144,7 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	if a.afterCharge != nil {
 		if err := a.afterCharge(ctx); err != nil {
 			log.Warn("payments: injected crash after the charge", "charge", charge.ID, "err", err)
+			simulateCrash(r.Context())
 			panic(http.ErrAbortHandler)
 		}
 	}

@@ -19,7 +19,7 @@ import (
 // of server processes can share one database.
 //
 // Each operation is one SQL statement in one round trip: a claim inserts,
-// renews or takes over the key, or reads the live row, in one statement
+// renews, resumes or takes over the key, or reads the live row, in one statement
 // (run again in the rare case it lost a race); a completion writes the
 // staged payments and completes the key in one statement, which commits
 // both or neither. A request that claims, creates its payment and completes
@@ -46,8 +46,10 @@ type PostgresStore struct {
 	// charge, the completion) flushes the WAL up to itself, claim included.
 	// The client's retry then claims the key afresh. It is not safe when
 	// the handler calls an external system keyed by the operation ID right
-	// after the claim: a claim lost in a crash would give the retry a new
-	// operation ID, and so a second downstream key.
+	// after the claim: the first claim of a key, lost in a crash, would give
+	// the retry a new operation ID, and so a second downstream key. (A
+	// lost claim of a released key is harmless: the durable released row
+	// keeps the operation ID for the retry.)
 	AsyncClaims bool
 }
 
@@ -61,7 +63,8 @@ func NewPostgresStore(pool *pgxpool.Pool) *PostgresStore {
 // (see claimSQL); each re-run means another caller made progress.
 const maxRaces = 10
 
-// claimSQL claims, renews or takes over a key, or returns it as it is.
+// claimSQL claims, renews, resumes or takes over a key, or returns it as it
+// is (see [Store.Claim] for the cases).
 //
 // Parameters: $1 client, $2 key, $3 method, $4 path, $5 fingerprint,
 // $6 fingerprint version, $7 lock timeout and $8 retention in microseconds
@@ -71,25 +74,37 @@ const maxRaces = 10
 //
 // existing reads the row without locking it, so a duplicate of a live key
 // costs a read and no write (no transaction ID, no WAL, no flush), and does
-// not queue behind the owner's completion. renewed replaces an expired row
-// (created before now - retention: it counts as absent, whatever its state
-// and fingerprint) under a new operation ID, or takes over a stale started
-// row with the same fingerprint under a new token and the same operation
-// ID. Its WHERE is re-checked by PostgreSQL on the newest row version when
-// another transaction changed the row first, so of many concurrent takers
-// exactly one wins. inserted creates the row when the snapshot had none.
+// not queue behind the owner's completion. renewed updates the row in
+// place when it is
+//
+//   - expired (created before now - retention: it counts as absent, whatever
+//     its state and fingerprint): a new operation ID and creation time;
+//   - released under the same fingerprint version: with the same
+//     fingerprint it is resumed (same operation ID and creation time), with
+//     another it is replaced (new operation ID, creation time, request);
+//   - started, stale and with the same fingerprint: taken over (same
+//     operation ID).
+//
+// Every case gets a new token and a fresh lock. Its WHERE is re-checked by
+// PostgreSQL on the newest row version when another transaction changed
+// the row first, so of many concurrent claimers of an expired, released or
+// stale row exactly one wins; the re-check also requires the status the
+// snapshot saw, so the outcome reported (Claimed for a new, expired or
+// released row, TookOver for a stale started one) is the one that
+// happened. inserted creates the row when the snapshot had none.
 //
 // The snapshot is taken when the statement starts, so it can miss a row
-// another transaction has just inserted, or show one it has just renewed:
-// the statement then returns no row, or an Exists row flagged lost, and
-// the caller runs it again with a fresh snapshot.
+// another transaction has just inserted, or show one it has just renewed
+// or released: the statement then returns no row, or an Exists row flagged
+// lost, and the caller runs it again with a fresh snapshot.
 const claimSQL = `
 WITH existing AS (
     SELECT k.*,
         ($8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond') AS expired,
         (k.status = 'started'
             AND $7::bigint > 0 AND k.locked_at < now() - $7::bigint * interval '1 microsecond'
-            AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale
+            AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
+        (k.status = 'released' AND k.fingerprint_version = $6) AS free
     FROM idempotency_keys k
     WHERE k.client_id = $1 AND k.idempotency_key = $2
 ), renewed AS (
@@ -99,10 +114,14 @@ WITH existing AS (
         request_hash = $5,
         fingerprint_version = $6,
         status = 'started',
-        operation_id = CASE WHEN $8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond'
+        operation_id = CASE
+            WHEN ($8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond')
+                OR (k.status = 'released' AND k.request_hash <> $5)
             THEN gen_random_uuid() ELSE k.operation_id END,
         lock_token = nextval('idempotency_lock_tokens'),
-        created_at = CASE WHEN $8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond'
+        created_at = CASE
+            WHEN ($8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond')
+                OR (k.status = 'released' AND k.request_hash <> $5)
             THEN now() ELSE k.created_at END,
         locked_at = now(),
         response_status = NULL,
@@ -110,11 +129,14 @@ WITH existing AS (
         response_headers = NULL,
         response_body = NULL
     WHERE k.client_id = $1 AND k.idempotency_key = $2
+        AND k.status = (SELECT status FROM existing)
         AND (($8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond')
+            OR (k.status = 'released' AND k.fingerprint_version = $6)
             OR (k.status = 'started'
                 AND $7::bigint > 0 AND k.locked_at < now() - $7::bigint * interval '1 microsecond'
                 AND k.fingerprint_version = $6 AND k.request_hash = $5))
-    RETURNING k.lock_token, k.operation_id, k.created_at = now() AS fresh
+    RETURNING k.lock_token, k.operation_id,
+        k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
 ), inserted AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
@@ -128,14 +150,14 @@ SELECT 1, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
 FROM inserted
 UNION ALL
-SELECT CASE WHEN fresh THEN 1 ELSE 2 END, lock_token, operation_id::text,
+SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM renewed
 UNION ALL
 SELECT 3, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    expired OR stale
+    expired OR stale OR free
 FROM existing
 WHERE NOT EXISTS (SELECT FROM renewed)`
 
@@ -264,10 +286,13 @@ func (s *PostgresStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 	return &pgTx{store: s, claim: c}, nil
 }
 
-// Release implements [Store.Release].
+// Release implements [Store.Release] in one statement: the row is marked
+// released and keeps its operation ID, request and creation time (see
+// claimSQL for what a claim does with it). Its lock token stays too; it no
+// longer owns the key, since completion and release require a started row.
 func (s *PostgresStore) Release(ctx context.Context, c Claim) error {
 	tag, err := s.pool.Exec(ctx, `
-		DELETE FROM idempotency_keys
+		UPDATE idempotency_keys SET status = 'released'
 		WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`,
 		c.ClientID, c.Key, c.Token)
 	if err != nil {
@@ -281,9 +306,9 @@ func (s *PostgresStore) Release(ctx context.Context, c Claim) error {
 
 // Purge implements [Store.Purge]. One call is one short statement: it walks
 // the created_at index from the oldest key, locks at most limit expired keys
-// (skipping those another transaction holds) and deletes them by their
-// physical address. A retention or limit that is zero or negative purges
-// nothing.
+// of any status (skipping those another transaction holds) and deletes them
+// by their physical address. A retention or limit that is zero or negative
+// purges nothing.
 func (s *PostgresStore) Purge(ctx context.Context, retention time.Duration, limit int) (int64, error) {
 	if retention <= 0 || limit <= 0 {
 		return 0, nil

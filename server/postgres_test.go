@@ -2,13 +2,16 @@ package server_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"os"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
@@ -114,6 +117,69 @@ func TestMigrateTwiceAndConcurrently(t *testing.T) {
 	}
 	if versions < 1 {
 		t.Errorf("%d versions recorded, want at least 1", versions)
+	}
+}
+
+// TestMigrateFromVersion1 upgrades a database made by the first schema, with
+// keys in it, while claims may run: the keys survive, a key can then be
+// released and resumed, and the status check still refuses unknown states.
+func TestMigrateFromVersion1(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	v1, err := os.ReadFile("schema/001_init.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, string(v1)); err != nil {
+		t.Fatal(err)
+	}
+	// As Migrate records a version (see migrate.go).
+	if _, err := pool.Exec(ctx, `
+		CREATE TABLE idem_schema_migrations (
+			version    integer     PRIMARY KEY,
+			name       text        NOT NULL,
+			applied_at timestamptz NOT NULL DEFAULT now()
+		);
+		INSERT INTO idem_schema_migrations (version, name) VALUES (1, '001_init.sql');
+		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
+			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at)
+		VALUES ('cli_a', 'done', 'POST', '/v1/payments', '\x01', 1, 'completed', gen_random_uuid(),
+			nextval('idempotency_lock_tokens'), 201, now(), now())`); err != nil {
+		t.Fatal(err)
+	}
+	s := server.NewPostgresStore(pool)
+	req := server.ClaimRequest{ClientID: "cli_a", Key: "running", Method: "POST", Path: "/v1/payments",
+		Fingerprint: []byte{2}, FingerprintVersion: 1}
+	running, err := s.Claim(ctx, req) // a key started under version 1
+	if err != nil || running.Outcome != server.Claimed {
+		t.Fatalf("Claim under version 1 = %v, %v", running, err)
+	}
+
+	for range 2 { // and again: nothing to do
+		if err := server.Migrate(ctx, pool); err != nil {
+			t.Fatalf("Migrate from version 1: %v", err)
+		}
+	}
+	rows, _ := pool.Query(ctx, `SELECT version FROM idem_schema_migrations ORDER BY version`)
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil || fmt.Sprint(versions) != "[1 2]" {
+		t.Errorf("versions %v, %v; want [1 2]", versions, err)
+	}
+	done := req
+	done.Key, done.Fingerprint = "done", []byte{1}
+	if res, err := s.Claim(ctx, done); err != nil || res.Outcome != server.Exists || res.Record.Status != server.StatusCompleted {
+		t.Errorf("completed key after the upgrade: %+v, %v", res, err)
+	}
+	if err := s.Release(ctx, running.Claim); err != nil {
+		t.Fatalf("Release of a key claimed before the upgrade: %v", err)
+	}
+	if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != running.Claim.OperationID {
+		t.Errorf("claim of the released key: %+v, %v; want Claimed with operation %s", res, err, running.Claim.OperationID)
+	}
+	_, err = pool.Exec(ctx, `UPDATE idempotency_keys SET status = 'gone' WHERE idempotency_key = 'running'`)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.ConstraintName != "idempotency_keys_status_check" {
+		t.Errorf("unknown status: %v, want a violation of idempotency_keys_status_check", err)
 	}
 }
 

@@ -35,8 +35,9 @@ const (
 	ProblemMethodNotAllowed = "https://idemkit.dev/problems/method-not-allowed"
 	// ProblemTooLarge (413): the body is over the size limit.
 	ProblemTooLarge = "https://idemkit.dev/problems/request-too-large"
-	// ProblemProcessorUnavailable (502): the card processor could not be
-	// reached or kept failing. Nothing was charged; retry with the same key.
+	// ProblemProcessorUnavailable (502): the card processor refused the
+	// charge or could not be reached. Retry with the same key: the retry
+	// runs under the same operation, so it is charged at most once.
 	ProblemProcessorUnavailable = "https://idemkit.dev/problems/processor-unavailable"
 	// ProblemProcessorConflict (409): the card processor holds a charge for
 	// this operation with another amount or currency.

@@ -16,6 +16,14 @@ const (
 	// StatusCompleted marks a key whose outcome is stored and is replayed to
 	// every later request with the same key and fingerprint.
 	StatusCompleted Status = "completed"
+	// StatusReleased marks a key whose owner gave it up with
+	// [Store.Release]: nothing of its request was committed, the key is
+	// free, and it keeps its [Claim.OperationID] for the retry of the same
+	// request (see [Store.Claim]). [Store.Claim] hands a released key to the
+	// caller, so a [Record] shows this status only when its fingerprint
+	// version differs from the request's (the caller compares in the stored
+	// version and claims again).
+	StatusReleased Status = "released"
 )
 
 // Sentinel errors spoken by every [Store]. Stores translate their driver's
@@ -54,15 +62,20 @@ type ClaimRequest struct {
 type Outcome int
 
 const (
-	// Claimed: there was no live row; a new started row now belongs to the
-	// caller.
+	// Claimed: no earlier owner of the key is alive, and the key now
+	// belongs to the caller, started, under a new fencing token. The key
+	// was absent or expired (a new operation), or released (the same
+	// operation when the fingerprint matches, a new one otherwise; see
+	// [Store.Claim]).
 	Claimed Outcome = iota + 1
 	// TookOver: a started row older than the lock timeout, with the same
-	// fingerprint, now belongs to the caller under a new fencing token. The
-	// previous owner's completion will fail with [ErrFenced].
+	// fingerprint, now belongs to the caller under a new fencing token and
+	// the same operation. The previous owner, presumed dead, is fenced: its
+	// completion and its release fail with [ErrFenced].
 	TookOver
 	// Exists: a live row belongs to someone else (started and not stale, or
-	// completed), or its fingerprint differs; [ClaimResult.Record] holds it.
+	// completed), or its fingerprint differs, or it was released under
+	// another fingerprint version; [ClaimResult.Record] holds it.
 	Exists
 )
 
@@ -82,10 +95,12 @@ type Claim struct {
 	Key      string
 	Token    int64
 	// OperationID identifies the logical operation behind the key. It is
-	// chosen at the first claim and kept across takeovers, so work keyed by
-	// it downstream (the card processor's idempotency key) is done once even
-	// when a request is taken over; a key that expired and is used again gets
-	// a new one.
+	// chosen at the first claim and kept across takeovers and across a
+	// release followed by a claim with the same fingerprint, so work keyed
+	// by it downstream (the card processor's idempotency key) is done once
+	// even when a request is taken over, or fails after that work and is
+	// retried. A key that expired and is used again, or that was released
+	// and is claimed by another request, gets a new one.
 	OperationID string
 }
 
@@ -97,7 +112,7 @@ type Record struct {
 	Path               string
 	Fingerprint        []byte
 	FingerprintVersion int
-	Status             Status
+	Status             Status          // StatusReleased only under another fingerprint version
 	Response           *StoredResponse // set when Status is StatusCompleted
 	CreatedAt          time.Time
 	LockedAt           time.Time
@@ -117,7 +132,26 @@ type StoredResponse struct {
 type Store interface {
 	// Claim atomically claims the key, takes over a stale started row, or
 	// returns the live row as it is. Exactly one of many concurrent callers
-	// with the same key gets Claimed or TookOver.
+	// with the same key gets Claimed or TookOver. By the row it finds:
+	//
+	//   - none, or one created longer ago than req.Retention, whatever its
+	//     state: Claimed, a new operation (new OperationID, created now);
+	//   - released, same fingerprint and version: Claimed, the same
+	//     operation (same OperationID and creation time), so downstream
+	//     work keyed by it is found, not redone;
+	//   - released, same version, other fingerprint: Claimed, a new
+	//     operation replacing the old: nothing of the released request was
+	//     committed, and a corrected request (after a 400, say) is a new
+	//     request;
+	//   - released under another fingerprint version: Exists, so the caller
+	//     can compare in the stored version and claim again;
+	//   - started, lock older than req.LockTimeout, same fingerprint and
+	//     version: TookOver, the same operation;
+	//   - otherwise (started and fresh, completed, or another fingerprint):
+	//     Exists.
+	//
+	// A released key is never answered Exists for a request it could be
+	// compared with, so a duplicate never waits on one.
 	Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error)
 	// Begin opens the unit of work of a claim: the business writes made
 	// through the returned Tx commit together with the key's completion.
@@ -125,12 +159,26 @@ type Store interface {
 	// so it must not hold scarce resources (a pooled connection, a lock)
 	// until Complete: stores stage the writes and apply them in Complete.
 	Begin(ctx context.Context, c Claim) (Tx, error)
-	// Release deletes a started key still owned by c, so the next request
-	// with it runs again (validation failures, server errors, clean
-	// shutdown). It returns ErrFenced when c no longer owns the key.
+	// Release gives up a started key still owned by c, without an outcome,
+	// so the next request with it runs (validation failures, server errors,
+	// panics, failed completions, clean shutdown). It returns ErrFenced
+	// when c no longer owns the key (taken over, completed, released,
+	// expired and claimed anew); then it changes nothing.
+	//
+	// The key is marked [StatusReleased], not deleted: it keeps its
+	// OperationID and creation time, so the retry of the same request
+	// resumes the operation (see Claim). That is what makes a release safe
+	// after irreversible work keyed by the OperationID: a request that
+	// charged a card and then failed is retried under the same downstream
+	// key, and the processor returns the existing charge instead of
+	// charging again. Deleting the key would give the retry a new
+	// OperationID, and so a second charge. Work done under a released
+	// operation is found again only by a retry of the same request: a
+	// different request with the key is a new operation.
 	Release(ctx context.Context, c Claim) error
-	// Purge deletes at most limit keys created before now minus retention
-	// and returns how many it deleted. A retention or limit of zero or less
+	// Purge deletes at most limit keys created before now minus retention,
+	// whatever their status (released ones included), oldest first, and
+	// returns how many it deleted. A retention or limit of zero or less
 	// deletes nothing.
 	Purge(ctx context.Context, retention time.Duration, limit int) (int64, error)
 }

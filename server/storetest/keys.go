@@ -225,21 +225,138 @@ func testNoTakeoverWithoutLockTimeout(t *testing.T, b Backend) {
 	claim(t, b.Store, req, server.Exists)
 }
 
+// testReleaseThenClaim releases a key and claims it again with the same
+// request: the same operation (and creation time) under a new token, at
+// once, although the request sets a lock timeout.
 func testReleaseThenClaim(t *testing.T, b Backend) {
-	req := request("cli_a", "key-1", "a")
+	ctx := context.Background()
+	req := withLockTimeout(request("cli_a", "key-1", "a"))
 	first := claim(t, b.Store, req, server.Claimed).Claim
-	if err := b.Store.Release(context.Background(), first); err != nil {
+	createdAt := claim(t, b.Store, req, server.Exists).Record.CreatedAt
+	if err := b.Store.Release(ctx, first); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	second := claim(t, b.Store, req, server.Claimed).Claim
 	if second.Token == first.Token {
 		t.Errorf("claim after release reused token %d", first.Token)
 	}
-	if err := b.Store.Release(context.Background(), first); !errors.Is(err, server.ErrFenced) {
+	if second.OperationID != first.OperationID {
+		t.Errorf("claim after release: operation %q, want the released %q", second.OperationID, first.OperationID)
+	}
+	rec := claim(t, b.Store, req, server.Exists).Record // the new owner holds it
+	if rec.Status != server.StatusStarted || !rec.CreatedAt.Equal(createdAt) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+		t.Errorf("resumed key: status %q, created %v, fingerprint %x; want started, created %v, the request's",
+			rec.Status, rec.CreatedAt, rec.Fingerprint, createdAt)
+	}
+	// The released claim owns nothing any more.
+	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("second Release of the first claim: %v, want ErrFenced", err)
 	}
-	// The new owner is untouched.
-	claim(t, b.Store, req, server.Exists)
+	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Complete of the released claim: %v, want ErrFenced", err)
+	}
+	mustNotFindPayment(t, b, "cli_a", "pay_1")
+	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
+		t.Fatalf("Complete of the resumed claim: %v", err)
+	}
+	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
+}
+
+// testReleaseThenClaimOther releases a key and claims it with another
+// request: a new operation replaces the released one.
+func testReleaseThenClaimOther(t *testing.T, b Backend) {
+	ctx := context.Background()
+	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	before := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
+	if err := b.Store.Release(ctx, first); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	other := request("cli_a", "key-1", "b")
+	second := claim(t, b.Store, other, server.Claimed).Claim
+	if second.OperationID == first.OperationID || second.Token == first.Token {
+		t.Errorf("another request after release: claim %+v, want a new operation and token than %+v", second, first)
+	}
+	rec := claim(t, b.Store, other, server.Exists).Record
+	if rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("b")) || rec.CreatedAt.Before(before.CreatedAt) {
+		t.Errorf("replaced key: status %q, fingerprint %x, created %v; want started, the new request's, not before %v",
+			rec.Status, rec.Fingerprint, rec.CreatedAt, before.CreatedAt)
+	}
+	// The first request is now the mismatch.
+	if rec := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
+		t.Errorf("the first request sees fingerprint %x, want the new request's", rec.Fingerprint)
+	}
+	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
+		t.Errorf("Release of the replaced claim: %v, want ErrFenced", err)
+	}
+	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
+		t.Fatalf("Complete of the new operation: %v", err)
+	}
+	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
+}
+
+// testReleasedOtherVersion claims a released key with a request of another
+// fingerprint version: the store cannot compare, so it answers Exists with
+// the released record, and the claim in the stored version resumes it.
+func testReleasedOtherVersion(t *testing.T, b Backend) {
+	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	if err := b.Store.Release(context.Background(), first); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	v2 := request("cli_a", "key-1", "a")
+	v2.FingerprintVersion = 2
+	rec := claim(t, b.Store, v2, server.Exists).Record
+	if rec.Status != server.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
+		t.Errorf("record %+v, want the released key of version 1", rec)
+	}
+	if c := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim; c.OperationID != first.OperationID {
+		t.Errorf("claim in the stored version: operation %q, want %q", c.OperationID, first.OperationID)
+	}
+}
+
+// testReleasedClaimRace lets many claimers race for a released key, first
+// all with the released request, then half of them with another: exactly
+// one wins, with the released operation if and only if its request is the
+// released one, and the others see the key started.
+func testReleasedClaimRace(t *testing.T, b Backend) {
+	for _, mixed := range []bool{false, true} {
+		key := map[bool]string{false: "key-same", true: "key-mixed"}[mixed]
+		first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+		if err := b.Store.Release(context.Background(), first); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+		const n = 20
+		body := func(i int) string {
+			if mixed && i%2 == 1 {
+				return "b"
+			}
+			return "a"
+		}
+		results := make([]server.ClaimResult, n)
+		errs := make([]error, n)
+		race(n, func(i int) { results[i], errs[i] = b.Store.Claim(context.Background(), request("cli_a", key, body(i))) })
+		winners := 0
+		for i, r := range results {
+			if errs[i] != nil {
+				t.Fatalf("concurrent Claim: %v", errs[i])
+			}
+			switch r.Outcome {
+			case server.Claimed:
+				winners++
+				if same := r.Claim.OperationID == first.OperationID; same != (body(i) == "a") {
+					t.Errorf("winner with request %q got operation %q (released: %q)", body(i), r.Claim.OperationID, first.OperationID)
+				}
+			case server.Exists:
+				if r.Record.Status != server.StatusStarted {
+					t.Errorf("a losing claim saw status %q, want started", r.Record.Status)
+				}
+			default:
+				t.Errorf("a claim of a released key returned %s", outcome(r.Outcome))
+			}
+		}
+		if winners != 1 {
+			t.Errorf("%d claimers of a released key (mixed=%v): %d won, want 1", n, mixed, winners)
+		}
+	}
 }
 
 func testReleaseFenced(t *testing.T, b Backend) {
@@ -308,6 +425,48 @@ func testRetentionStarted(t *testing.T, b Backend) {
 		t.Errorf("Complete of the expired claim: %v, want ErrFenced", err)
 	}
 	mustNotFindPayment(t, b, "cli_a", "pay_1")
+}
+
+// testRetentionReleased checks that a released key expires like any other:
+// after retention, even the same request is a new operation.
+func testRetentionReleased(t *testing.T, b Backend) {
+	req := withRetention(request("cli_a", "key-1", "a"))
+	first := claim(t, b.Store, req, server.Claimed).Claim
+	if err := b.Store.Release(context.Background(), first); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	time.Sleep(pause)
+	if second := claim(t, b.Store, req, server.Claimed).Claim; second.OperationID == first.OperationID {
+		t.Errorf("expired released key kept its operation %q", first.OperationID)
+	}
+}
+
+// testPurgeReleased checks that Purge deletes released keys by their age,
+// and leaves the young ones, which keep their operation.
+func testPurgeReleased(t *testing.T, b Backend) {
+	ctx := context.Background()
+	release := func(client, key string) server.Claim {
+		t.Helper()
+		c := claim(t, b.Store, request(client, key, "a"), server.Claimed).Claim
+		if err := b.Store.Release(ctx, c); err != nil {
+			t.Fatalf("Release(%s): %v", key, err)
+		}
+		return c
+	}
+	old := []server.Claim{release("cli_a", "old-0"), release("cli_a", "old-1")}
+	time.Sleep(2 * pause)
+	young := release("cli_a", "young")
+	if n, err := b.Store.Purge(ctx, pause, 10); err != nil || n != int64(len(old)) {
+		t.Fatalf("Purge(%v, 10) = %d, %v; want %d", pause, n, err, len(old))
+	}
+	for _, c := range old {
+		if got := claim(t, b.Store, request("cli_a", c.Key, "a"), server.Claimed).Claim; got.OperationID == c.OperationID {
+			t.Errorf("purged key %s kept its operation", c.Key)
+		}
+	}
+	if got := claim(t, b.Store, request("cli_a", "young", "a"), server.Claimed).Claim; got.OperationID != young.OperationID {
+		t.Errorf("young released key: operation %q, want %q (not purged)", got.OperationID, young.OperationID)
+	}
 }
 
 func testPurge(t *testing.T, b Backend) {
