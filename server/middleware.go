@@ -472,6 +472,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	switch err := tx.Complete(detached, rec.stored(m.keyHeader)); {
 	case err == nil:
 		m.event(EventCompleted)
+		log.Info("idempotency: outcome stored", "status", status, "operation", claim.OperationID)
 		writeRecorded(w, rec)
 	case errors.Is(err, ErrFenced):
 		m.event(EventFenced)

@@ -164,7 +164,9 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be stored. Retry with the same Idempotency-Key.")
 		return
 	}
-	log.Info("payments: payment created", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
+	// Staged, not yet committed: the middleware commits it with the key's
+	// outcome and logs "idempotency: outcome stored" once it has.
+	log.Debug("payments: payment staged", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
 	w.Header().Set("Location", "/v1/payments/"+p.ID)
 	writeJSON(w, http.StatusCreated, resource(p))
 }

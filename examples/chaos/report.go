@@ -117,7 +117,7 @@ var serverEvents = []struct {
 	msg, label string
 	always     bool
 }{
-	{"payments: payment created", "payments made (logged before commit)", true},
+	{"idempotency: outcome stored", "outcomes stored (payment committed with its key)", true},
 	{"idempotency: took over a stale key", "stale keys taken over", true},
 	{"idempotency: completion fenced: the request was taken over; its writes were rolled back", "completions fenced by a takeover", false},
 	{"payments: charge outcome unknown", "charge outcomes unknown", false},

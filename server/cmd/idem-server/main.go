@@ -117,6 +117,10 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
 	case o.lockTimeout >= o.retention:
 		return o, errors.New("-lock-timeout must be shorter than -retention")
+	case o.processorDelay >= o.lockTimeout:
+		// A charge is bounded by the lock timeout (after it, a retry may
+		// take the key over), so such a processor could never succeed.
+		return o, errors.New("-processor-delay must be shorter than -lock-timeout: every charge would time out")
 	}
 	return o, nil
 }

@@ -190,6 +190,7 @@ func TestRunFlags(t *testing.T) {
 		{"unknown flag", []string{"-nope"}, nil, "flag provided but not defined"},
 		{"extra argument", []string{"serve"}, nil, "unexpected arguments"},
 		{"lock timeout over retention", []string{"-lock-timeout", "2h", "-retention", "1h"}, nil, "shorter than -retention"},
+		{"processor slower than the lock timeout", []string{"-processor-delay", "2s", "-lock-timeout", "1s"}, nil, "shorter than -lock-timeout"},
 		{"failure rate", []string{"-processor-failure-rate", "2"}, nil, "[0, 1]"},
 		{"log format", []string{"-log-format", "xml"}, nil, "text or json"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
