@@ -24,7 +24,8 @@ WITH existing AS (
         (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond') AS expired,
         (k.status = 'started'
             AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
-            AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale
+            AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
+        (k.status = 'released' AND k.fingerprint_version = :fpver) AS free
     FROM idempotency_keys k
     WHERE k.client_id = :client AND k.idempotency_key = :key
 ), renewed AS (
@@ -34,10 +35,14 @@ WITH existing AS (
         request_hash = :fp,
         fingerprint_version = :fpver,
         status = 'started',
-        operation_id = CASE WHEN :retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond'
+        operation_id = CASE
+            WHEN (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
+                OR (k.status = 'released' AND k.request_hash <> :fp)
             THEN gen_random_uuid() ELSE k.operation_id END,
         lock_token = nextval('idempotency_lock_tokens'),
-        created_at = CASE WHEN :retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond'
+        created_at = CASE
+            WHEN (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
+                OR (k.status = 'released' AND k.request_hash <> :fp)
             THEN now() ELSE k.created_at END,
         locked_at = now(),
         response_status = NULL,
@@ -45,11 +50,14 @@ WITH existing AS (
         response_headers = NULL,
         response_body = NULL
     WHERE k.client_id = :client AND k.idempotency_key = :key
+        AND k.status = (SELECT status FROM existing)
         AND ((:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
+            OR (k.status = 'released' AND k.fingerprint_version = :fpver)
             OR (k.status = 'started'
                 AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
                 AND k.fingerprint_version = :fpver AND k.request_hash = :fp))
-    RETURNING k.lock_token, k.operation_id, k.created_at = now() AS fresh
+    RETURNING k.lock_token, k.operation_id,
+        k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
 ), inserted AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
@@ -63,14 +71,14 @@ SELECT 1 AS outcome, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false AS lost
 FROM inserted
 UNION ALL
-SELECT CASE WHEN fresh THEN 1 ELSE 2 END, lock_token, operation_id::text,
+SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
     NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM renewed
 UNION ALL
 SELECT 3, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    expired OR stale
+    expired OR stale OR free
 FROM existing
 WHERE NOT EXISTS (SELECT FROM renewed)
 \gset

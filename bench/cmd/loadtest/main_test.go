@@ -1,0 +1,80 @@
+package main
+
+import (
+	"io"
+	"testing"
+	"time"
+)
+
+func TestCheckLoopback(t *testing.T) {
+	for _, tc := range []struct {
+		url string
+		ok  bool
+	}{
+		{"http://127.0.0.1:8080", true},
+		{"http://localhost:8080", true},
+		{"http://[::1]:8080", true},
+		{"http://10.0.0.1:8080", false},
+		{"http://example.com", false},
+	} {
+		if err := checkLoopback(tc.url); (err == nil) != tc.ok {
+			t.Errorf("checkLoopback(%q) = %v, want ok %t", tc.url, err, tc.ok)
+		}
+	}
+}
+
+func TestParseFlags(t *testing.T) {
+	getenv := func(string) string { return "" }
+	c, err := parseFlags([]string{"-scenario", "first, conflict", "-concurrency", "3"}, getenv, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := c.scenarios; len(got) != 2 || got[0] != "first" || got[1] != "conflict" || c.concurrency != 3 {
+		t.Errorf("scenarios %q, concurrency %d", got, c.concurrency)
+	}
+	for _, args := range [][]string{
+		{"-scenario", "nope"},
+		{"-concurrency", "0"},
+		{"-duration", "0s"},
+		{"-server-url", "http://192.0.2.1:80"},
+		{"extra"},
+	} {
+		if _, err := parseFlags(args, getenv, io.Discard); err == nil {
+			t.Errorf("parseFlags(%q): no error", args)
+		}
+	}
+}
+
+func TestQuantile(t *testing.T) {
+	var d []time.Duration
+	for i := 1; i <= 1000; i++ {
+		d = append(d, time.Duration(i)*time.Millisecond)
+	}
+	for _, tc := range []struct {
+		q    float64
+		want time.Duration
+	}{{0.5, 500 * time.Millisecond}, {0.99, 990 * time.Millisecond}, {0.999, 999 * time.Millisecond}, {1, time.Second}} {
+		if got := quantile(d, tc.q); got != tc.want {
+			t.Errorf("quantile(%v) = %v, want %v", tc.q, got, tc.want)
+		}
+	}
+	if got := quantile(nil, 0.5); got != 0 {
+		t.Errorf("quantile(nil) = %v", got)
+	}
+}
+
+func TestHasFlag(t *testing.T) {
+	help := "Usage of idem-server:\n  -addr address\n    \tlisten address\n  -no-idempotency\n    \tserve without the layer\n"
+	if !hasFlag(help, "no-idempotency") || !hasFlag(help, "addr") || hasFlag(help, "async-claims") {
+		t.Error("hasFlag misreads the -h text")
+	}
+}
+
+func TestPaymentBodyIsStable(t *testing.T) {
+	if string(paymentBody(7)) != string(paymentBody(7)) || string(paymentBody(7)) == string(paymentBody(8)) {
+		t.Error("paymentBody must give the same bytes for the same n and others for another")
+	}
+	if got, want := string(paymentBody(7)), `{"amount":107,"currency":"usd","customer":"cus_7"}`; got != want {
+		t.Errorf("paymentBody(7) = %s, want %s", got, want)
+	}
+}
