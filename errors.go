@@ -51,6 +51,7 @@ type RetryError struct {
 	Err      error
 }
 
+// Error returns a message with the attempt count and the reason.
 func (e *RetryError) Error() string {
 	return fmt.Sprintf("idem: giving up after %d attempt%s: %v", e.Attempts, plural(e.Attempts), e.Err)
 }
@@ -74,6 +75,7 @@ type InProgressError struct {
 	Problem *Problem      // the last 409's problem details, if any
 }
 
+// Error returns a message with the key and what to do.
 func (e *InProgressError) Error() string {
 	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s; its outcome is unknown: retry later with the same key",
 		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond))
@@ -97,6 +99,7 @@ type KeyReuseError struct {
 	Problem *Problem // the server's problem details; never nil
 }
 
+// Error returns a message with the key, the request and the server's problem details.
 func (e *KeyReuseError) Error() string {
 	msg := fmt.Sprintf("idem: idempotency key %s was already used for a different request (%s %s); this is a bug in the caller: use a new key for a new request", e.Key, e.Method, e.URL)
 	if d := e.Problem.describe(); d != "" {
@@ -140,6 +143,7 @@ type APIError struct {
 	Body       []byte
 }
 
+// Error returns a message with the request, the status and the problem details.
 func (e *APIError) Error() string {
 	msg := fmt.Sprintf("idem: %s %s: %d %s", e.Method, e.URL, e.StatusCode, http.StatusText(e.StatusCode))
 	if d := e.Problem.describe(); d != "" {
