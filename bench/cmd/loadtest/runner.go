@@ -576,18 +576,18 @@ func (r *runner) printJSON(res result) {
 }
 
 func printTable(w io.Writer, results []result) {
-	fmt.Fprintf(w, "%-10s %5s %9s %10s %9s %9s %9s %7s %8s  %s\n",
+	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s  %s\n",
 		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "statuses")
 	for _, r := range results {
 		commits := "-"
 		if r.Commits != nil {
 			commits = fmt.Sprintf("%.2f", *r.Commits)
 		}
-		fmt.Fprintf(w, "%-10s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s  %s\n",
+		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s  %s\n",
 			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, statusText(r))
 		if r.Purge != nil {
 			p := r.Purge
-			fmt.Fprintf(w, "%-10s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",
+			fmt.Fprintf(w, "%-16s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",
 				"", p.Keys, p.Seconds, p.RowsPerS, p.Finished, p.P99Before, p.P99During, p.P99During/p.P99Before)
 		}
 	}
