@@ -124,11 +124,13 @@ type result struct {
 	Errors   int     `json:"errors"`
 
 	Concurrency int            `json:"concurrency"`
-	Statuses    map[string]int `json:"statuses"`        // by HTTP status; "0" for transport errors
-	Replayed    int            `json:"replayed"`        // answers with Idempotent-Replayed: true
-	Commits     *float64       `json:"commits_per_req"` // database transactions per request; null when not counted
-	Purge       *purgeResult   `json:"purge,omitempty"` // retention only
-	Note        string         `json:"note,omitempty"`  // what the figures mean, when it is not obvious
+	Statuses    map[string]int `json:"statuses"`                        // by HTTP status; "0" for transport errors
+	Replayed    int            `json:"replayed"`                        // answers with Idempotent-Replayed: true
+	Commits     *float64       `json:"commits_per_req"`                 // database transactions per request; null when not counted
+	ServerCPU   *float64       `json:"server_cpu_ms_per_req,omitempty"` // CPU time of the server process per request
+	MachineBusy *float64       `json:"machine_cpu_busy,omitempty"`      // share of the machine's CPU time not idle, in [0, 1]
+	Purge       *purgeResult   `json:"purge,omitempty"`                 // retention only
+	Note        string         `json:"note,omitempty"`                  // what the figures mean, when it is not obvious
 	FirstError  string         `json:"first_error,omitempty"`
 }
 
@@ -170,7 +172,7 @@ func (r *runner) first(ctx context.Context, base, name string) (result, error) {
 	defer c.close()
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			return c.post(ctx, uuid.NewString(), paymentBody(seq))
 		}, isStatus(http.StatusCreated, false))
@@ -219,7 +221,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 	}
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			k := int(seq % int64(n))
 			return c.post(ctx, keys[k], paymentBody(int64(k)))
@@ -235,6 +237,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 // second server started with -no-idempotency, or at -unkeyed-url.
 func (r *runner) unkeyed(ctx context.Context) (result, error) {
 	base := r.cfg.unkeyedURL
+	var driven *proc // the server measured, when the load test started it
 	if base == "" {
 		if r.bin == "" {
 			return result{}, fmt.Errorf("%w: with -server-url, pass -unkeyed-url: the URL of a server started with -no-idempotency", errSkipped)
@@ -259,13 +262,13 @@ func (r *runner) unkeyed(ctx context.Context) (result, error) {
 				r.logf("restarting the server: %v", err)
 			}
 		}()
-		base = p.url
+		base, driven = p.url, p
 	}
 	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
 	defer c.close()
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, func() {
+	commits, err := r.countCommits(ctx, w, pidOf(driven), func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			return c.post(ctx, "", paymentBody(seq))
 		}, isStatus(http.StatusCreated, false))
@@ -292,7 +295,7 @@ func (r *runner) conflict(ctx context.Context) (result, error) {
 		tallies[i] = newTally()
 	}
 	measured := 0
-	commits, err := r.countCommits(ctx, w, func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
 		for round := int64(0); ctx.Err() == nil && measured < r.cfg.maxRequests; round++ {
 			start := time.Now()
 			if !start.Before(w.to) {
@@ -459,6 +462,14 @@ func (r *runner) retention(ctx context.Context) (result, error) {
 	return res, nil
 }
 
+// pidOf returns the process ID of p, or 0 for none.
+func pidOf(p *proc) int {
+	if p == nil || p.cmd == nil || p.cmd.Process == nil {
+		return 0
+	}
+	return p.cmd.Process.Pid
+}
+
 // purged reads idem_keys_purged_total from the server's /metrics.
 func purged(ctx context.Context, base string) (float64, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
@@ -479,37 +490,86 @@ func purged(ctx context.Context, base string) (float64, error) {
 	return 0, errors.New("no idem_keys_purged_total in /metrics")
 }
 
-// countCommits runs load and returns the database transactions committed
-// in w per request, or nil without a database. pg_stat_database is read at
-// the start and the end of the window while the load runs; backends
+// countCommits runs load and returns what the counters say about the
+// window w: the database transactions committed (nil without a database),
+// the CPU time of the server process pid (0: not known, with -server-url),
+// and how busy the machine's CPUs were. The counters are read at the start
+// and the end of the window while the load runs; PostgreSQL backends
 // publish their counts at most a second late, which under steady load
 // shifts both ends alike.
-func (r *runner) countCommits(ctx context.Context, w window, load func()) (*commitCount, error) {
-	if r.db == nil {
-		load()
-		return nil, nil
-	}
-	cc := &commitCount{}
+func (r *runner) countCommits(ctx context.Context, w window, pid int, load func()) (*commitCount, error) {
+	cc := &commitCount{pid: pid}
 	var wg sync.WaitGroup
 	var errFrom, errTo error
 	wg.Go(func() {
 		time.Sleep(time.Until(w.from))
-		cc.from, errFrom = r.commits(ctx)
+		cc.from, errFrom = r.counters(ctx, pid)
 		time.Sleep(time.Until(w.to))
-		cc.to, errTo = r.commits(ctx)
+		cc.to, errTo = r.counters(ctx, pid)
 	})
 	load()
 	wg.Wait()
 	return cc, errors.Join(errFrom, errTo)
 }
 
-type commitCount struct{ from, to int64 }
+type commitCount struct {
+	pid      int
+	from, to counters
+}
 
-func (r *runner) commits(ctx context.Context) (int64, error) {
-	var n int64
-	err := r.db.QueryRow(ctx, `
-		SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&n)
-	return n, err
+type counters struct {
+	commits    int64
+	srvTicks   int64 // utime+stime of the server, in clock ticks
+	busy, all  int64 // the machine's busy and total CPU ticks
+	hasSrv     bool
+	hasMachine bool
+}
+
+// clockTicksPerSecond is USER_HZ, 100 on Linux on every common
+// architecture; /proc reports CPU times in it.
+const clockTicksPerSecond = 100
+
+func (r *runner) counters(ctx context.Context, pid int) (counters, error) {
+	var c counters
+	if r.db != nil {
+		err := r.db.QueryRow(ctx, `
+			SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&c.commits)
+		if err != nil {
+			return c, err
+		}
+	}
+	if pid > 0 {
+		if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid)); err == nil {
+			// The fields after the command name, which is in parentheses
+			// and may hold spaces: state is the first, utime the 12th.
+			if i := strings.LastIndexByte(string(b), ')'); i > 0 {
+				f := strings.Fields(string(b)[i+1:])
+				if len(f) > 12 {
+					u, err1 := strconv.ParseInt(f[11], 10, 64)
+					s, err2 := strconv.ParseInt(f[12], 10, 64)
+					c.srvTicks, c.hasSrv = u+s, err1 == nil && err2 == nil
+				}
+			}
+		}
+	}
+	if b, err := os.ReadFile("/proc/stat"); err == nil {
+		line, _, _ := strings.Cut(string(b), "\n")
+		if f := strings.Fields(line); len(f) > 5 && f[0] == "cpu" {
+			var all int64
+			for i, v := range f[1:] {
+				n, _ := strconv.ParseInt(v, 10, 64)
+				if i < 8 { // user nice system idle iowait irq softirq steal; guest is in user
+					all += n
+				}
+				if i == 3 || i == 4 { // idle, iowait
+					c.busy -= n
+				}
+			}
+			c.busy += all
+			c.all, c.hasMachine = all, true
+		}
+	}
+	return c, nil
 }
 
 // summarize turns a tally into a result.
@@ -535,8 +595,18 @@ func (r *runner) summarize(name string, t *tally, w window, cc *commitCount) res
 		res.Statuses[strconv.Itoa(k)] = v
 	}
 	if cc != nil && len(lat) > 0 {
-		v := float64(cc.to-cc.from) / float64(len(lat))
-		res.Commits = &v
+		if r.db != nil {
+			v := float64(cc.to.commits-cc.from.commits) / float64(len(lat))
+			res.Commits = &v
+		}
+		if cc.from.hasSrv && cc.to.hasSrv {
+			v := float64(cc.to.srvTicks-cc.from.srvTicks) * 1000 / clockTicksPerSecond / float64(len(lat))
+			res.ServerCPU = &v
+		}
+		if cc.from.hasMachine && cc.to.hasMachine && cc.to.all > cc.from.all {
+			v := float64(cc.to.busy-cc.from.busy) / float64(cc.to.all-cc.from.all)
+			res.MachineBusy = &v
+		}
 	}
 	if t.firstErr != nil {
 		res.FirstError = t.firstErr.Error()
@@ -576,15 +646,22 @@ func (r *runner) printJSON(res result) {
 }
 
 func printTable(w io.Writer, results []result) {
-	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s  %s\n",
-		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "statuses")
+	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s %8s %5s  %s\n",
+		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "srv ms", "busy", "statuses")
 	for _, r := range results {
 		commits := "-"
 		if r.Commits != nil {
 			commits = fmt.Sprintf("%.2f", *r.Commits)
 		}
-		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s  %s\n",
-			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, statusText(r))
+		srv, busy := "-", "-"
+		if r.ServerCPU != nil {
+			srv = fmt.Sprintf("%.3f", *r.ServerCPU)
+		}
+		if r.MachineBusy != nil {
+			busy = fmt.Sprintf("%.0f%%", 100**r.MachineBusy)
+		}
+		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s %8s %5s  %s\n",
+			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, srv, busy, statusText(r))
 		if r.Purge != nil {
 			p := r.Purge
 			fmt.Fprintf(w, "%-16s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",
