@@ -6,8 +6,8 @@
 //
 // Client transport, in this directory:
 //
-//	go test -run '^$' -bench 'RoundTrip' -benchmem -count 6 | tee new.txt
-//	go run golang.org/x/perf/cmd/benchstat new.txt
+//	go test -run '^$' -bench 'RoundTrip' -benchmem
+//	./roundtrip.sh 20 results   # interleaved rounds, then benchstat with bare as the base
 //
 // Reference server, with the real idem-server binary over loopback:
 //

@@ -25,8 +25,10 @@
 // replay/first (to stderr with -json). With -database-url it also reports
 // the commits per request, read from pg_stat_database: each autocommitted
 // statement or pipelined batch is one transaction, so this counts the
-// database round trips of a request that ends in a commit. Use a database
-// of its own for the run, or other clients' transactions are counted too.
+// database round trips of a request. Use a database of its own for the
+// run, or other clients' transactions are counted too. For a server it
+// started, it reports the server's CPU time per request (/proc/PID/stat),
+// and for every run how busy the machine's CPUs were (/proc/stat).
 //
 // Every loop is bounded in time (-duration) and count (-max-requests), and
 // only loopback addresses are driven.
