@@ -64,7 +64,9 @@
 // their operation. A key older than that counts as absent at once, whatever
 // its state and the purge timing, so reusing it starts a new operation;
 // [Server.Run] deletes expired keys, released ones included, in bounded
-// batches every minute.
+// batches every minute, pausing between batches in proportion to how long
+// each took ([Config.PurgeDutyCycle]), so that a large backlog does not
+// slow the requests down; the pace only bounds how large the table grows.
 //
 // # The reference server
 //
@@ -72,7 +74,9 @@
 // or form-encoded) charges a fake card processor ([Processor], on its own
 // loopback listener) through the SDK's idem.Transport, with a key derived
 // from the client and the OperationID, and stores the payment with the key's
-// outcome; GET /v1/payments/{id} reads it back. The stores are the
+// outcome; GET /v1/payments/{id} reads it back. For benchmarks only,
+// [Config.NoIdempotency] serves the same payment without the idempotency
+// layer, to measure what the layer costs. The stores are the
 // [MemoryStore], the default of idem-server without a database, and the
 // PostgreSQL store; both pass the conformance suite in package storetest.
 package server

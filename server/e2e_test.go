@@ -47,6 +47,7 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"WaitForCompletion", testWaitForCompletion},
 		{"Retention", testRetention},
 		{"PurgeThenReuse", testPurgeThenReuse},
+		{"NoIdempotency", testNoIdempotency},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) { tt.fn(t, newStore) })
@@ -816,4 +817,72 @@ func testPurgeThenReuse(t *testing.T, newStore newStoreFunc) {
 	if r.status != http.StatusCreated || r.replayed() {
 		t.Errorf("purged key reused: %d replayed=%v", r.status, r.replayed())
 	}
+}
+
+// testNoIdempotency checks the benchmark-only route of
+// Config.NoIdempotency: no key is needed, none is stored, and every request
+// is a new payment with a charge of its own.
+func testNoIdempotency(t *testing.T, newStore newStoreFunc) {
+	store := newStore(t)
+	ts := newTestServer(t, store, Config{NoIdempotency: true})
+
+	var ids []string
+	for _, c := range []call{
+		{body: payment}, // no key
+		{body: payment, keys: []string{"k-ignored"}}, // a key is ignored...
+		{body: payment, keys: []string{"k-ignored"}}, // ...so its retry pays again
+	} {
+		r := ts.mustSend(t, c)
+		if r.status != http.StatusCreated || r.replayed() {
+			t.Fatalf("POST %v: %d replayed=%v %s, want a new 201", c.keys, r.status, r.replayed(), r.body)
+		}
+		p := r.payment(t)
+		if p.Amount != 4200 || p.Currency != "usd" || p.Customer != "cus_123" || !strings.HasPrefix(p.ID, "pay_") || p.Charge == "" {
+			t.Errorf("payment %+v", p)
+		}
+		if got := r.header.Get("Location"); got != "/v1/payments/"+p.ID {
+			t.Errorf("Location = %q", got)
+		}
+		if got := r.header.Get("Idempotency-Key"); got != "" {
+			t.Errorf("Idempotency-Key echoed: %q", got)
+		}
+		got := ts.mustSend(t, call{method: http.MethodGet, path: "/v1/payments/" + p.ID})
+		if got.status != http.StatusOK || got.payment(t) != p {
+			t.Errorf("GET %s: %d %s, want %+v", p.ID, got.status, got.body, p)
+		}
+		stored, err := store.(PaymentStore).GetPayment(context.Background(), "client_a", p.ID)
+		if err != nil || stored.IdempotencyKey != "" || stored.OperationID == "" {
+			t.Errorf("stored payment %+v, %v; want no key and an operation", stored, err)
+		}
+		ids = append(ids, p.ID)
+	}
+	if ids[0] == ids[1] || ids[1] == ids[2] || ids[0] == ids[2] {
+		t.Errorf("payment ids %v, want three distinct", ids)
+	}
+	if n := ts.charges.created.Load(); n != 3 {
+		t.Errorf("%d charges, want 3", n)
+	}
+
+	// Nothing was stored under the key: claiming it finds it absent.
+	res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "client_a", Key: "k-ignored",
+		Method: "POST", Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: FingerprintVersion})
+	if err != nil || res.Outcome != Claimed {
+		t.Errorf("claim of the key sent to the unkeyed route: %v, %v; want Claimed (no row)", res.Outcome, err)
+	}
+	if got := ts.counter(t, "idem_keys_claimed_total"); got != 0 {
+		t.Errorf("%v keys claimed by the server, want 0", got)
+	}
+
+	// An invalid body stores nothing and says so, without talk of keys.
+	r := ts.mustSend(t, call{body: `{"amount": -1, "currency": "usd", "customer": "cus_123"}`})
+	if r.status != http.StatusBadRequest || strings.Contains(r.problem(t).Detail, "Idempotency-Key") {
+		t.Errorf("invalid body: %d %s", r.status, r.body)
+	}
+	// A processor outage is a 502 that says a retry is a new payment.
+	ts.Processor().FailNext(100)
+	r = ts.mustSend(t, call{body: payment})
+	if r.status != http.StatusBadGateway || !strings.Contains(r.problem(t).Detail, "new payment") {
+		t.Errorf("processor down: %d %s", r.status, r.body)
+	}
+	ts.Processor().FailNext(0)
 }

@@ -223,6 +223,21 @@ func (s *MemoryStore) CreatePayment(ctx context.Context, tx Tx, p Payment) error
 	return nil
 }
 
+// InsertPayment implements [PaymentInserter]: it stores p at once, after
+// the same checks as [Tx.Complete]. A payment without CreatedAt gets the
+// current time.
+func (s *MemoryStore) InsertPayment(ctx context.Context, p Payment) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if p.CreatedAt.IsZero() {
+		p.CreatedAt = s.now()
+	}
+	return s.applyPayments([]Payment{p})
+}
+
 // GetPayment implements [PaymentStore.GetPayment].
 func (s *MemoryStore) GetPayment(ctx context.Context, clientID, id string) (Payment, error) {
 	s.mu.Lock()
@@ -293,9 +308,24 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	if k == nil {
 		return ErrFenced
 	}
-	ids := make(map[string]bool, len(staged))
-	ops := make(map[[2]string]bool, len(staged))
-	for _, p := range staged {
+	if err := s.applyPayments(staged); err != nil {
+		return err
+	}
+	resp.Header = maps.Clone(resp.Header)
+	resp.Body = bytes.Clone(resp.Body)
+	k.rec.Status = StatusCompleted
+	k.rec.Response = &resp
+	return nil
+}
+
+// applyPayments stores payments, all or none: it returns
+// ErrDuplicatePayment, and stores nothing, when one repeats the ID or the
+// (client, operation) of a stored payment or of another in the list. The
+// caller holds s.mu.
+func (s *MemoryStore) applyPayments(payments []Payment) error {
+	ids := make(map[string]bool, len(payments))
+	ops := make(map[[2]string]bool, len(payments))
+	for _, p := range payments {
 		op := [2]string{p.ClientID, p.OperationID}
 		_, dupID := s.payments[p.ID]
 		if dupID || ids[p.ID] || (p.OperationID != "" && (s.paymentOp[op] || ops[op])) {
@@ -303,16 +333,12 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 		}
 		ids[p.ID], ops[op] = true, true
 	}
-	for _, p := range staged {
+	for _, p := range payments {
 		s.payments[p.ID] = p
 		if p.OperationID != "" {
 			s.paymentOp[[2]string{p.ClientID, p.OperationID}] = true
 		}
 	}
-	resp.Header = maps.Clone(resp.Header)
-	resp.Body = bytes.Clone(resp.Body)
-	k.rec.Status = StatusCompleted
-	k.rec.Response = &resp
 	return nil
 }
 

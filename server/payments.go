@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/google/uuid"
 )
 
 // payments is the reference payments API:
@@ -32,6 +34,9 @@ type payments struct {
 	chargeTimeout time.Duration
 	// afterCharge is [Config.AfterCharge].
 	afterCharge func(context.Context) error
+	// inserter stores the payments of createUnkeyed; nil unless
+	// [Config.NoIdempotency].
+	inserter PaymentInserter
 }
 
 // paymentResource is the JSON form of a payment.
@@ -96,15 +101,6 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server is misconfigured.")
 		return
 	}
-	in, status, errs := parsePayment(r)
-	if errs != nil {
-		p := NewProblem(ProblemInvalidRequest, status, "Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored.")
-		p.Errors = errs
-		WriteProblem(w, r, p)
-		return
-	}
-	log := a.log.With("client", clientID, "key", claim.Key, "operation", claim.OperationID)
-
 	// Step 4 of the design asks a request that takes over a stale key to
 	// check whether the work already happened. Here that check is built in:
 	// the payment commits only together with the key's completion, so a
@@ -114,18 +110,86 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	// holds for a retry after a failure: every failure below releases the
 	// key with its operation (see Store.Release), so the retry runs at once
 	// and is charged at most once.
+	a.pay(w, r, order{
+		clientID:  clientID,
+		key:       claim.Key,
+		operation: claim.OperationID,
+		hint:      "Retry with the same Idempotency-Key",
+		log:       a.log.With("client", clientID, "key", claim.Key, "operation", claim.OperationID),
+		store: func(ctx context.Context, p Payment) error {
+			// Staged, not yet committed: the middleware commits it with
+			// the key's outcome and logs "idempotency: outcome stored"
+			// once it has.
+			return a.store.CreatePayment(ctx, tx, p)
+		},
+	})
+}
+
+// createUnkeyed serves POST /v1/payments without the idempotency layer
+// ([Config.NoIdempotency]): every request is a new operation, under a
+// random ID, whose payment is inserted on its own. It does the same work
+// as create otherwise (the same charge, the same insert), so that the two
+// can be compared.
+func (a *payments) createUnkeyed(w http.ResponseWriter, r *http.Request) {
+	clientID, _ := ClientIDFromContext(r.Context())
+	operation := uuid.NewString()
+	log := a.log.With("client", clientID, "operation", operation)
+	a.pay(w, r, order{
+		clientID:  clientID,
+		operation: operation,
+		hint:      "This server runs without idempotency keys: a retry is a new payment",
+		log:       log,
+		store: func(ctx context.Context, p Payment) error {
+			if err := a.inserter.InsertPayment(ctx, p); err != nil {
+				return err
+			}
+			// The one log line per payment the keyed route writes too
+			// ("idempotency: outcome stored"), so that both do the same.
+			log.Info("payments: payment stored without an idempotency key", "payment", p.ID, "charge", p.ChargeID)
+			return nil
+		},
+	})
+}
+
+// order is one payment request as pay sees it, keyed or not.
+type order struct {
+	clientID  string
+	key       string // the Idempotency-Key; "" without the idempotency layer
+	operation string // the operation ID the charge key and payment ID derive from
+	hint      string // how to retry, for the problem details
+	log       *slog.Logger
+	// store writes the payment: staged on the key's unit of work, or
+	// inserted on its own.
+	store func(ctx context.Context, p Payment) error
+}
+
+// pay validates the body, charges the processor under the order's
+// operation and stores the payment.
+func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
+	in, status, errs := parsePayment(r)
+	if errs != nil {
+		detail := "Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored."
+		if o.key == "" {
+			detail = "Fix the listed fields and retry; nothing was stored."
+		}
+		p := NewProblem(ProblemInvalidRequest, status, detail)
+		p.Errors = errs
+		WriteProblem(w, r, p)
+		return
+	}
+	log := o.log
 
 	// The money movement is not abandoned when the client hangs up: once
 	// begun, it runs to its end and is stored, so the retry gets the replay.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.chargeTimeout)
 	defer cancel()
-	charge, err := a.processor.charge(ctx, chargeKey(clientID, claim.OperationID), in.Amount, in.Currency)
+	charge, err := a.processor.charge(ctx, chargeKey(o.clientID, o.operation), in.Amount, in.Currency)
 	switch {
 	case err == nil:
 	case errors.Is(err, errProcessorDeclined):
 		log.Warn("payments: processor refused the charge", "err", err)
 		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
-			"The card processor is unavailable; nothing was charged. Retry with the same Idempotency-Key.")
+			"The card processor is unavailable; nothing was charged. "+o.hint+".")
 		return
 	case errors.Is(err, errProcessorConflict):
 		log.Error("payments: processor holds another charge for this operation")
@@ -137,8 +201,11 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 		// key with its operation, so the client's retry asks again under
 		// the same downstream key and gets the charge if there was one.
 		log.Error("payments: charge outcome unknown", "err", err)
-		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
-			"The card processor did not answer. Retry with the same Idempotency-Key; you will not be charged twice.")
+		detail := "The card processor did not answer. Retry with the same Idempotency-Key; you will not be charged twice."
+		if o.key == "" {
+			detail = "The card processor did not answer; the charge may have been made. " + o.hint + "."
+		}
+		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway, detail)
 		return
 	}
 	if a.afterCharge != nil {
@@ -149,24 +216,24 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	p := Payment{
-		ID:             paymentID(clientID, claim.OperationID),
-		ClientID:       clientID,
+		ID:             paymentID(o.clientID, o.operation),
+		ClientID:       o.clientID,
 		Customer:       in.Customer,
 		Amount:         in.Amount,
 		Currency:       in.Currency,
-		IdempotencyKey: claim.Key,
-		OperationID:    claim.OperationID,
+		IdempotencyKey: o.key,
+		OperationID:    o.operation,
 		ChargeID:       charge.ID,
 		CreatedAt:      time.Now().UTC().Truncate(time.Microsecond),
 	}
-	if err := a.store.CreatePayment(ctx, tx, p); err != nil {
+	if err := o.store(ctx, p); err != nil {
 		log.Error("payments: storing the payment failed", "err", err)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be stored. Retry with the same Idempotency-Key.")
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be stored. "+o.hint+".")
 		return
 	}
-	// Staged, not yet committed: the middleware commits it with the key's
-	// outcome and logs "idempotency: outcome stored" once it has.
-	log.Debug("payments: payment staged", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
+	if o.key != "" {
+		log.Debug("payments: payment staged", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
+	}
 	w.Header().Set("Location", "/v1/payments/"+p.ID)
 	writeJSON(w, http.StatusCreated, resource(p))
 }

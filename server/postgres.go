@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"time"
 
@@ -24,6 +25,14 @@ import (
 // staged payments and completes the key in one statement, which commits
 // both or neither. A request that claims, creates its payment and completes
 // therefore costs two round trips and two commits (one with AsyncClaims).
+//
+// When PostgreSQL ends the connection under a claim or a completion
+// (SQLSTATE 57P01 admin_shutdown, as after pg_terminate_backend or a fast
+// restart, or a connection exception of class 08), the store runs it once
+// more on a live connection, in a way that is safe whether or not the lost
+// statement committed: see [PostgresStore.Claim]; a completion that finds
+// its key already completed under its own fencing token is the lost one,
+// committed, and succeeds. Other statements return the error.
 //
 // The zero value is not usable; call [NewPostgresStore]. A PostgresStore is
 // safe for concurrent use by many goroutines and many processes.
@@ -186,11 +195,28 @@ type claimRow struct {
 
 // Claim implements [Store.Claim] in one statement (see claimSQL), re-run
 // when it lost a race to a concurrent writer of the same key.
+//
+// When PostgreSQL ended the connection under the statement (see
+// errConnLost), Claim runs it once more on a connection that answers: the
+// statement is one transaction, so a retry is safe whatever became of the
+// first. Lost before its commit, it did nothing, and the retry claims. Lost
+// after, only its answer is gone, and the retry finds the key started and
+// answers Exists: the caller's 409 sends the client back after Retry-After,
+// and the key is taken over after the lock timeout. Either way the key has
+// one owner at most.
 func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	retried := false
 	for range maxRaces {
-		row, found, err := s.claimOnce(ctx, req)
+		row, found, err := s.claimOnce(ctx, s.pool, req)
+		if err = interpretError(err); errors.Is(err, errConnLost) && !retried {
+			retried = true
+			err = interpretError(s.onLiveConn(ctx, func(q querier) (err error) {
+				row, found, err = s.claimOnce(ctx, q, req)
+				return err
+			}))
+		}
 		if err != nil {
-			return ClaimResult{}, interpretError(err)
+			return ClaimResult{}, err
 		}
 		if !found || row.lost {
 			continue
@@ -232,8 +258,15 @@ func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResul
 	return ClaimResult{}, fmt.Errorf("server: claim of key %q lost %d races in a row", req.Key, maxRaces)
 }
 
-// claimOnce runs claimSQL once; found is false when it returned no row.
-func (s *PostgresStore) claimOnce(ctx context.Context, req ClaimRequest) (row claimRow, found bool, err error) {
+// querier runs statements: a *pgxpool.Pool, or one *pgxpool.Conn of it.
+type querier interface {
+	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// claimOnce runs claimSQL once on q; found is false when it returned no row.
+func (s *PostgresStore) claimOnce(ctx context.Context, q querier, req ClaimRequest) (row claimRow, found bool, err error) {
 	args := []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
 		req.LockTimeout.Microseconds(), req.Retention.Microseconds()}
 	var rows pgx.Rows
@@ -241,7 +274,7 @@ func (s *PostgresStore) claimOnce(ctx context.Context, req ClaimRequest) (row cl
 		b := &pgx.Batch{}
 		b.Queue(asyncCommitSQL)
 		b.Queue(claimSQL, args...)
-		br := s.pool.SendBatch(ctx, b)
+		br := q.SendBatch(ctx, b)
 		defer func() {
 			if cerr := br.Close(); err == nil {
 				err = cerr
@@ -252,7 +285,7 @@ func (s *PostgresStore) claimOnce(ctx context.Context, req ClaimRequest) (row cl
 		}
 		rows, err = br.Query()
 	} else {
-		rows, err = s.pool.Query(ctx, claimSQL, args...)
+		rows, err = q.Query(ctx, claimSQL, args...)
 	}
 	if err != nil {
 		return row, false, err
@@ -349,6 +382,21 @@ func (s *PostgresStore) CreatePayment(ctx context.Context, tx Tx, p Payment) err
 	}
 	ptx.payments = append(ptx.payments, p)
 	return nil
+}
+
+// insertPaymentSQL inserts one payment outside any key's completion.
+const insertPaymentSQL = `
+INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
+    idempotency_key, operation_id, charge_id, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, nullif($7, '')::uuid, nullif($8, ''), coalesce($9, now()))`
+
+// InsertPayment implements [PaymentInserter] in one autocommitted
+// statement. A payment without CreatedAt gets the current time.
+func (s *PostgresStore) InsertPayment(ctx context.Context, p Payment) error {
+	created := pgtype.Timestamptz{Time: p.CreatedAt, Valid: !p.CreatedAt.IsZero()}
+	_, err := s.pool.Exec(ctx, insertPaymentSQL, p.ID, p.ClientID, p.Customer, p.Amount, p.Currency,
+		p.IdempotencyKey, p.OperationID, p.ChargeID, created)
+	return interpretError(err)
 }
 
 // GetPayment implements [PaymentStore.GetPayment].
@@ -465,18 +513,74 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 		header = resp.Header
 	}
 	c := tx.claim
+	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body,
+		ids, clients, customers, amounts, currencies, keys, operations, charges, created}
 	var completed, paid int64
-	err := tx.store.pool.QueryRow(ctx, completeSQL,
-		c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body,
-		ids, clients, customers, amounts, currencies, keys, operations, charges, created).
-		Scan(&completed, &paid)
+	err := tx.store.pool.QueryRow(ctx, completeSQL, args...).Scan(&completed, &paid)
+	if err = interpretError(err); errors.Is(err, errConnLost) {
+		// Whether the lost statement committed is unknown. Run it again:
+		// it completes the key if the first did not commit; if the first
+		// did, it finds the key completed and writes nothing, and the key
+		// is then completed under this claim's token, which only this
+		// completion can have done (a token names one ownership; a
+		// takeover or a new claim takes another).
+		err = interpretError(tx.store.onLiveConn(ctx, func(q querier) error {
+			if err := q.QueryRow(ctx, completeSQL, args...).Scan(&completed, &paid); err != nil || completed > 0 {
+				return err
+			}
+			var ours bool
+			err := q.QueryRow(ctx, completedBySQL, c.ClientID, c.Key, c.Token).Scan(&ours)
+			if ours {
+				completed = 1
+			}
+			if errors.Is(err, pgx.ErrNoRows) {
+				return nil // gone: fenced
+			}
+			return err
+		}))
+	}
 	if err != nil {
-		return interpretError(err)
+		return err
 	}
 	if completed == 0 {
 		return ErrFenced
 	}
 	return nil
+}
+
+// completedBySQL tells whether a key is completed under a lock token ($1
+// client, $2 key, $3 token).
+const completedBySQL = `
+SELECT status = 'completed' AND lock_token = $3 FROM idempotency_keys
+WHERE client_id = $1 AND idempotency_key = $2`
+
+// onLiveConn runs f on a connection of the pool that answers a ping, for
+// the one retry of a statement whose connection PostgreSQL ended. The
+// pool's idle connections may have been ended with it (a restart of the
+// server, pg_terminate_backend of every backend), and the pool finds out
+// only by using them: each one that fails its ping is closed, which drops
+// it from the pool, and the next is tried, up to the pool's size plus one
+// (a new connection, then).
+func (s *PostgresStore) onLiveConn(ctx context.Context, f func(q querier) error) error {
+	var err error
+	for range s.pool.Stat().MaxConns() + 1 {
+		var c *pgxpool.Conn
+		if c, err = s.pool.Acquire(ctx); err != nil {
+			return err
+		}
+		if err = c.Ping(ctx); err != nil {
+			dead := c.Conn().IsClosed()
+			c.Release()
+			if dead && ctx.Err() == nil {
+				continue
+			}
+			return err
+		}
+		err = f(c)
+		c.Release()
+		return err
+	}
+	return err
 }
 
 // Rollback implements [Tx.Rollback]: it drops the staged payments. Nothing
@@ -506,10 +610,23 @@ func interpretError(err error) error {
 		case pgErr.Code == uniqueViolation && (pgErr.ConstraintName == "payments_pkey" ||
 			pgErr.ConstraintName == "payments_client_operation_key"):
 			return fmt.Errorf("%w: %w", ErrDuplicatePayment, err)
+		case pgErr.Code == adminShutdown || strings.HasPrefix(pgErr.Code, connectionException):
+			return fmt.Errorf("%w: %w", errConnLost, err)
 		}
 	}
 	return fmt.Errorf("server: postgres: %w", err)
 }
 
-// uniqueViolation is the SQLSTATE of unique_violation.
-const uniqueViolation = "23505"
+// SQLSTATEs that interpretError knows.
+const (
+	uniqueViolation     = "23505" // unique_violation
+	adminShutdown       = "57P01" // admin_shutdown: pg_terminate_backend, a fast shutdown
+	connectionException = "08"    // the class of connection exceptions
+)
+
+// errConnLost marks an error of a statement whose connection PostgreSQL
+// ended (admin_shutdown, or a connection exception): the connection is
+// gone, and the statement may or may not have committed. [PostgresStore]
+// retries Claim and Complete once on another connection, in the ways that
+// are safe for each; other statements return it to the caller.
+var errConnLost = errors.New("server: postgres: connection lost")

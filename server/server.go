@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"time"
@@ -16,7 +17,10 @@ import (
 // Defaults of [Config].
 const (
 	DefaultPurgeInterval = time.Minute
-	DefaultPurgeBatch    = 1000
+	DefaultPurgeBatch    = 500
+	// DefaultPurgeDutyCycle is the share of its time the purge job spends
+	// deleting while it works through a backlog; see [Config.PurgeDutyCycle].
+	DefaultPurgeDutyCycle = 0.25
 	// DefaultAPIKeys is the API key of the demo client, "sk_test_demo" for
 	// client "demo", in the -api-keys format.
 	DefaultAPIKeys = "sk_test_demo:demo"
@@ -54,9 +58,22 @@ type Config struct {
 	// [DefaultPurgeInterval] (1m) is used.
 	PurgeInterval time.Duration
 	// PurgeBatch caps the keys deleted by one [Store.Purge] call; a purge
-	// runs batches until one comes back short. If zero,
-	// [DefaultPurgeBatch] is used.
+	// runs batches until one comes back short. A smaller batch is a
+	// shorter burst of deletes (and of WAL, on PostgreSQL) that the
+	// requests running at the same time wait behind. If zero,
+	// [DefaultPurgeBatch] (500) is used.
 	PurgeBatch int
+	// PurgeDutyCycle is the share of time, in (0, 1], that a purge
+	// working through a backlog spends deleting: after each full batch,
+	// which took d, it pauses d × (1 − PurgeDutyCycle) / PurgeDutyCycle
+	// before the next, so the pauses grow when the database is slow and
+	// the purge yields to the requests; it does not pause after the last,
+	// short batch. The pace only bounds how fast the table shrinks, never
+	// what a request sees: an expired key counts as absent on lookup
+	// whether or not it has been deleted yet. If zero,
+	// [DefaultPurgeDutyCycle] (0.25, a pause of three times each batch) is
+	// used; 1 runs the batches back to back.
+	PurgeDutyCycle float64
 
 	// ProcessorURL is the base URL of the card processor the payments API
 	// charges through (it posts to ProcessorURL + "/v1/charges"). If
@@ -82,6 +99,16 @@ type Config struct {
 	// completed, until a retry takes it over after LockTimeout and finds
 	// the charge already made. For tests and scenarios; leave it nil.
 	AfterCharge func(ctx context.Context) error
+
+	// NoIdempotency serves POST /v1/payments without the [Idempotency]
+	// middleware: no Idempotency-Key is needed (one sent is ignored), no
+	// key is stored, and every request is a new payment, charged under a
+	// downstream key derived from a fresh random operation ID and
+	// inserted in one autocommitted statement ([PaymentInserter]). A retry
+	// pays twice. It exists only so that a load test can measure what the
+	// idempotency layer costs against the same work without it; never
+	// turn it on for anything else. New logs a warning when it is set.
+	NoIdempotency bool
 
 	// Logger receives the server's structured logs. If nil, slog.Default
 	// is used.
@@ -111,6 +138,11 @@ type Server struct {
 	client    *processorClient
 	procSrv   *http.Server // nil when Config.ProcessorURL is set
 	procURL   string
+
+	// The purge pacing's clock and pause; test seams, set by New to
+	// time.Now and sleepCtx.
+	now   func() time.Time
+	sleep func(ctx context.Context, d time.Duration) error
 }
 
 // New returns a server for cfg. It starts the fake processor's listener
@@ -141,10 +173,21 @@ func New(cfg Config) (*Server, error) {
 	}
 	cfg.PurgeInterval = cmp.Or(cfg.PurgeInterval, DefaultPurgeInterval)
 	cfg.PurgeBatch = cmp.Or(cfg.PurgeBatch, DefaultPurgeBatch)
+	cfg.PurgeDutyCycle = cmp.Or(cfg.PurgeDutyCycle, DefaultPurgeDutyCycle)
 	if cfg.PurgeInterval < 0 || cfg.PurgeBatch < 0 {
 		return nil, errors.New("server: PurgeInterval and PurgeBatch must not be negative")
 	}
-	s := &Server{cfg: cfg, log: log, metrics: NewMetrics()}
+	if !(cfg.PurgeDutyCycle > 0 && cfg.PurgeDutyCycle <= 1) {
+		return nil, fmt.Errorf("server: PurgeDutyCycle %v is not in (0, 1]", cfg.PurgeDutyCycle)
+	}
+	var inserter PaymentInserter
+	if cfg.NoIdempotency {
+		var ok bool
+		if inserter, ok = cfg.Payments.(PaymentInserter); !ok {
+			return nil, fmt.Errorf("server: Config.NoIdempotency needs a PaymentStore that is also a PaymentInserter; %T is not", cfg.Payments)
+		}
+	}
+	s := &Server{cfg: cfg, log: log, metrics: NewMetrics(), now: time.Now, sleep: sleepCtx}
 	s.processor = &Processor{
 		Charges:     cfg.Charges,
 		Delay:       cfg.ProcessorDelay,
@@ -175,6 +218,7 @@ func New(cfg Config) (*Server, error) {
 		log:           log,
 		chargeTimeout: cmp.Or(durationOpt(cfg.LockTimeout, DefaultLockTimeout), DefaultLockTimeout),
 		afterCharge:   cfg.AfterCharge,
+		inserter:      inserter,
 	}
 	keyed := Idempotency(cfg.Store, IdempotencyOptions{
 		LockTimeout:       cfg.LockTimeout,
@@ -187,7 +231,12 @@ func New(cfg Config) (*Server, error) {
 		OnEvent:           s.metrics.Observe,
 	})
 	v1 := http.NewServeMux()
-	v1.Handle("POST /v1/payments", keyed(http.HandlerFunc(api.create)))
+	if cfg.NoIdempotency {
+		log.Warn("server: POST /v1/payments runs WITHOUT the idempotency layer (NoIdempotency): no key is needed or stored, and a retry pays twice; for measuring the layer's cost only")
+		v1.HandleFunc("POST /v1/payments", api.createUnkeyed)
+	} else {
+		v1.Handle("POST /v1/payments", keyed(http.HandlerFunc(api.create)))
+	}
 	v1.HandleFunc("GET /v1/payments/{id}", api.get)
 	v1.HandleFunc("/v1/payments", methodNotAllowed("POST"))
 	v1.HandleFunc("/v1/payments/{id}", methodNotAllowed("GET"))
@@ -249,17 +298,24 @@ func (s *Server) Run(ctx context.Context) error {
 	}
 }
 
-// Purge deletes the keys older than the retention, one bounded batch at a
-// time, until a batch comes back short, and returns how many it deleted.
-// With a negative retention (keys never expire) it deletes nothing.
+// Purge deletes the keys older than the retention, one bounded batch of
+// [Config.PurgeBatch] at a time, until a batch comes back short, and
+// returns how many it deleted. Between two batches it pauses in proportion
+// to the time the last one took ([Config.PurgeDutyCycle]), so a large
+// backlog is deleted at a pace the requests running meanwhile hardly feel.
+// It returns early, with ctx's error, when ctx is done. With a negative
+// retention (keys never expire) it deletes nothing.
 func (s *Server) Purge(ctx context.Context) (int64, error) {
 	retention := durationOpt(s.cfg.Retention, DefaultRetention)
 	if retention == 0 {
 		return 0, nil
 	}
 	var total int64
-	for {
+	var paused time.Duration
+	for batches := 1; ; batches++ {
+		start := s.now()
 		n, err := s.cfg.Store.Purge(ctx, retention, s.cfg.PurgeBatch)
+		took := s.now().Sub(start)
 		total += n
 		s.metrics.AddPurged(n)
 		if err != nil {
@@ -267,13 +323,43 @@ func (s *Server) Purge(ctx context.Context) (int64, error) {
 		}
 		if n < int64(s.cfg.PurgeBatch) {
 			if total > 0 {
-				s.log.Info("purge: deleted expired keys", "keys", total, "retention", retention)
+				s.log.Info("purge: deleted expired keys", "keys", total, "retention", retention,
+					"batches", batches, "paused", paused)
 			}
 			return total, nil
 		}
-		if err := ctx.Err(); err != nil {
+		pause := purgePause(took, s.cfg.PurgeDutyCycle)
+		if err := s.sleep(ctx, pause); err != nil {
 			return total, err
 		}
+		paused += pause
+	}
+}
+
+// purgePause returns the pause after a purge batch that took d, so that
+// the purge spends the share duty of its time deleting: d × (1 − duty) /
+// duty. A duty of 1 or more pauses for nothing, and so does a batch that
+// took no measurable time.
+func purgePause(d time.Duration, duty float64) time.Duration {
+	if duty >= 1 || d <= 0 {
+		return 0
+	}
+	return time.Duration(math.Round(float64(d) * (1 - duty) / duty))
+}
+
+// sleepCtx waits d, or until ctx is done, and then returns ctx's error.
+// It returns at once, with ctx's error if any, when d is not positive.
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
 	}
 }
 

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -10,12 +11,34 @@ import (
 
 type keysOnly struct{ Store }
 
+// stagedOnly keeps payments only in a key's unit of work.
+type stagedOnly struct{ PaymentStore }
+
 func TestNewErrors(t *testing.T) {
-	if _, err := New(Config{}); err == nil {
-		t.Error("New without a Store succeeded")
-	}
-	if _, err := New(Config{Store: keysOnly{NewMemoryStore()}}); err == nil {
-		t.Error("New with a Store that keeps no payments succeeded")
+	mem := NewMemoryStore()
+	for _, tt := range []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"no store", Config{}, "Store is nil"},
+		{"no payment store", Config{Store: keysOnly{mem}}, "not a PaymentStore"},
+		{"no payment inserter", Config{Store: mem, Payments: stagedOnly{mem}, NoIdempotency: true}, "PaymentInserter"},
+		{"negative batch", Config{Store: mem, PurgeBatch: -1}, "negative"},
+		{"duty cycle over 1", Config{Store: mem, PurgeDutyCycle: 1.5}, "PurgeDutyCycle"},
+		{"negative duty cycle", Config{Store: mem, PurgeDutyCycle: -0.5}, "PurgeDutyCycle"},
+		{"NaN duty cycle", Config{Store: mem, PurgeDutyCycle: math.NaN()}, "PurgeDutyCycle"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			tt.cfg.Logger = testLogger(t)
+			srv, err := New(tt.cfg)
+			if err == nil {
+				srv.Close()
+			}
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("New = %v, want an error with %q", err, tt.want)
+			}
+		})
 	}
 }
 

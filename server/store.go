@@ -201,7 +201,7 @@ type Payment struct {
 	Customer       string
 	Amount         int64
 	Currency       string
-	IdempotencyKey string // the key the payment was created with
+	IdempotencyKey string // the key the payment was created with; "" without one ([PaymentInserter])
 	OperationID    string // [Claim.OperationID]; unique per client: the safety net once the key is purged
 	ChargeID       string // the card processor's charge
 	CreatedAt      time.Time
@@ -216,6 +216,18 @@ type PaymentStore interface {
 	// GetPayment returns the client's payment, or ErrNotFound (also for
 	// another client's payment).
 	GetPayment(ctx context.Context, clientID, id string) (Payment, error)
+}
+
+// PaymentInserter stores a payment on its own, in one write that commits
+// at once, outside the unit of work of any key. It is what the payments
+// API of [Config.NoIdempotency] uses, to measure the same insert without
+// the idempotency layer; a payment stored this way has no key, and nothing
+// guards it against a retry. Both stores of this package implement it.
+type PaymentInserter interface {
+	// InsertPayment stores p and commits it. It returns an error matching
+	// [ErrDuplicatePayment] when p repeats the ID or the (client,
+	// operation) of a stored payment; nothing is stored then.
+	InsertPayment(ctx context.Context, p Payment) error
 }
 
 // Charge is one charge made by the fake card processor.

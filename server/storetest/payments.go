@@ -127,6 +127,47 @@ func testDuplicatePayment(t *testing.T, b Backend) {
 	mustNotFindPayment(t, b, "cli_a", "pay_2")
 }
 
+// testInsertPayment checks a payment stored outside any key's unit of work
+// ([server.PaymentInserter]): it is visible at once, needs no key, and
+// keeps the same uniqueness as a staged one. A store that is no
+// PaymentInserter skips it.
+func testInsertPayment(t *testing.T, b Backend) {
+	ins, ok := b.Payments.(server.PaymentInserter)
+	if !ok {
+		t.Skipf("%T is not a server.PaymentInserter", b.Payments)
+	}
+	ctx := context.Background()
+	op := server.Claim{ClientID: "cli_a", OperationID: "0b9f4a3e-7c11-4b8e-9d52-1f0e6a2c3b44"}
+	p := payment(op, "pay_unkeyed")
+	if p.IdempotencyKey != "" {
+		t.Fatalf("test payment has key %q", p.IdempotencyKey)
+	}
+	if err := ins.InsertPayment(ctx, p); err != nil {
+		t.Fatalf("InsertPayment: %v", err)
+	}
+	mustGetPayment(t, b, "cli_a", p)
+	mustNotFindPayment(t, b, "cli_b", p.ID)
+
+	// The same ID, or the same (client, operation): refused, nothing stored.
+	sameID := p
+	sameID.OperationID = "5d2c8e61-3a9f-4f0b-8c7d-2e4b6a1f9c03"
+	if err := ins.InsertPayment(ctx, sameID); !errors.Is(err, server.ErrDuplicatePayment) {
+		t.Errorf("InsertPayment with a stored ID: %v, want ErrDuplicatePayment", err)
+	}
+	sameOp := payment(op, "pay_unkeyed_2")
+	if err := ins.InsertPayment(ctx, sameOp); !errors.Is(err, server.ErrDuplicatePayment) {
+		t.Errorf("InsertPayment with a stored operation: %v, want ErrDuplicatePayment", err)
+	}
+	mustNotFindPayment(t, b, "cli_a", sameOp.ID)
+	mustGetPayment(t, b, "cli_a", p)
+
+	// A staged payment of a claimed key cannot reuse the operation either.
+	c := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	if err := complete(t, b, c, created("pay_unkeyed"), payment(c, "pay_unkeyed")); !errors.Is(err, server.ErrDuplicatePayment) {
+		t.Errorf("Complete reusing the inserted payment's ID: %v, want ErrDuplicatePayment", err)
+	}
+}
+
 // foreignTx is a Tx of no store.
 type foreignTx struct{}
 

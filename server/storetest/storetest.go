@@ -27,7 +27,8 @@ import (
 )
 
 // Backend is one store under test, seen through the three interfaces it
-// implements. The fields usually hold the same value.
+// implements. The fields usually hold the same value. When Payments is
+// also a [server.PaymentInserter], the suite checks InsertPayment too.
 type Backend struct {
 	Store    server.Store
 	Payments server.PaymentStore
@@ -69,6 +70,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) Backend) {
 		{"RollbackDropsPayment", testRollbackDropsPayment},
 		{"DuplicatePayment", testDuplicatePayment},
 		{"CreatePaymentRejectsForeignTx", testForeignTx},
+		{"InsertPayment", testInsertPayment},
 		{"CreateChargeOnce", testCreateChargeOnce},
 		{"CreateChargeConcurrent", testCreateChargeConcurrent},
 	}

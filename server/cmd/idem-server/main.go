@@ -7,11 +7,30 @@
 //	  -H 'Authorization: Bearer sk_test_demo' -H "Idempotency-Key: $(uuidgen)" \
 //	  -d amount=4200 -d currency=usd -d customer=cus_123
 //
-// Flags (see -h): -addr, -database-url (or DATABASE_URL), -api-keys (or
-// IDEM_API_KEYS), -retention, -lock-timeout, -purge-interval,
-// -processor-delay, -processor-failure-rate, -processor-url,
-// -store-server-errors, -wait-for-completion, -max-body-bytes,
-// -shutdown-timeout, -log-level, -log-format.
+// Flags (see -h): -addr, -database-url (or DATABASE_URL), -db-max-conns,
+// -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
+// -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
+// -processor-failure-rate, -processor-url, -store-server-errors,
+// -wait-for-completion, -max-body-bytes, -shutdown-timeout, -log-level,
+// -log-format, -no-idempotency.
+//
+// The database pool holds at most -db-max-conns connections (16), unless
+// the DSN sets pool_max_conns, which then decides; setting both is an
+// error. pgxpool's own default, max(4, NumCPU), starves the server: every
+// first execution takes a connection three times (the claim, the fake
+// processor's charge, which goes through the same pool, and the
+// completion), and each of them mostly waits on a WAL flush, which
+// PostgreSQL shares among the commits that wait together (group commit),
+// so more concurrent committers help until the disk is saturated. No
+// connection is held across a request, so a small pool cannot deadlock,
+// it only queues; 16 per process leaves room for several replicas under
+// PostgreSQL's default max_connections of 100.
+//
+// -no-idempotency serves POST /v1/payments without the idempotency layer:
+// no key is needed or stored and every request is a new payment (a retry
+// pays twice). It exists only so that the load test (bench/cmd/loadtest,
+// scenario unkeyed) can measure what the layer costs against the same
+// charge and payment insert without it. Never run it for anything else.
 //
 // The fake card processor the payments are charged through listens on its
 // own loopback port (logged at start) unless -processor-url names another.
@@ -29,6 +48,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -38,6 +58,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server"
@@ -56,14 +77,22 @@ func main() {
 	}
 }
 
+// defaultDBMaxConns is the default of -db-max-conns; see the package doc.
+const defaultDBMaxConns = 16
+
 // options are the parsed flags.
 type options struct {
 	addr                 string
 	databaseURL          string
+	dbMaxConns           int
+	dbMaxConnsSet        bool // -db-max-conns was given
+	asyncClaims          bool
 	apiKeys              string
 	retention            time.Duration
 	lockTimeout          time.Duration
 	purgeInterval        time.Duration
+	purgeBatch           int
+	purgeDutyCycle       float64
 	processorDelay       time.Duration
 	processorFailureRate float64
 	processorURL         string
@@ -73,6 +102,7 @@ type options struct {
 	shutdownTimeout      time.Duration
 	logLevel             slog.Level
 	logFormat            string
+	noIdempotency        bool
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -82,6 +112,14 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.StringVar(&o.addr, "addr", "127.0.0.1:8080", "listen `address`")
 	fs.StringVar(&o.databaseURL, "database-url", getenv("DATABASE_URL"),
 		"PostgreSQL connection string (pgx `DSN`); empty: in-memory store (env DATABASE_URL)")
+	fs.IntVar(&o.dbMaxConns, "db-max-conns", defaultDBMaxConns,
+		"most PostgreSQL connections in the pool, shared by the claims, completions and the fake processor's charges; "+
+			"above pgxpool's max(4, NumCPU), which leaves requests queueing for a connection while the database waits on WAL flushes. "+
+			"A pool_max_conns in the DSN takes precedence (giving both is an error)")
+	fs.BoolVar(&o.asyncClaims, "async-claims", false,
+		"commit key claims without waiting for their WAL flush (synchronous_commit=off for the claim's transaction only): one disk flush less per payment. "+
+			"Safe here because nothing durable depends on a claim before a synchronous commit to the same database (the fake processor's charge, the completion) "+
+			"flushes the WAL behind it; a claim lost in a crash is claimed again by the retry (needs -database-url and the built-in processor)")
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
@@ -89,6 +127,11 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.DurationVar(&o.lockTimeout, "lock-timeout", server.DefaultLockTimeout,
 		"a started key older than this may be taken over by a retry")
 	fs.DurationVar(&o.purgeInterval, "purge-interval", server.DefaultPurgeInterval, "how often the purge job runs")
+	fs.IntVar(&o.purgeBatch, "purge-batch", server.DefaultPurgeBatch,
+		"most expired keys deleted by one purge statement; smaller batches are shorter bursts of work for the requests running meanwhile")
+	fs.Float64Var(&o.purgeDutyCycle, "purge-duty-cycle", server.DefaultPurgeDutyCycle,
+		"share of its time, in (0, 1], the purge job spends deleting while it works through a backlog: "+
+			"after a batch that took d it pauses d×(1-share)/share; 1: no pause. Retention stays exact: an expired key counts as absent before it is deleted")
 	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor")
 	fs.Float64Var(&o.processorFailureRate, "processor-failure-rate", 0,
 		"share of charge requests the fake processor fails with 503, in [0, 1]")
@@ -103,9 +146,13 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"how long a graceful stop waits for in-flight requests")
 	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
 	fs.StringVar(&o.logFormat, "log-format", "text", "log `format`: text or json")
+	fs.BoolVar(&o.noIdempotency, "no-idempotency", false,
+		"FOR BENCHMARKS ONLY: serve POST /v1/payments without the idempotency layer (no key needed or stored, a retry pays twice), "+
+			"to measure what the layer costs against the same charge and payment insert (the load test's unkeyed scenario)")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
+	fs.Visit(func(f *flag.Flag) { o.dbMaxConnsSet = o.dbMaxConnsSet || f.Name == "db-max-conns" })
 	switch {
 	case fs.NArg() > 0:
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -117,6 +164,21 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
 	case o.lockTimeout >= o.retention:
 		return o, errors.New("-lock-timeout must be shorter than -retention")
+	case o.purgeBatch < 1:
+		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
+	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
+		return o, fmt.Errorf("-purge-duty-cycle %v: want a share in (0, 1]", o.purgeDutyCycle)
+	case o.dbMaxConns < 1 || o.dbMaxConns > math.MaxInt32:
+		return o, fmt.Errorf("-db-max-conns %d: want at least 1", o.dbMaxConns)
+	case o.databaseURL == "" && o.asyncClaims:
+		return o, errors.New("-async-claims needs -database-url: the in-memory store has no commit to make asynchronous")
+	case o.asyncClaims && o.processorURL != "":
+		// See PostgresStore.AsyncClaims: a claim lost in a crash would give
+		// the retry a new operation ID, and so a second charge, unless the
+		// charge itself commits through this database after the claim.
+		return o, errors.New("-async-claims needs the built-in fake processor, whose charges commit through the same database; with -processor-url a claim lost in a crash could charge twice")
+	case o.databaseURL == "" && o.dbMaxConnsSet:
+		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
 	case o.processorDelay >= o.lockTimeout:
 		// A charge is bounded by the lock timeout (after it, a retry may
 		// take the key over), so such a processor could never succeed.
@@ -130,6 +192,63 @@ func cmpOr(s, def string) string {
 		return def
 	}
 	return s
+}
+
+// openStore returns the store the options ask for: in memory without a
+// database URL, else a PostgresStore on a new pool, migrated, which the
+// caller closes.
+func openStore(ctx context.Context, o options, log *slog.Logger) (server.Store, *pgxpool.Pool, error) {
+	if o.databaseURL == "" {
+		log.Warn("no database URL: using the in-memory store; keys and payments are lost on exit (set -database-url or DATABASE_URL for PostgreSQL)")
+		return server.NewMemoryStore(), nil, nil
+	}
+	cfg, err := poolConfig(o)
+	if err != nil {
+		return nil, nil, fmt.Errorf("database: %w", err)
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("database: %w", err)
+	}
+	if err := pool.Ping(ctx); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("database: %w", err)
+	}
+	if err := server.Migrate(ctx, pool); err != nil {
+		pool.Close()
+		return nil, nil, fmt.Errorf("database: migrating: %w", err)
+	}
+	store := server.NewPostgresStore(pool)
+	store.AsyncClaims = o.asyncClaims
+	cc := cfg.ConnConfig
+	log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User,
+		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims)
+	return store, pool, nil
+}
+
+// poolConfig parses the DSN and sizes the pool: -db-max-conns, unless the
+// DSN sets pool_max_conns itself. Both at once is an error, since one of
+// them would be silently ignored.
+func poolConfig(o options) (*pgxpool.Config, error) {
+	cfg, err := pgxpool.ParseConfig(o.databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	// pgxpool.ParseConfig consumes pool_max_conns; pgconn leaves it among
+	// the parameters it does not know.
+	cc, err := pgconn.ParseConfig(o.databaseURL)
+	if err != nil {
+		return nil, err
+	}
+	if _, inDSN := cc.RuntimeParams["pool_max_conns"]; inDSN {
+		if o.dbMaxConnsSet {
+			return nil, fmt.Errorf("-db-max-conns %d and the DSN's pool_max_conns=%d both set the pool size; keep one",
+				o.dbMaxConns, cfg.MaxConns)
+		}
+		return cfg, nil
+	}
+	cfg.MaxConns = int32(o.dbMaxConns)
+	return cfg, nil
 }
 
 // run runs the server until ctx is done, then stops it gracefully. Logs go
@@ -158,25 +277,12 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log.Info("API keys loaded", "clients", strings.Join(clients, ","))
 	}
 
-	var store server.Store
-	if o.databaseURL == "" {
-		store = server.NewMemoryStore()
-		log.Warn("no database URL: using the in-memory store; keys and payments are lost on exit (set -database-url or DATABASE_URL for PostgreSQL)")
-	} else {
-		pool, err := pgxpool.New(ctx, o.databaseURL)
-		if err != nil {
-			return fmt.Errorf("database: %w", err)
-		}
+	store, pool, err := openStore(ctx, o, log)
+	if err != nil {
+		return err
+	}
+	if pool != nil {
 		defer pool.Close()
-		if err := pool.Ping(ctx); err != nil {
-			return fmt.Errorf("database: %w", err)
-		}
-		if err := server.Migrate(ctx, pool); err != nil {
-			return fmt.Errorf("database: migrating: %w", err)
-		}
-		cc := pool.Config().ConnConfig
-		log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User)
-		store = server.NewPostgresStore(pool)
 	}
 
 	srv, err := server.New(server.Config{
@@ -188,6 +294,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		WaitForCompletion:    o.waitForCompletion,
 		MaxBodyBytes:         o.maxBodyBytes,
 		PurgeInterval:        o.purgeInterval,
+		PurgeBatch:           o.purgeBatch,
+		PurgeDutyCycle:       o.purgeDutyCycle,
+		NoIdempotency:        o.noIdempotency,
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,
@@ -210,7 +319,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
-		"store_server_errors", o.storeServerErrors, "processor_url", srv.ProcessorURL())
+		"purge_batch", o.purgeBatch, "purge_duty_cycle", o.purgeDutyCycle,
+		"store_server_errors", o.storeServerErrors, "processor_url", srv.ProcessorURL(),
+		"no_idempotency", o.noIdempotency)
 
 	purgeCtx, stopPurge := context.WithCancel(context.WithoutCancel(ctx))
 	purgeDone := make(chan struct{})

@@ -4,16 +4,20 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"log/slog"
 	"net/http"
+	"net/url"
 	"regexp"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
 
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server"
 )
 
 func TestMain(m *testing.M) {
@@ -93,7 +97,9 @@ func post(t *testing.T, client *http.Client, url, token, key, body string) (*htt
 func tryPost(client *http.Client, url, token, key, body string) (*http.Response, string, error) {
 	req, _ := http.NewRequest("POST", url+"/v1/payments", strings.NewReader(body))
 	req.Header.Set("Authorization", "Bearer "+token)
-	req.Header.Set("Idempotency-Key", key)
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
 	req.Header.Set("Content-Type", "application/json")
 	resp, err := client.Do(req)
 	if err != nil {
@@ -193,6 +199,15 @@ func TestRunFlags(t *testing.T) {
 		{"processor slower than the lock timeout", []string{"-processor-delay", "2s", "-lock-timeout", "1s"}, nil, "shorter than -lock-timeout"},
 		{"failure rate", []string{"-processor-failure-rate", "2"}, nil, "[0, 1]"},
 		{"log format", []string{"-log-format", "xml"}, nil, "text or json"},
+		{"purge batch", []string{"-purge-batch", "0"}, nil, "-purge-batch 0"},
+		{"purge duty cycle zero", []string{"-purge-duty-cycle", "0"}, nil, "(0, 1]"},
+		{"purge duty cycle over 1", []string{"-purge-duty-cycle", "1.5"}, nil, "(0, 1]"},
+		{"purge duty cycle NaN", []string{"-purge-duty-cycle", "NaN"}, nil, "(0, 1]"},
+		{"db max conns", []string{"-database-url", "postgres://127.0.0.1/x", "-db-max-conns", "0"}, nil, "-db-max-conns 0"},
+		{"db max conns without a database", []string{"-db-max-conns", "8"}, nil, "needs -database-url"},
+		{"async claims without a database", []string{"-async-claims"}, nil, "needs -database-url"},
+		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
+		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
 		{"database from env", nil, map[string]string{"DATABASE_URL": "postgres://%zz"}, "database"},
 	} {
@@ -239,4 +254,154 @@ func TestRunPostgres(t *testing.T) {
 	if err := stop(); err != nil {
 		t.Fatalf("run: %v", err)
 	}
+}
+
+// TestRunNoIdempotency runs the benchmark-only mode: a payment needs no key,
+// and the log warns that the idempotency layer is off.
+func TestRunNoIdempotency(t *testing.T) {
+	url, out, stop := start(t, []string{"-no-idempotency"}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+	r1, b1 := post(t, client, url, "sk_test_demo", "", body)
+	r2, b2 := post(t, client, url, "sk_test_demo", "", body)
+	if r1.StatusCode != http.StatusCreated || r2.StatusCode != http.StatusCreated || b1 == b2 {
+		t.Errorf("two unkeyed POSTs: %d %s, %d %s; want two different payments", r1.StatusCode, b1, r2.StatusCode, b2)
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	if logs := out.String(); !strings.Contains(logs, "level=WARN") || !strings.Contains(logs, "WITHOUT the idempotency layer") {
+		t.Errorf("no warning that the idempotency layer is off:\n%s", logs)
+	}
+}
+
+// TestRunNoIdempotencyPostgres checks what the benchmark-only mode writes
+// to PostgreSQL: the charge and the payment, no idempotency key.
+func TestRunNoIdempotencyPostgres(t *testing.T) {
+	dsn := pgtest.SchemaURL(t)
+	url, _, stop := start(t, []string{"-no-idempotency", "-database-url", dsn}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	for range 2 {
+		resp, b := post(t, client, url, "sk_test_demo", "k-ignored", `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`)
+		if resp.StatusCode != http.StatusCreated {
+			t.Fatalf("POST: %d %s", resp.StatusCode, b)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	ctx := context.Background()
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var keys, payments, unkeyed, charges int
+	if err := conn.QueryRow(ctx, `SELECT (SELECT count(*) FROM idempotency_keys),
+		(SELECT count(*) FROM payments), (SELECT count(*) FROM payments WHERE idempotency_key = ''),
+		(SELECT count(*) FROM charges)`).Scan(&keys, &payments, &unkeyed, &charges); err != nil {
+		t.Fatal(err)
+	}
+	if keys != 0 || payments != 2 || unkeyed != 2 || charges != 2 {
+		t.Errorf("%d keys, %d payments (%d without a key), %d charges; want 0, 2 (2), 2", keys, payments, unkeyed, charges)
+	}
+}
+
+// TestOpenStore checks that the database flags reach the store and its
+// pool: -async-claims sets PostgresStore.AsyncClaims, -db-max-conns sizes
+// the pool, unless the DSN does.
+func TestOpenStore(t *testing.T) {
+	dsn := pgtest.SchemaURL(t)
+	for _, tt := range []struct {
+		name      string
+		args      []string
+		dsn       string
+		wantAsync bool
+		wantConns int32
+	}{
+		{"defaults", nil, dsn, false, defaultDBMaxConns},
+		{"async claims", []string{"-async-claims"}, dsn, true, defaultDBMaxConns},
+		{"async claims off", []string{"-async-claims=false"}, dsn, false, defaultDBMaxConns},
+		{"db max conns", []string{"-db-max-conns", "7"}, dsn, false, 7},
+		{"pool size in the DSN", []string{"-async-claims"}, withParam(dsn, "pool_max_conns", "3"), true, 3},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			o, err := parseFlags(append([]string{"-database-url", tt.dsn}, tt.args...), func(string) string { return "" }, io.Discard)
+			if err != nil {
+				t.Fatal(err)
+			}
+			store, pool, err := openStore(ctx, o, slog.New(slog.DiscardHandler))
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			ps, ok := store.(*server.PostgresStore)
+			if !ok {
+				t.Fatalf("store %T, want *server.PostgresStore", store)
+			}
+			if ps.AsyncClaims != tt.wantAsync {
+				t.Errorf("AsyncClaims = %v, want %v", ps.AsyncClaims, tt.wantAsync)
+			}
+			if got := pool.Config().MaxConns; got != tt.wantConns {
+				t.Errorf("pool MaxConns = %d, want %d", got, tt.wantConns)
+			}
+			// The claim works either way.
+			res, err := ps.Claim(ctx, server.ClaimRequest{ClientID: "c", Key: "k-" + tt.name, Method: "POST",
+				Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1})
+			if err != nil || res.Outcome != server.Claimed {
+				t.Errorf("Claim = %v, %v", res.Outcome, err)
+			}
+		})
+	}
+}
+
+// TestPoolConfig checks who sizes the pool, in both DSN forms, without a
+// database: the flag, or the DSN's pool_max_conns when it has one.
+func TestPoolConfig(t *testing.T) {
+	for _, tt := range []struct {
+		dsn  string
+		args []string
+		want int32
+		err  string
+	}{
+		{"postgres://u@127.0.0.1:1/db", nil, defaultDBMaxConns, ""},
+		{"postgres://u@127.0.0.1:1/db", []string{"-db-max-conns", "40"}, 40, ""},
+		{"postgres://u@127.0.0.1:1/db?pool_max_conns=5", nil, 5, ""},
+		{"host=127.0.0.1 port=1 user=u dbname=db", []string{"-db-max-conns", "9"}, 9, ""},
+		{"host=127.0.0.1 port=1 user=u dbname=db pool_max_conns=6", nil, 6, ""},
+		{"host=127.0.0.1 port=1 user=u dbname=db pool_max_conns=6", []string{"-db-max-conns", "6"}, 0, "keep one"},
+		{"postgres://u@127.0.0.1:1/db?pool_max_conns=0", nil, 0, "pool_max_conns"},
+	} {
+		o, err := parseFlags(append([]string{"-database-url", tt.dsn}, tt.args...), func(string) string { return "" }, io.Discard)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg, err := poolConfig(o)
+		switch {
+		case tt.err != "":
+			if err == nil || !strings.Contains(err.Error(), tt.err) {
+				t.Errorf("poolConfig(%q, %q) = %v, want an error with %q", tt.dsn, tt.args, err, tt.err)
+			}
+		case err != nil:
+			t.Errorf("poolConfig(%q, %q): %v", tt.dsn, tt.args, err)
+		case cfg.MaxConns != tt.want:
+			t.Errorf("poolConfig(%q, %q).MaxConns = %d, want %d", tt.dsn, tt.args, cfg.MaxConns, tt.want)
+		}
+	}
+}
+
+// withParam adds a setting to a connection string in either form.
+func withParam(dsn, name, value string) string {
+	if u, err := url.Parse(dsn); err == nil && (u.Scheme == "postgres" || u.Scheme == "postgresql") {
+		q := u.Query()
+		q.Set(name, value)
+		u.RawQuery = q.Encode()
+		return u.String()
+	}
+	return dsn + " " + name + "=" + value
 }
