@@ -6,17 +6,22 @@ PKGS        := ./...
 
 .PHONY: test check fmt vet staticcheck bench scenarios fuzz
 
+# bench/ is a module of its own (the peer libraries stay out of ours); its
+# tests run too.
 test:
 	$(GO) test -race -count=1 $(PKGS)
+	cd bench && $(GO) test -race -count=1 ./...
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 vet:
 	$(GO) vet $(PKGS)
+	cd bench && $(GO) vet ./...
 
 staticcheck:
 	$(STATICCHECK) $(PKGS)
+	cd bench && $(STATICCHECK) ./...
 
 check: fmt vet staticcheck test
 

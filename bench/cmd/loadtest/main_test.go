@@ -71,7 +71,7 @@ func TestHasFlag(t *testing.T) {
 }
 
 func TestPaymentBodyIsStable(t *testing.T) {
-	if string(paymentBody(7)) != string(paymentBody(7)) || string(paymentBody(7)) == string(paymentBody(8)) {
+	if a, b := paymentBody(7), paymentBody(7); string(a) != string(b) || string(a) == string(paymentBody(8)) {
 		t.Error("paymentBody must give the same bytes for the same n and others for another")
 	}
 	if got, want := string(paymentBody(7)), `{"amount":107,"currency":"usd","customer":"cus_7"}`; got != want {
