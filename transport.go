@@ -196,13 +196,13 @@ type operation struct {
 	keyed, idempotent bool
 	header, key, val  string
 
-	body        body
-	lastReq     *http.Request // the last attempt sent
-	attempts    int           // attempts sent
-	conflicts   int           // of which answered 409
-	firstClash  time.Time
-	backoff     *backoff.ExponentialBackOff
-	clashBackof *backoff.ExponentialBackOff
+	body            body
+	lastReq         *http.Request // the last attempt sent
+	attempts        int           // attempts sent
+	conflicts       int           // of which answered 409
+	firstConflict   time.Time
+	backoff         *backoff.ExponentialBackOff
+	conflictBackoff *backoff.ExponentialBackOff
 }
 
 func (op *operation) run() (*http.Response, error) {
@@ -297,13 +297,13 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 	if v == conflict {
 		op.conflicts++
 		if op.conflicts == 1 {
-			op.firstClash = time.Now()
+			op.firstConflict = time.Now()
 		}
 		if !hasRA {
-			wait = next(&op.clashBackof, p)
+			wait = next(&op.conflictBackoff, p)
 		}
 		why = "409: still running, " + why
-		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstClash)+wait > p.ConflictTimeout {
+		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstConflict)+wait > p.ConflictTimeout {
 			return 0, "conflict budget exhausted", endInProgress
 		}
 	} else {
@@ -442,7 +442,7 @@ func (op *operation) inProgress(resp *http.Response, cancel func(), why string) 
 	op.report(resp, nil, false, 0, why)
 	return nil, &InProgressError{
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
-		Polls: op.conflicts, Waited: time.Since(op.firstClash), Problem: problem,
+		Polls: op.conflicts, Waited: time.Since(op.firstConflict), Problem: problem,
 	}
 }
 
