@@ -4,14 +4,15 @@ import (
 	"bytes"
 	"crypto/sha256"
 	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
+	"hash"
 	"mime"
 	"net/url"
 	"slices"
 	"strings"
+	"sync"
+	"unicode/utf16"
 	"unicode/utf8"
 )
 
@@ -81,19 +82,45 @@ func Fingerprint(version int, method, path, rawQuery, contentType string, body [
 	if err != nil {
 		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
 	}
-	kind, canon, err := CanonicalBody(contentType, body)
-	if err != nil {
-		return nil, err
+	// The digest's input is streamed into a pooled SHA-256: the tag and the
+	// first four fields, assembled in a pooled buffer, then the canonical
+	// body, which is the body itself (never copied) for a raw one.
+	c := getCanonicaliser()
+	defer putCanonicaliser(c)
+	kind := bodyKind(contentType, body)
+	canon := body
+	switch kind {
+	case "json":
+		c.out, err = c.appendJSON(c.out[:0], body)
+		if err != nil {
+			return nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
+		}
+		canon = c.out
+	case "form":
+		form, err := canonicalForm(string(body))
+		if err != nil {
+			return nil, fmt.Errorf("%w: form: %v", ErrBody, err)
+		}
+		canon = []byte(form)
 	}
-	h := sha256.New()
-	io.WriteString(h, "idem-fingerprint-v1")
-	for _, field := range [][]byte{[]byte(method), []byte(path), []byte(query), []byte(kind), canon} {
-		var n [8]byte
-		binary.BigEndian.PutUint64(n[:], uint64(len(field)))
-		h.Write(n[:])
-		h.Write(field)
-	}
+	in := append(c.in[:0], "idem-fingerprint-v1"...)
+	in = appendField(in, method)
+	in = appendField(in, path)
+	in = appendField(in, query)
+	in = appendField(in, kind)
+	in = binary.BigEndian.AppendUint64(in, uint64(len(canon)))
+	c.in = in
+	h := c.sha256()
+	h.Write(in)
+	h.Write(canon)
 	return h.Sum(nil), nil
+}
+
+// appendField appends s to dst as its length (8 bytes, big-endian) and its
+// bytes.
+func appendField(dst []byte, s string) []byte {
+	dst = binary.BigEndian.AppendUint64(dst, uint64(len(s)))
+	return append(dst, s...)
 }
 
 // CanonicalBody returns the version 1 canonical form of a body of the given
@@ -102,16 +129,18 @@ func Fingerprint(version int, method, path, rawQuery, contentType string, body [
 // exported so that a developer can see exactly what is compared; the
 // returned bytes are not an API format.
 func CanonicalBody(contentType string, body []byte) (kind string, canon []byte, err error) {
-	if len(body) == 0 {
+	switch kind := bodyKind(contentType, body); kind {
+	case "":
 		return "", nil, nil
-	}
-	switch mediaKind(contentType) {
 	case "json":
-		canon, err := canonicalJSON(body)
+		c := getCanonicaliser()
+		defer putCanonicaliser(c)
+		out, err := c.appendJSON(c.out[:0], body)
+		c.out = out
 		if err != nil {
 			return "", nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
 		}
-		return "json", canon, nil
+		return "json", bytes.Clone(out), nil
 	case "form":
 		canon, err := canonicalForm(string(body))
 		if err != nil {
@@ -123,8 +152,24 @@ func CanonicalBody(contentType string, body []byte) (kind string, canon []byte, 
 	}
 }
 
+// bodyKind returns the kind of canonicalisation a body of the given
+// Content-Type gets: "json", "form", "raw", or "" for an empty body.
+func bodyKind(contentType string, body []byte) string {
+	if len(body) == 0 {
+		return ""
+	}
+	return mediaKind(contentType)
+}
+
 // mediaKind classifies a Content-Type header value.
 func mediaKind(contentType string) string {
+	// The commonest exact values first: mime.ParseMediaType allocates.
+	switch contentType {
+	case "application/json", "application/json; charset=utf-8":
+		return "json"
+	case "application/x-www-form-urlencoded":
+		return "form"
+	}
 	if strings.TrimSpace(contentType) == "" {
 		return "json"
 	}
@@ -174,125 +219,457 @@ func canonicalForm(s string) (string, error) {
 	return b.String(), nil
 }
 
-// canonicalJSON writes body in the version 1 canonical JSON form.
-func canonicalJSON(body []byte) ([]byte, error) {
+// A canonicaliser writes the version 1 canonical form of a JSON document
+// without decoding it into Go values: a small scanner walks the bytes once,
+// validating them as encoding/json's scanner does, and appends the canonical
+// form of each value to an output buffer as it goes. Only objects need more
+// than one pass: their members are written in document order, each as
+// `"key":value`, and when the object ends the members are sorted by decoded
+// key and, unless they already were in order, moved into place. The scanner
+// must accept, reject and write exactly what the earlier encoding/json
+// implementation did (the canonical form is stored with keys); the tests
+// fuzz it against a copy of that implementation.
+//
+// Canonicalisers are pooled, so that a fingerprint allocates next to
+// nothing. A canonicaliser is used by one goroutine at a time.
+type canonicaliser struct {
+	// out is the canonical form being written.
+	out []byte
+	// in is the start of Fingerprint's digest input: the tag and the
+	// fields before the body.
+	in []byte
+	// h is Fingerprint's SHA-256, created on first use.
+	h hash.Hash
+	// src is the JSON document being read, and pos the offset of the next
+	// byte to read.
+	src []byte
+	pos int
+	// members is a stack of the members of the objects being read: an
+	// object pushes its members above those of the objects enclosing it
+	// and pops them when it ends.
+	members []member
+	// keys holds the decoded form of the keys that contained escapes (a key
+	// without one is its own bytes in src), and briefly that of string
+	// values with escapes.
+	keys []byte
+	// tmp is scratch space for reordering the members of an object.
+	tmp []byte
+}
+
+// member is one member of an object being canonicalised.
+type member struct {
+	key        []byte // decoded key, which the members are sorted by
+	start, end int    // its canonical `"key":value` in the output buffer
+}
+
+// maxPooledBuffer bounds the buffers a pooled canonicaliser keeps, so that
+// one huge body does not pin its buffers for good.
+const maxPooledBuffer = 64 << 10
+
+var canonicaliserPool = sync.Pool{New: func() any { return new(canonicaliser) }}
+
+func getCanonicaliser() *canonicaliser { return canonicaliserPool.Get().(*canonicaliser) }
+
+// sha256 returns the canonicaliser's SHA-256, reset.
+func (c *canonicaliser) sha256() hash.Hash {
+	if c.h == nil {
+		c.h = sha256.New()
+	}
+	c.h.Reset()
+	return c.h
+}
+
+func putCanonicaliser(c *canonicaliser) {
+	if cap(c.out) > maxPooledBuffer || cap(c.in) > maxPooledBuffer || cap(c.keys) > maxPooledBuffer || cap(c.tmp) > maxPooledBuffer ||
+		cap(c.members) > maxPooledBuffer/32 {
+		return
+	}
+	// Hold on to no request's bytes.
+	clear(c.members[:cap(c.members)])
+	c.src, c.pos = nil, 0
+	canonicaliserPool.Put(c)
+}
+
+// errUnexpectedEnd reports a JSON document that ends within a value.
+var errUnexpectedEnd = errors.New("unexpected end of JSON input")
+
+// appendJSON appends the canonical form of the JSON document body to dst. On
+// error the returned slice is dst with unspecified bytes appended.
+func (c *canonicaliser) appendJSON(dst, body []byte) ([]byte, error) {
 	if !utf8.Valid(body) {
-		return nil, errors.New("invalid UTF-8")
+		return dst, errors.New("invalid UTF-8")
 	}
-	dec := json.NewDecoder(bytes.NewReader(body))
-	dec.UseNumber()
-	var out bytes.Buffer
-	out.Grow(len(body))
-	if err := writeCanonical(&out, dec, 0); err != nil {
-		return nil, err
-	}
-	if len(bytes.TrimLeft(body[dec.InputOffset():], " \t\r\n")) > 0 {
-		return nil, errors.New("data after the top-level value")
-	}
-	return out.Bytes(), nil
-}
-
-// writeCanonical reads one JSON value from dec and writes its canonical form.
-func writeCanonical(out *bytes.Buffer, dec *json.Decoder, depth int) error {
-	if depth > maxJSONDepth {
-		return fmt.Errorf("nested deeper than %d levels", maxJSONDepth)
-	}
-	tok, err := dec.Token()
+	c.src, c.pos, c.keys = body, 0, c.keys[:0]
+	dst, err := c.value(dst, 0)
 	if err != nil {
-		if err == io.EOF {
-			return io.ErrUnexpectedEOF
-		}
-		return err
+		return dst, err
 	}
-	switch v := tok.(type) {
-	case json.Delim:
-		switch v {
-		case '{':
-			return writeObject(out, dec, depth)
-		case '[':
-			out.WriteByte('[')
-			for i := 0; dec.More(); i++ {
-				if i > 0 {
-					out.WriteByte(',')
-				}
-				if err := writeCanonical(out, dec, depth+1); err != nil {
-					return err
-				}
-			}
-			if _, err := dec.Token(); err != nil { // ']'
-				return err
-			}
-			out.WriteByte(']')
-			return nil
-		}
-		return fmt.Errorf("unexpected %v", v)
-	case string:
-		writeString(out, v)
-	case json.Number:
-		out.WriteString(string(v))
-	case bool:
-		if v {
-			out.WriteString("true")
-		} else {
-			out.WriteString("false")
-		}
-	case nil:
-		out.WriteString("null")
+	c.skipSpace()
+	if c.pos < len(c.src) {
+		return dst, errors.New("data after the top-level value")
 	}
-	return nil
+	return dst, nil
 }
 
-// writeObject canonicalises the members of an object whose '{' was read.
-func writeObject(out *bytes.Buffer, dec *json.Decoder, depth int) error {
-	type member struct {
-		key   string
-		value []byte
+// skipSpace skips JSON whitespace.
+func (c *canonicaliser) skipSpace() {
+	for c.pos < len(c.src) {
+		switch c.src[c.pos] {
+		case ' ', '\t', '\r', '\n':
+			c.pos++
+		default:
+			return
+		}
 	}
-	var members []member
-	seen := make(map[string]bool)
-	for dec.More() {
-		tok, err := dec.Token()
-		if err != nil {
-			return err
-		}
-		key, ok := tok.(string)
-		if !ok {
-			return fmt.Errorf("object key is %T", tok)
-		}
-		if seen[key] {
-			return fmt.Errorf("duplicate key %q", key)
-		}
-		seen[key] = true
-		var value bytes.Buffer
-		if err := writeCanonical(&value, dec, depth+1); err != nil {
-			return err
-		}
-		members = append(members, member{key, value.Bytes()})
+}
+
+// syntaxError reports the byte at c.pos, which is not what context needs, or
+// the end of the document if there is none.
+func (c *canonicaliser) syntaxError(context string) error {
+	if c.pos >= len(c.src) {
+		return errUnexpectedEnd
 	}
-	if _, err := dec.Token(); err != nil { // '}'
-		return err
+	return fmt.Errorf("invalid character %q %s at offset %d", c.src[c.pos], context, c.pos)
+}
+
+// value reads the value at c.pos (after optional whitespace), nested in
+// depth arrays and objects, and appends its canonical form to dst.
+func (c *canonicaliser) value(dst []byte, depth int) ([]byte, error) {
+	if depth > maxJSONDepth {
+		return dst, fmt.Errorf("nested deeper than %d levels", maxJSONDepth)
 	}
-	slices.SortFunc(members, func(a, b member) int { return strings.Compare(a.key, b.key) })
-	out.WriteByte('{')
-	for i, m := range members {
+	c.skipSpace()
+	if c.pos >= len(c.src) {
+		return dst, errUnexpectedEnd
+	}
+	switch b := c.src[c.pos]; {
+	case b == '{':
+		return c.object(dst, depth)
+	case b == '[':
+		return c.array(dst, depth)
+	case b == '"':
+		dst, _, err := c.string(dst, false)
+		return dst, err
+	case b == '-' || '0' <= b && b <= '9':
+		return c.number(dst)
+	case b == 't':
+		return c.literal(dst, "true")
+	case b == 'f':
+		return c.literal(dst, "false")
+	case b == 'n':
+		return c.literal(dst, "null")
+	}
+	return dst, c.syntaxError("looking for beginning of value")
+}
+
+// literal reads the literal lit (true, false or null) and appends it.
+func (c *canonicaliser) literal(dst []byte, lit string) ([]byte, error) {
+	for i := range len(lit) {
+		if c.pos >= len(c.src) || c.src[c.pos] != lit[i] {
+			return dst, c.syntaxError("in literal " + lit)
+		}
+		c.pos++
+	}
+	return append(dst, lit...), nil
+}
+
+// number reads a number and appends it exactly as written: the canonical
+// form never reformats a number.
+func (c *canonicaliser) number(dst []byte) ([]byte, error) {
+	src, start := c.src, c.pos
+	if src[c.pos] == '-' {
+		c.pos++
+	}
+	// Integer part: 0, or a non-zero digit and more digits.
+	switch {
+	case c.pos < len(src) && src[c.pos] == '0':
+		c.pos++
+	case c.pos < len(src) && '1' <= src[c.pos] && src[c.pos] <= '9':
+		c.skipDigits()
+	default:
+		return dst, c.syntaxError("in numeric literal")
+	}
+	// Fraction: '.' and at least one digit.
+	if c.pos < len(src) && src[c.pos] == '.' {
+		c.pos++
+		if !c.skipDigits() {
+			return dst, c.syntaxError("after decimal point in numeric literal")
+		}
+	}
+	// Exponent: 'e' or 'E', an optional sign and at least one digit.
+	if c.pos < len(src) && (src[c.pos] == 'e' || src[c.pos] == 'E') {
+		c.pos++
+		if c.pos < len(src) && (src[c.pos] == '+' || src[c.pos] == '-') {
+			c.pos++
+		}
+		if !c.skipDigits() {
+			return dst, c.syntaxError("in exponent of numeric literal")
+		}
+	}
+	return append(dst, src[start:c.pos]...), nil
+}
+
+// skipDigits skips decimal digits and reports whether there was one.
+func (c *canonicaliser) skipDigits() bool {
+	start := c.pos
+	for c.pos < len(c.src) && '0' <= c.src[c.pos] && c.src[c.pos] <= '9' {
+		c.pos++
+	}
+	return c.pos > start
+}
+
+// array reads an array and appends its canonical form.
+func (c *canonicaliser) array(dst []byte, depth int) ([]byte, error) {
+	c.pos++ // '['
+	dst = append(dst, '[')
+	c.skipSpace()
+	if c.pos < len(c.src) && c.src[c.pos] == ']' {
+		c.pos++
+		return append(dst, ']'), nil
+	}
+	for {
+		var err error
+		if dst, err = c.value(dst, depth+1); err != nil {
+			return dst, err
+		}
+		c.skipSpace()
+		if c.pos >= len(c.src) {
+			return dst, errUnexpectedEnd
+		}
+		switch c.src[c.pos] {
+		case ',':
+			c.pos++
+			dst = append(dst, ',')
+		case ']':
+			c.pos++
+			return append(dst, ']'), nil
+		default:
+			return dst, c.syntaxError("after array element")
+		}
+	}
+}
+
+// object reads an object and appends its canonical form: its members sorted
+// by decoded key. An object that repeats a key is rejected.
+func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
+	c.pos++ // '{'
+	open := len(dst)
+	dst = append(dst, '{')
+	base := len(c.members)
+	defer func() { c.members = c.members[:base] }()
+	c.skipSpace()
+	if c.pos < len(c.src) && c.src[c.pos] == '}' {
+		c.pos++
+		return append(dst, '}'), nil
+	}
+	for {
+		c.skipSpace()
+		if c.pos >= len(c.src) || c.src[c.pos] != '"' {
+			return dst, c.syntaxError("looking for beginning of object key string")
+		}
+		start := len(dst)
+		var key []byte
+		var err error
+		if dst, key, err = c.string(dst, true); err != nil {
+			return dst, err
+		}
+		c.skipSpace()
+		if c.pos >= len(c.src) || c.src[c.pos] != ':' {
+			return dst, c.syntaxError("after object key")
+		}
+		c.pos++
+		dst = append(dst, ':')
+		if dst, err = c.value(dst, depth+1); err != nil {
+			return dst, err
+		}
+		c.members = append(c.members, member{key: key, start: start, end: len(dst)})
+		c.skipSpace()
+		if c.pos >= len(c.src) {
+			return dst, errUnexpectedEnd
+		}
+		switch c.src[c.pos] {
+		case ',':
+			c.pos++
+			dst = append(dst, ',')
+			continue
+		case '}':
+			c.pos++
+			dst, err = c.sortMembers(dst, open, c.members[base:])
+			if err != nil {
+				return dst, err
+			}
+			return append(dst, '}'), nil
+		default:
+			return dst, c.syntaxError("after object key:value pair")
+		}
+	}
+}
+
+// sortMembers puts the members ms of the object whose '{' is at dst[open],
+// written in document order after it and separated by commas, in order of
+// their decoded keys, and rejects a repeated key.
+func (c *canonicaliser) sortMembers(dst []byte, open int, ms []member) ([]byte, error) {
+	byKey := func(a, b member) int { return bytes.Compare(a.key, b.key) }
+	sorted := slices.IsSortedFunc(ms, byKey)
+	if !sorted {
+		slices.SortFunc(ms, byKey)
+	}
+	for i := 1; i < len(ms); i++ {
+		if bytes.Equal(ms[i-1].key, ms[i].key) {
+			return dst, fmt.Errorf("duplicate key %q", ms[i].key)
+		}
+	}
+	if sorted {
+		return dst, nil
+	}
+	// Copy the members out and write them back in order; the object's
+	// length does not change.
+	from := open + 1
+	c.tmp = append(c.tmp[:0], dst[from:]...)
+	dst = dst[:from]
+	for i, m := range ms {
 		if i > 0 {
-			out.WriteByte(',')
+			dst = append(dst, ',')
 		}
-		writeString(out, m.key)
-		out.WriteByte(':')
-		out.Write(m.value)
+		dst = append(dst, c.tmp[m.start-from:m.end-from]...)
 	}
-	out.WriteByte('}')
-	return nil
+	return dst, nil
 }
 
-// writeString writes s, which is valid UTF-8, as a JSON string escaped as
+// string reads a string and appends its canonical form to dst. It also
+// returns the decoded string if key is set; the slice stays valid until the
+// next call of appendJSON.
+//
+// As encoding/json does, it rejects control characters and unknown escapes,
+// and decodes a \u escape of a lone or ill-paired surrogate as U+FFFD.
+func (c *canonicaliser) string(dst []byte, key bool) ([]byte, []byte, error) {
+	src := c.src
+	start := c.pos + 1 // after '"'
+	// Fast path: a string without escapes is its own decoded form.
+	i := start
+	for i < len(src) && src[i] != '"' && src[i] != '\\' && src[i] >= 0x20 {
+		i++
+	}
+	if i < len(src) && src[i] == '"' {
+		c.pos = i + 1
+		s := src[start:i:i]
+		return appendString(dst, s), s, nil
+	}
+	// Decode into c.keys, from the first escape (or bad byte) on.
+	k := len(c.keys)
+	out := append(c.keys, src[start:i]...)
+	for {
+		if i >= len(src) {
+			c.pos = i
+			return dst, nil, errUnexpectedEnd
+		}
+		b := src[i]
+		switch {
+		case b == '"':
+			c.pos = i + 1
+			c.keys = out
+			s := out[k:len(out):len(out)]
+			dst = appendString(dst, s)
+			if !key {
+				c.keys = c.keys[:k] // not needed after this call
+				s = nil
+			}
+			return dst, s, nil
+		case b < 0x20:
+			c.pos = i
+			return dst, nil, c.syntaxError("in string literal")
+		case b != '\\':
+			out = append(out, b)
+			i++
+			continue
+		}
+		// An escape.
+		if i+1 >= len(src) {
+			c.pos = i + 1
+			return dst, nil, errUnexpectedEnd
+		}
+		switch e := src[i+1]; e {
+		case '"', '\\', '/':
+			out = append(out, e)
+		case 'b':
+			out = append(out, '\b')
+		case 'f':
+			out = append(out, '\f')
+		case 'n':
+			out = append(out, '\n')
+		case 'r':
+			out = append(out, '\r')
+		case 't':
+			out = append(out, '\t')
+		case 'u':
+			r := hex4(src, i+2)
+			if r < 0 {
+				c.pos = i + 2
+				for c.pos < len(src) && c.pos < i+6 && isHex(src[c.pos]) {
+					c.pos++
+				}
+				return dst, nil, c.syntaxError("in \\u hexadecimal character escape")
+			}
+			i += 6
+			if utf16.IsSurrogate(r) {
+				// A high surrogate and an escaped low one make a pair;
+				// any other surrogate decodes as U+FFFD, and what follows
+				// it is read on its own.
+				r1 := rune(-1)
+				if i+1 < len(src) && src[i] == '\\' && src[i+1] == 'u' {
+					r1 = hex4(src, i+2)
+				}
+				if d := utf16.DecodeRune(r, r1); d != utf8.RuneError {
+					out = utf8.AppendRune(out, d)
+					i += 6
+					continue
+				}
+				r = utf8.RuneError
+			}
+			out = utf8.AppendRune(out, r)
+			continue
+		default:
+			c.pos = i + 1
+			return dst, nil, c.syntaxError("in string escape code")
+		}
+		i += 2
+	}
+}
+
+// hex4 returns the value of the four hexadecimal digits at src[i:], or -1 if
+// there are not four.
+func hex4(src []byte, i int) rune {
+	if i+4 > len(src) {
+		return -1
+	}
+	var r rune
+	for _, b := range src[i : i+4] {
+		switch {
+		case '0' <= b && b <= '9':
+			b -= '0'
+		case 'a' <= b && b <= 'f':
+			b -= 'a' - 10
+		case 'A' <= b && b <= 'F':
+			b -= 'A' - 10
+		default:
+			return -1
+		}
+		r = r<<4 | rune(b)
+	}
+	return r
+}
+
+func isHex(b byte) bool {
+	return '0' <= b && b <= '9' || 'a' <= b && b <= 'f' || 'A' <= b && b <= 'F'
+}
+
+// appendString appends s, which is valid UTF-8, as a JSON string escaped as
 // encoding/json escapes it with HTML escaping off: '"', '\\' and control
 // characters are escaped (\b, \f, \n, \r, \t by name, others as \u00XX), and so
 // are U+2028 and U+2029; everything else is written as it is.
-func writeString(out *bytes.Buffer, s string) {
+func appendString(dst, s []byte) []byte {
 	const hex = "0123456789abcdef"
-	out.WriteByte('"')
+	dst = append(dst, '"')
 	start := 0
 	for i := 0; i < len(s); {
 		c := s[i]
@@ -301,41 +678,39 @@ func writeString(out *bytes.Buffer, s string) {
 			continue
 		}
 		if c >= utf8.RuneSelf {
-			r, size := utf8.DecodeRuneInString(s[i:])
+			r, size := utf8.DecodeRune(s[i:])
 			if r != '\u2028' && r != '\u2029' {
 				i += size
 				continue
 			}
-			out.WriteString(s[start:i])
-			out.WriteString(`\u202`)
-			out.WriteByte(hex[r&0xf])
+			dst = append(dst, s[start:i]...)
+			dst = append(dst, `\u202`...)
+			dst = append(dst, hex[r&0xf])
 			i += size
 			start = i
 			continue
 		}
-		out.WriteString(s[start:i])
+		dst = append(dst, s[start:i]...)
 		switch c {
 		case '"', '\\':
-			out.WriteByte('\\')
-			out.WriteByte(c)
+			dst = append(dst, '\\', c)
 		case '\n':
-			out.WriteString(`\n`)
+			dst = append(dst, `\n`...)
 		case '\r':
-			out.WriteString(`\r`)
+			dst = append(dst, `\r`...)
 		case '\t':
-			out.WriteString(`\t`)
+			dst = append(dst, `\t`...)
 		case '\b':
-			out.WriteString(`\b`)
+			dst = append(dst, `\b`...)
 		case '\f':
-			out.WriteString(`\f`)
+			dst = append(dst, `\f`...)
 		default:
-			out.WriteString(`\u00`)
-			out.WriteByte(hex[c>>4])
-			out.WriteByte(hex[c&0xf])
+			dst = append(dst, `\u00`...)
+			dst = append(dst, hex[c>>4], hex[c&0xf])
 		}
 		i++
 		start = i
 	}
-	out.WriteString(s[start:])
-	out.WriteByte('"')
+	dst = append(dst, s[start:]...)
+	return append(dst, '"')
 }

@@ -2,11 +2,22 @@ package server
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/binary"
 	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/url"
+	"os"
+	"path/filepath"
 	"reflect"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
+	"unicode/utf8"
 )
 
 const (
@@ -228,14 +239,454 @@ func TestWriteString(t *testing.T) {
 		all.WriteByte(byte(c))
 	}
 	for _, s := range []string{"", "plain", all.String(), "<>&", "é😀\u2028\u2029\ufffd", `"\\"`} {
-		var got bytes.Buffer
-		writeString(&got, s)
+		got := appendString(nil, []byte(s))
 		var want bytes.Buffer
 		enc := json.NewEncoder(&want)
 		enc.SetEscapeHTML(false)
 		enc.Encode(s)
-		if got.String()+"\n" != want.String() {
-			t.Errorf("writeString(%q) = %s, want %s", s, got.String(), want.String())
+		if string(got)+"\n" != want.String() {
+			t.Errorf("appendString(%q) = %s, want %s", s, got, want.String())
 		}
 	}
+}
+
+// differentialBodies are JSON documents for the differential tests beyond
+// the unit-test table and the fuzz corpora: the scanner's corners.
+var differentialBodies = []string{
+	` `, "\t\r\n", `{`, `}`, `[`, `]`, `[]`, `{}`, ` [ ] `, ` { } `, `[,]`, `[1,]`, `[,1]`, `[1 2]`, `[1}`, `{]`,
+	`{"a"}`, `{"a":}`, `{"a" 1}`, `{:1}`, `{"a":1,}`, `{,"a":1}`, `{"a":1 "b":2}`, `{1:2}`, `{"a":1]`,
+	`0`, `-0`, `-`, `-a`, `01`, `-01`, `00`, `1.`, `1.e1`, `.5`, `+1`, `1e`, `1e+`, `1E-7`, `1.5e+10`, `0x1`, `1ee1`,
+	`[01]`, `[1.]`, `[-]`, `123456789012345678901234567890.123e-456`, `[0,-0,0.0,0e0,0E+0]`,
+	`true`, `false`, `null`, `tru`, `nul`, `truex`, `[truex]`, `[true"x"]`, `nullnull`, `True`, `NULL`,
+	`"`, `"a`, `"\"`, `"\`, `"\x"`, `"\'"`, `"\u12"`, `"\u12G4"`, `"\uD83D\uDE00"`, `"\ud83d"`, `"\ude00"`,
+	`"\ud83d\u0041"`, `"\ud83d\ud83d\ude00"`, `"\ude00\ud83d"`, `"\ud83d\"`, `"\ud83d\u"`, `"\ud83d\uZZZZ"`,
+	`"\u2028\u2029  "`, "\"\u2028\"", `"\u0000\u001f\u007f\u0080"`, `"\b\f\n\r\t\/\\\""`,
+	"\"\x01\"", "\"tab\there\"", "\"\x7f\"", `"<>&"`,
+	`{"a":1,"\u0061":2}`, `{"\ud800":1,"\udfff":2}`, `{"\ud800":1,"\ufffd":2}`, `{"b":1,"a":2,"b":3}`,
+	`{"é":1,"e":2,"\u00e9x":3,"":4}`, `{"a\"b":1,"a":2,"a b":3,"a\u0000":4}`, `{"z":{"y":{"x":[{"b":1,"a":2}]}},"a":[]}`,
+	`{"a":{"b":1,"a":2},"a":1}`, `[{"a":1,"a":2}`, `{"b":[1,2,{"d":null,"c":"\n"}],"a":"\u00e9"} `,
+	"\ufeff{}", "{}\x00", "{} \n\t", "{}\f", "\v{}", `{} x`, `[] []`, `"a""b"`, `1 2`,
+	strings.Repeat("[", 1000) + strings.Repeat("]", 1000),
+	strings.Repeat("[", 1001) + strings.Repeat("]", 1001),
+	strings.Repeat("[", 1001) + "1" + strings.Repeat("]", 1001),
+	strings.Repeat("[", 1002) + strings.Repeat("]", 1002),
+	strings.Repeat(`{"a":`, 1000) + "1" + strings.Repeat("}", 1000),
+	strings.Repeat(`{"a":`, 1001) + "1" + strings.Repeat("}", 1001),
+	strings.Repeat(`{"a":`, 1001) + "{}" + strings.Repeat("}", 1001),
+	strings.Repeat(`[{"a":`, 600) + "1" + strings.Repeat("}]", 600),
+}
+
+// differentialContentTypes are Content-Types for the differential tests.
+var differentialContentTypes = []string{
+	"", " ", ctJSON, ctJSON + "; charset=utf-8", ctJSON + ";charset=utf-8", "APPLICATION/JSON", "application/problem+json",
+	ctForm, ctForm + "; charset=utf-8", "Application/X-WWW-Form-Urlencoded", "text/plain", "application/json; charset",
+	"application/json; a=1; a=2", "application/octet-stream", "multipart/form-data; boundary=x", "json", ";",
+}
+
+// checkDifferential checks that the current implementation agrees with the
+// reference on a body: on the canonical JSON form, on CanonicalBody and on
+// Fingerprint, as bytes and as accepted or rejected (and the error kind).
+func checkDifferential(t *testing.T, contentType, query string, body []byte) {
+	t.Helper()
+	c := getCanonicaliser()
+	got, err := c.appendJSON([]byte("prefix"), body)
+	putCanonicaliser(c)
+	want, wantErr := canonicalJSONReference(body)
+	if (err == nil) != (wantErr == nil) {
+		t.Fatalf("canonical JSON of %q: error %v, reference error %v", body, err, wantErr)
+	}
+	if err == nil && string(got) != "prefix"+string(want) {
+		t.Fatalf("canonical JSON of %q:\n got %q\nwant %q", body, got[len("prefix"):], want)
+	}
+
+	kind, canon, err := CanonicalBody(contentType, body)
+	wantKind, wantCanon, wantErr := canonicalBodyReference(contentType, body)
+	if !sameErrorKind(err, wantErr) {
+		t.Fatalf("CanonicalBody(%q, %q): error %v, reference error %v", contentType, body, err, wantErr)
+	}
+	if kind != wantKind || !bytes.Equal(canon, wantCanon) || (canon == nil) != (wantCanon == nil) {
+		t.Fatalf("CanonicalBody(%q, %q) = %q, %q; reference %q, %q", contentType, body, kind, canon, wantKind, wantCanon)
+	}
+
+	for _, version := range []int{FingerprintVersion, 0, 2} {
+		fp, err := Fingerprint(version, "POST", "/v1/payments", query, contentType, body)
+		wantFP, wantErr := fingerprintReference(version, "POST", "/v1/payments", query, contentType, body)
+		if !sameErrorKind(err, wantErr) {
+			t.Fatalf("Fingerprint(%d, %q, %q, %q): error %v, reference error %v", version, query, contentType, body, err, wantErr)
+		}
+		if !bytes.Equal(fp, wantFP) {
+			t.Fatalf("Fingerprint(%d, %q, %q, %q) = %x, reference %x", version, query, contentType, body, fp, wantFP)
+		}
+	}
+}
+
+// sameErrorKind reports whether two errors are both nil or are of the same
+// kind: ErrBody or ErrFingerprintVersion.
+func sameErrorKind(err, ref error) bool {
+	if err == nil || ref == nil {
+		return err == nil && ref == nil
+	}
+	for _, kind := range []error{ErrBody, ErrFingerprintVersion} {
+		if errors.Is(err, kind) != errors.Is(ref, kind) {
+			return false
+		}
+	}
+	return true
+}
+
+// differentialCorpus returns the bodies of the differential tests: the unit
+// table, the corners above and every string of the fuzz corpora.
+func differentialCorpus(t testing.TB) []string {
+	bodies := slices.Clone(differentialBodies)
+	for _, tt := range canonicalTests {
+		bodies = append(bodies, tt.body)
+	}
+	files, _ := filepath.Glob(filepath.Join("testdata", "fuzz", "*", "*"))
+	if len(files) == 0 {
+		t.Fatal("no fuzz corpus found")
+	}
+	for _, name := range files {
+		data, err := os.ReadFile(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, line := range strings.Split(string(data), "\n")[1:] {
+			line = strings.TrimSpace(line)
+			var lit string
+			switch {
+			case strings.HasPrefix(line, "string(") && strings.HasSuffix(line, ")"):
+				lit = line[len("string(") : len(line)-1]
+			case strings.HasPrefix(line, "[]byte(") && strings.HasSuffix(line, ")"):
+				lit = line[len("[]byte(") : len(line)-1]
+			default:
+				continue
+			}
+			s, err := strconv.Unquote(lit)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			bodies = append(bodies, s)
+		}
+	}
+	return bodies
+}
+
+// TestCanonicalDifferential checks the current implementation against the
+// reference on every known body, with every Content-Type of the list.
+func TestCanonicalDifferential(t *testing.T) {
+	queries := []string{"", "b=2&a=1", "a=%zz", "x=1;y=2"}
+	for i, body := range differentialCorpus(t) {
+		for j, ct := range differentialContentTypes {
+			checkDifferential(t, ct, queries[(i+j)%len(queries)], []byte(body))
+		}
+	}
+	for _, ct := range differentialContentTypes {
+		if got, want := mediaKind(ct), mediaKindReference(ct); got != want {
+			t.Errorf("mediaKind(%q) = %q, reference %q", ct, got, want)
+		}
+	}
+}
+
+// TestCanonicalDifferentialReuse checks that a pooled canonicaliser leaves
+// nothing behind: bodies canonicalised one after another on one
+// canonicaliser give what each gives alone.
+func TestCanonicalDifferentialReuse(t *testing.T) {
+	c := new(canonicaliser)
+	for _, body := range differentialCorpus(t) {
+		got, err := c.appendJSON(c.out[:0], []byte(body))
+		c.out = got
+		want, wantErr := canonicalJSONReference([]byte(body))
+		if (err == nil) != (wantErr == nil) || err == nil && !bytes.Equal(got, want) {
+			t.Fatalf("canonical JSON of %q = %q, %v; reference %q, %v", body, got, err, want, wantErr)
+		}
+	}
+}
+
+// FuzzCanonicalDifferential checks the current implementation against the
+// reference on arbitrary bodies, Content-Types and queries. The seed corpus
+// is that of TestCanonicalDifferential plus
+// testdata/fuzz/FuzzCanonicalDifferential.
+func FuzzCanonicalDifferential(f *testing.F) {
+	for i, body := range differentialCorpus(f) {
+		f.Add(differentialContentTypes[i%len(differentialContentTypes)], "", []byte(body))
+	}
+	f.Add(ctForm, "a=1&b=2", []byte("b=%41&a=2&a=1"))
+	f.Fuzz(func(t *testing.T, contentType, query string, body []byte) {
+		checkDifferential(t, contentType, query, body)
+		if contentType != ctJSON {
+			checkDifferential(t, ctJSON, query, body)
+		}
+	})
+}
+
+// fingerprintReference and the functions below are a verbatim copy of the
+// version 1 implementation as it was before the hand-written scanner
+// (commit d469818), renamed. They are the oracle of the differential tests:
+// the canonical form is stored with keys, so the current implementation
+// must agree with them on every output byte and on every accept or reject.
+func fingerprintReference(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
+	if version != 1 {
+		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
+	}
+	query, err := canonicalFormReference(rawQuery)
+	if err != nil {
+		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
+	}
+	kind, canon, err := canonicalBodyReference(contentType, body)
+	if err != nil {
+		return nil, err
+	}
+	h := sha256.New()
+	io.WriteString(h, "idem-fingerprint-v1")
+	for _, field := range [][]byte{[]byte(method), []byte(path), []byte(query), []byte(kind), canon} {
+		var n [8]byte
+		binary.BigEndian.PutUint64(n[:], uint64(len(field)))
+		h.Write(n[:])
+		h.Write(field)
+	}
+	return h.Sum(nil), nil
+}
+
+// CanonicalBody returns the version 1 canonical form of a body of the given
+// Content-Type and the kind of canonicalisation applied ("json", "form",
+// "raw", or "" for an empty body), as described on [Fingerprint]. It is
+// exported so that a developer can see exactly what is compared; the
+// returned bytes are not an API format.
+func canonicalBodyReference(contentType string, body []byte) (kind string, canon []byte, err error) {
+	if len(body) == 0 {
+		return "", nil, nil
+	}
+	switch mediaKindReference(contentType) {
+	case "json":
+		canon, err := canonicalJSONReference(body)
+		if err != nil {
+			return "", nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
+		}
+		return "json", canon, nil
+	case "form":
+		canon, err := canonicalFormReference(string(body))
+		if err != nil {
+			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
+		}
+		return "form", []byte(canon), nil
+	default:
+		return "raw", body, nil
+	}
+}
+
+// mediaKind classifies a Content-Type header value.
+func mediaKindReference(contentType string) string {
+	if strings.TrimSpace(contentType) == "" {
+		return "json"
+	}
+	mt, _, err := mime.ParseMediaType(contentType)
+	if err != nil {
+		return "raw"
+	}
+	switch {
+	case mt == "application/json" || strings.HasSuffix(mt, "+json"):
+		return "json"
+	case mt == "application/x-www-form-urlencoded":
+		return "form"
+	}
+	return "raw"
+}
+
+// canonicalJSON writes body in the version 1 canonical JSON form.
+func canonicalJSONReference(body []byte) ([]byte, error) {
+	if !utf8.Valid(body) {
+		return nil, errors.New("invalid UTF-8")
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	var out bytes.Buffer
+	out.Grow(len(body))
+	if err := writeCanonicalReference(&out, dec, 0); err != nil {
+		return nil, err
+	}
+	if len(bytes.TrimLeft(body[dec.InputOffset():], " \t\r\n")) > 0 {
+		return nil, errors.New("data after the top-level value")
+	}
+	return out.Bytes(), nil
+}
+
+// writeCanonical reads one JSON value from dec and writes its canonical form.
+func writeCanonicalReference(out *bytes.Buffer, dec *json.Decoder, depth int) error {
+	if depth > maxJSONDepth {
+		return fmt.Errorf("nested deeper than %d levels", maxJSONDepth)
+	}
+	tok, err := dec.Token()
+	if err != nil {
+		if err == io.EOF {
+			return io.ErrUnexpectedEOF
+		}
+		return err
+	}
+	switch v := tok.(type) {
+	case json.Delim:
+		switch v {
+		case '{':
+			return writeObjectReference(out, dec, depth)
+		case '[':
+			out.WriteByte('[')
+			for i := 0; dec.More(); i++ {
+				if i > 0 {
+					out.WriteByte(',')
+				}
+				if err := writeCanonicalReference(out, dec, depth+1); err != nil {
+					return err
+				}
+			}
+			if _, err := dec.Token(); err != nil { // ']'
+				return err
+			}
+			out.WriteByte(']')
+			return nil
+		}
+		return fmt.Errorf("unexpected %v", v)
+	case string:
+		writeStringReference(out, v)
+	case json.Number:
+		out.WriteString(string(v))
+	case bool:
+		if v {
+			out.WriteString("true")
+		} else {
+			out.WriteString("false")
+		}
+	case nil:
+		out.WriteString("null")
+	}
+	return nil
+}
+
+// writeObject canonicalises the members of an object whose '{' was read.
+func writeObjectReference(out *bytes.Buffer, dec *json.Decoder, depth int) error {
+	type member struct {
+		key   string
+		value []byte
+	}
+	var members []member
+	seen := make(map[string]bool)
+	for dec.More() {
+		tok, err := dec.Token()
+		if err != nil {
+			return err
+		}
+		key, ok := tok.(string)
+		if !ok {
+			return fmt.Errorf("object key is %T", tok)
+		}
+		if seen[key] {
+			return fmt.Errorf("duplicate key %q", key)
+		}
+		seen[key] = true
+		var value bytes.Buffer
+		if err := writeCanonicalReference(&value, dec, depth+1); err != nil {
+			return err
+		}
+		members = append(members, member{key, value.Bytes()})
+	}
+	if _, err := dec.Token(); err != nil { // '}'
+		return err
+	}
+	slices.SortFunc(members, func(a, b member) int { return strings.Compare(a.key, b.key) })
+	out.WriteByte('{')
+	for i, m := range members {
+		if i > 0 {
+			out.WriteByte(',')
+		}
+		writeStringReference(out, m.key)
+		out.WriteByte(':')
+		out.Write(m.value)
+	}
+	out.WriteByte('}')
+	return nil
+}
+
+// writeString writes s, which is valid UTF-8, as a JSON string escaped as
+// encoding/json escapes it with HTML escaping off: '"', '\\' and control
+// characters are escaped (\b, \f, \n, \r, \t by name, others as \u00XX), and so
+// are U+2028 and U+2029; everything else is written as it is.
+func writeStringReference(out *bytes.Buffer, s string) {
+	const hex = "0123456789abcdef"
+	out.WriteByte('"')
+	start := 0
+	for i := 0; i < len(s); {
+		c := s[i]
+		if c >= 0x20 && c != '"' && c != '\\' && c < utf8.RuneSelf {
+			i++
+			continue
+		}
+		if c >= utf8.RuneSelf {
+			r, size := utf8.DecodeRuneInString(s[i:])
+			if r != '\u2028' && r != '\u2029' {
+				i += size
+				continue
+			}
+			out.WriteString(s[start:i])
+			out.WriteString(`\u202`)
+			out.WriteByte(hex[r&0xf])
+			i += size
+			start = i
+			continue
+		}
+		out.WriteString(s[start:i])
+		switch c {
+		case '"', '\\':
+			out.WriteByte('\\')
+			out.WriteByte(c)
+		case '\n':
+			out.WriteString(`\n`)
+		case '\r':
+			out.WriteString(`\r`)
+		case '\t':
+			out.WriteString(`\t`)
+		case '\b':
+			out.WriteString(`\b`)
+		case '\f':
+			out.WriteString(`\f`)
+		default:
+			out.WriteString(`\u00`)
+			out.WriteByte(hex[c>>4])
+			out.WriteByte(hex[c&0xf])
+		}
+		i++
+		start = i
+	}
+	out.WriteString(s[start:])
+	out.WriteByte('"')
+}
+
+// canonicalFormReference sorts the pairs of a form-encoded string by name, then value.
+func canonicalFormReference(s string) (string, error) {
+	if s == "" {
+		return "", nil
+	}
+	values, err := url.ParseQuery(s)
+	if err != nil {
+		return "", err
+	}
+	pairs := make([][2]string, 0, len(values))
+	for name, vs := range values {
+		for _, v := range vs {
+			pairs = append(pairs, [2]string{name, v})
+		}
+	}
+	slices.SortFunc(pairs, func(a, b [2]string) int {
+		if c := strings.Compare(a[0], b[0]); c != 0 {
+			return c
+		}
+		return strings.Compare(a[1], b[1])
+	})
+	var b strings.Builder
+	for i, p := range pairs {
+		if i > 0 {
+			b.WriteByte('&')
+		}
+		b.WriteString(url.QueryEscape(p[0]))
+		b.WriteByte('=')
+		b.WriteString(url.QueryEscape(p[1]))
+	}
+	return b.String(), nil
 }
