@@ -18,7 +18,7 @@ var update = flag.Bool("update", false, "rewrite pgbench/*.sql from ../server/po
 func TestPgbenchScripts(t *testing.T) {
 	src, err := os.ReadFile("../server/postgres.go")
 	if err != nil {
-		t.Skipf("server/postgres.go not found: %v", err)
+		t.Fatalf("server/postgres.go not found (run from bench/ in the idem repository): %v", err)
 	}
 	for _, async := range []bool{false, true} {
 		name := "pgbench/first.sql"
