@@ -12,7 +12,7 @@
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
 // -processor-failure-rate, -processor-url, -store-server-errors,
 // -wait-for-completion, -max-body-bytes, -shutdown-timeout, -log-level,
-// -log-format, -no-idempotency.
+// -log-format, -no-idempotency, -cpuprofile.
 //
 // The database pool holds at most -db-max-conns connections (16), unless
 // the DSN sets pool_max_conns, which then decides; setting both is an
@@ -53,6 +53,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"syscall"
@@ -103,6 +104,7 @@ type options struct {
 	logLevel             slog.Level
 	logFormat            string
 	noIdempotency        bool
+	cpuProfile           string
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -149,6 +151,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.BoolVar(&o.noIdempotency, "no-idempotency", false,
 		"FOR BENCHMARKS ONLY: serve POST /v1/payments without the idempotency layer (no key needed or stored, a retry pays twice), "+
 			"to measure what the layer costs against the same charge and payment insert (the load test's unkeyed scenario)")
+	fs.StringVar(&o.cpuProfile, "cpuprofile", "",
+		"write a CPU profile of the whole run to `file` when the server stops (for go tool pprof; the load test takes -server-args \"-cpuprofile f\")")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -269,6 +273,22 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	keys, err := server.ParseAPIKeys(o.apiKeys)
 	if err != nil {
 		return err
+	}
+	if o.cpuProfile != "" {
+		f, err := os.Create(o.cpuProfile)
+		if err != nil {
+			return err
+		}
+		if err := pprof.StartCPUProfile(f); err != nil {
+			f.Close()
+			return err
+		}
+		defer func() {
+			pprof.StopCPUProfile()
+			if err := f.Close(); err != nil {
+				log.Error("writing the CPU profile", "file", o.cpuProfile, "err", err)
+			}
+		}()
 	}
 	if o.apiKeys == server.DefaultAPIKeys {
 		log.Warn("using the demo API key; set -api-keys or IDEM_API_KEYS for real tokens", "api_keys", server.DefaultAPIKeys)

@@ -7,6 +7,8 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -404,4 +406,33 @@ func withParam(dsn, name, value string) string {
 		return u.String()
 	}
 	return dsn + " " + name + "=" + value
+}
+
+// TestRunCPUProfile checks that -cpuprofile leaves a profile once the
+// server stops (gzip-compressed protobuf, as pprof writes them), and that a
+// file that cannot be created stops the start.
+func TestRunCPUProfile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "cpu.prof")
+	url, _, stop := start(t, []string{"-cpuprofile", path}, nil)
+	resp, err := http.Get(url + "/healthz")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) < 20 || b[0] != 0x1f || b[1] != 0x8b {
+		t.Errorf("the CPU profile is not a gzip stream: %d bytes, % x...", len(b), b[:min(len(b), 4)])
+	}
+
+	bad := filepath.Join(t.TempDir(), "missing", "cpu.prof")
+	err = run(context.Background(), []string{"-addr", "127.0.0.1:0", "-cpuprofile", bad}, func(string) string { return "" }, io.Discard)
+	if err == nil || !strings.Contains(err.Error(), "missing") {
+		t.Errorf("run with an uncreatable -cpuprofile: %v, want the file's error", err)
+	}
 }
