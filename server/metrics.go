@@ -23,6 +23,7 @@ import (
 //	idem_requests_rejected_total   keyed requests refused before the claim (400, 401, 413)
 //	idem_keys_purged_total         expired keys deleted by the purge job
 //	idem_processor_charges_total   charges of the fake card processor, by result
+//	idem_db_round_trips_total      round trips to PostgreSQL, by kind (with [Config.DBRoundTrips])
 //
 // plus the Go runtime and process collectors. A Metrics is safe for
 // concurrent use.

@@ -110,6 +110,13 @@ type Config struct {
 	// turn it on for anything else. New logs a warning when it is set.
 	NoIdempotency bool
 
+	// DBRoundTrips, if not nil, is the tracer of the PostgreSQL pool the
+	// stores use; its counts are served on /metrics as
+	// idem_db_round_trips_total (see [DBRoundTrips]). The server does not
+	// install it: the pool's ConnConfig.Tracer must be set to it before
+	// the pool is created.
+	DBRoundTrips *DBRoundTrips
+
 	// Logger receives the server's structured logs. If nil, slog.Default
 	// is used.
 	Logger *slog.Logger
@@ -188,6 +195,9 @@ func New(cfg Config) (*Server, error) {
 		}
 	}
 	s := &Server{cfg: cfg, log: log, metrics: NewMetrics(), now: time.Now, sleep: sleepCtx}
+	if cfg.DBRoundTrips != nil {
+		s.metrics.registry.MustRegister(roundTripsCollector{cfg.DBRoundTrips})
+	}
 	s.processor = &Processor{
 		Charges:     cfg.Charges,
 		Delay:       cfg.ProcessorDelay,

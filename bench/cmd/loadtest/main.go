@@ -26,7 +26,11 @@
 // the commits per request, read from pg_stat_database: each autocommitted
 // statement or pipelined batch is one transaction, so this counts the
 // database round trips of a request. Use a database of its own for the
-// run, or other clients' transactions are counted too. For a server it
+// run, or other clients' transactions are counted too. The "db rt" column
+// counts the same round trips from the server's side, from its
+// idem_db_round_trips_total on /metrics (pgx's query, batch, prepare and
+// connect calls; see server.DBRoundTrips), which other clients of the
+// database do not disturb. For a server it
 // started, it reports the server's CPU time per request (/proc/PID/stat),
 // and for every run how busy the machine's CPUs were (/proc/stat).
 //

@@ -1,7 +1,10 @@
 package main
 
 import (
+	"context"
 	"io"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 )
@@ -76,5 +79,32 @@ func TestPaymentBodyIsStable(t *testing.T) {
 	}
 	if got, want := string(paymentBody(7)), `{"amount":107,"currency":"usd","customer":"cus_7"}`; got != want {
 		t.Errorf("paymentBody(7) = %s, want %s", got, want)
+	}
+}
+
+func TestMetric(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			http.NotFound(w, r)
+			return
+		}
+		io.WriteString(w, `# HELP idem_db_round_trips_total Round trips.
+# TYPE idem_db_round_trips_total counter
+idem_db_round_trips_total{kind="batch"} 2
+idem_db_round_trips_total{kind="query"} 1.5e+06
+idem_db_round_trips_totalx 100
+idem_keys_purged_total 42
+`)
+	}))
+	defer srv.Close()
+	ctx := context.Background()
+	if v, err := metric(ctx, srv.URL, "idem_db_round_trips_total"); err != nil || v != 1500002 {
+		t.Errorf("idem_db_round_trips_total = %v, %v; want the sum of its labelled samples, 1500002", v, err)
+	}
+	if v, err := purged(ctx, srv.URL); err != nil || v != 42 {
+		t.Errorf("purged = %v, %v; want 42", v, err)
+	}
+	if _, err := metric(ctx, srv.URL, "idem_missing_total"); err == nil {
+		t.Error("a missing counter: no error")
 	}
 }

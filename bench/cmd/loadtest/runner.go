@@ -124,13 +124,14 @@ type result struct {
 	Errors   int     `json:"errors"`
 
 	Concurrency int            `json:"concurrency"`
-	Statuses    map[string]int `json:"statuses"`                        // by HTTP status; "0" for transport errors
-	Replayed    int            `json:"replayed"`                        // answers with Idempotent-Replayed: true
-	Commits     *float64       `json:"commits_per_req"`                 // database transactions per request; null when not counted
-	ServerCPU   *float64       `json:"server_cpu_ms_per_req,omitempty"` // CPU time of the server process per request
-	MachineBusy *float64       `json:"machine_cpu_busy,omitempty"`      // share of the machine's CPU time not idle, in [0, 1]
-	Purge       *purgeResult   `json:"purge,omitempty"`                 // retention only
-	Note        string         `json:"note,omitempty"`                  // what the figures mean, when it is not obvious
+	Statuses    map[string]int `json:"statuses"`                         // by HTTP status; "0" for transport errors
+	Replayed    int            `json:"replayed"`                         // answers with Idempotent-Replayed: true
+	Commits     *float64       `json:"commits_per_req"`                  // database transactions per request; null when not counted
+	RoundTrips  *float64       `json:"db_round_trips_per_req,omitempty"` // the server's database round trips per request (its idem_db_round_trips_total)
+	ServerCPU   *float64       `json:"server_cpu_ms_per_req,omitempty"`  // CPU time of the server process per request
+	MachineBusy *float64       `json:"machine_cpu_busy,omitempty"`       // share of the machine's CPU time not idle, in [0, 1]
+	Purge       *purgeResult   `json:"purge,omitempty"`                  // retention only
+	Note        string         `json:"note,omitempty"`                   // what the figures mean, when it is not obvious
 	FirstError  string         `json:"first_error,omitempty"`
 }
 
@@ -172,7 +173,7 @@ func (r *runner) first(ctx context.Context, base, name string) (result, error) {
 	defer c.close()
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), base, func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			return c.post(ctx, uuid.NewString(), paymentBody(seq))
 		}, isStatus(http.StatusCreated, false))
@@ -221,7 +222,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 	}
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), r.url, func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			k := int(seq % int64(n))
 			return c.post(ctx, keys[k], paymentBody(int64(k)))
@@ -268,7 +269,7 @@ func (r *runner) unkeyed(ctx context.Context) (result, error) {
 	defer c.close()
 	w := r.measure()
 	var t *tally
-	commits, err := r.countCommits(ctx, w, pidOf(driven), func() {
+	commits, err := r.countCommits(ctx, w, pidOf(driven), base, func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			return c.post(ctx, "", paymentBody(seq))
 		}, isStatus(http.StatusCreated, false))
@@ -295,7 +296,7 @@ func (r *runner) conflict(ctx context.Context) (result, error) {
 		tallies[i] = newTally()
 	}
 	measured := 0
-	commits, err := r.countCommits(ctx, w, pidOf(r.srv), func() {
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), r.url, func() {
 		for round := int64(0); ctx.Err() == nil && measured < r.cfg.maxRequests; round++ {
 			start := time.Now()
 			if !start.Before(w.to) {
@@ -472,6 +473,12 @@ func pidOf(p *proc) int {
 
 // purged reads idem_keys_purged_total from the server's /metrics.
 func purged(ctx context.Context, base string) (float64, error) {
+	return metric(ctx, base, "idem_keys_purged_total")
+}
+
+// metric reads a counter from the server's /metrics: the sum of its samples
+// over all label values.
+func metric(ctx context.Context, base, name string) (float64, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, base+"/metrics", nil)
 	if err != nil {
 		return 0, err
@@ -481,31 +488,49 @@ func purged(ctx context.Context, base string) (float64, error) {
 		return 0, err
 	}
 	defer resp.Body.Close()
+	sum, found := 0.0, false
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), "idem_keys_purged_total "); ok {
-			return strconv.ParseFloat(strings.TrimSpace(v), 64)
+		rest, ok := strings.CutPrefix(sc.Text(), name)
+		if !ok || rest == "" || (rest[0] != ' ' && rest[0] != '{') {
+			continue
 		}
+		if rest[0] == '{' {
+			_, rest, _ = strings.Cut(rest, "}")
+		}
+		v, err := strconv.ParseFloat(strings.TrimSpace(rest), 64)
+		if err != nil {
+			return 0, fmt.Errorf("%s in /metrics: %w", name, err)
+		}
+		sum, found = sum+v, true
 	}
-	return 0, errors.New("no idem_keys_purged_total in /metrics")
+	if err := sc.Err(); err != nil {
+		return 0, err
+	}
+	if !found {
+		return 0, fmt.Errorf("no %s in /metrics", name)
+	}
+	return sum, nil
 }
 
 // countCommits runs load and returns what the counters say about the
 // window w: the database transactions committed (nil without a database),
-// the CPU time of the server process pid (0: not known, with -server-url),
-// and how busy the machine's CPUs were. The counters are read at the start
+// the database round trips the server at base made (from its /metrics;
+// absent for a server without the counter or without a database), the CPU
+// time of the server process pid (0: not known, with -server-url), and how
+// busy the machine's CPUs were. The counters are read at the start
 // and the end of the window while the load runs; PostgreSQL backends
 // publish their counts at most a second late, which under steady load
 // shifts both ends alike.
-func (r *runner) countCommits(ctx context.Context, w window, pid int, load func()) (*commitCount, error) {
+func (r *runner) countCommits(ctx context.Context, w window, pid int, base string, load func()) (*commitCount, error) {
 	cc := &commitCount{pid: pid}
 	var wg sync.WaitGroup
 	var errFrom, errTo error
 	wg.Go(func() {
 		time.Sleep(time.Until(w.from))
-		cc.from, errFrom = r.counters(ctx, pid)
+		cc.from, errFrom = r.counters(ctx, pid, base)
 		time.Sleep(time.Until(w.to))
-		cc.to, errTo = r.counters(ctx, pid)
+		cc.to, errTo = r.counters(ctx, pid, base)
 	})
 	load()
 	wg.Wait()
@@ -519,6 +544,8 @@ type commitCount struct {
 
 type counters struct {
 	commits    int64
+	roundTrips float64 // idem_db_round_trips_total of the server
+	hasRT      bool
 	srvTicks   int64 // utime+stime of the server, in clock ticks
 	busy, all  int64 // the machine's busy and total CPU ticks
 	hasSrv     bool
@@ -529,8 +556,11 @@ type counters struct {
 // architecture; /proc reports CPU times in it.
 const clockTicksPerSecond = 100
 
-func (r *runner) counters(ctx context.Context, pid int) (counters, error) {
+func (r *runner) counters(ctx context.Context, pid int, base string) (counters, error) {
 	var c counters
+	if v, err := metric(ctx, base, "idem_db_round_trips_total"); err == nil {
+		c.roundTrips, c.hasRT = v, true
+	}
 	if r.db != nil {
 		err := r.db.QueryRow(ctx, `
 			SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()`).Scan(&c.commits)
@@ -599,6 +629,10 @@ func (r *runner) summarize(name string, t *tally, w window, cc *commitCount) res
 			v := float64(cc.to.commits-cc.from.commits) / float64(len(lat))
 			res.Commits = &v
 		}
+		if cc.from.hasRT && cc.to.hasRT {
+			v := (cc.to.roundTrips - cc.from.roundTrips) / float64(len(lat))
+			res.RoundTrips = &v
+		}
 		if cc.from.hasSrv && cc.to.hasSrv {
 			v := float64(cc.to.srvTicks-cc.from.srvTicks) * 1000 / clockTicksPerSecond / float64(len(lat))
 			res.ServerCPU = &v
@@ -646,12 +680,15 @@ func (r *runner) printJSON(res result) {
 }
 
 func printTable(w io.Writer, results []result) {
-	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s %8s %5s  %s\n",
-		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "srv ms", "busy", "statuses")
+	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s %6s %8s %5s  %s\n",
+		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "db rt", "srv ms", "busy", "statuses")
 	for _, r := range results {
-		commits := "-"
+		commits, rt := "-", "-"
 		if r.Commits != nil {
 			commits = fmt.Sprintf("%.2f", *r.Commits)
+		}
+		if r.RoundTrips != nil {
+			rt = fmt.Sprintf("%.2f", *r.RoundTrips)
 		}
 		srv, busy := "-", "-"
 		if r.ServerCPU != nil {
@@ -660,8 +697,8 @@ func printTable(w io.Writer, results []result) {
 		if r.MachineBusy != nil {
 			busy = fmt.Sprintf("%.0f%%", 100**r.MachineBusy)
 		}
-		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s %8s %5s  %s\n",
-			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, srv, busy, statusText(r))
+		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s %6s %8s %5s  %s\n",
+			r.Scenario, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, rt, srv, busy, statusText(r))
 		if r.Purge != nil {
 			p := r.Purge
 			fmt.Fprintf(w, "%-16s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",

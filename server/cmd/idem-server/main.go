@@ -200,8 +200,8 @@ func cmpOr(s, def string) string {
 
 // openStore returns the store the options ask for: in memory without a
 // database URL, else a PostgresStore on a new pool, migrated, which the
-// caller closes.
-func openStore(ctx context.Context, o options, log *slog.Logger) (server.Store, *pgxpool.Pool, error) {
+// caller closes. The pool's connections report to trips, if not nil.
+func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.DBRoundTrips) (server.Store, *pgxpool.Pool, error) {
 	if o.databaseURL == "" {
 		log.Warn("no database URL: using the in-memory store; keys and payments are lost on exit (set -database-url or DATABASE_URL for PostgreSQL)")
 		return server.NewMemoryStore(), nil, nil
@@ -209,6 +209,9 @@ func openStore(ctx context.Context, o options, log *slog.Logger) (server.Store, 
 	cfg, err := poolConfig(o)
 	if err != nil {
 		return nil, nil, fmt.Errorf("database: %w", err)
+	}
+	if trips != nil {
+		cfg.ConnConfig.Tracer = trips
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
@@ -297,12 +300,15 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log.Info("API keys loaded", "clients", strings.Join(clients, ","))
 	}
 
-	store, pool, err := openStore(ctx, o, log)
+	trips := new(server.DBRoundTrips)
+	store, pool, err := openStore(ctx, o, log, trips)
 	if err != nil {
 		return err
 	}
 	if pool != nil {
 		defer pool.Close()
+	} else {
+		trips = nil // no database: no idem_db_round_trips_total
 	}
 
 	srv, err := server.New(server.Config{
@@ -317,6 +323,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		PurgeBatch:           o.purgeBatch,
 		PurgeDutyCycle:       o.purgeDutyCycle,
 		NoIdempotency:        o.noIdempotency,
+		DBRoundTrips:         trips,
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,

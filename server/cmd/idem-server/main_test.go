@@ -337,7 +337,7 @@ func TestOpenStore(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			store, pool, err := openStore(ctx, o, slog.New(slog.DiscardHandler))
+			store, pool, err := openStore(ctx, o, slog.New(slog.DiscardHandler), nil)
 			if err != nil {
 				t.Fatal(err)
 			}

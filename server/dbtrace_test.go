@@ -1,0 +1,149 @@
+package server
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// tracedPool returns a migrated pool of one connection on a schema of its
+// own, whose round trips trips counts. One connection makes the counts
+// exact: every statement is prepared once, on it.
+func tracedPool(t *testing.T, trips *DBRoundTrips) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	cfg.ConnConfig.Tracer = trips
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
+// TestDBRoundTripsPerRequest pins the database round trips of each kind of
+// request on PostgreSQL, as counted by DBRoundTrips and served on /metrics:
+// a first execution makes three (claim, the processor's charge, the
+// completion with the payment), a replay one, a request whose key is
+// released two, an unkeyed payment two. A change that adds a round trip to
+// the hot path fails here.
+func TestDBRoundTripsPerRequest(t *testing.T) {
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_1"}`
+	bad := `{"amount": -1, "currency": "usd", "customer": "cus_1"}` // 400 from the handler: released
+	for _, async := range []bool{false, true} {
+		name := "sync"
+		if async {
+			name = "async-claims" // the claim is a batch: still one round trip
+		}
+		t.Run(name, func(t *testing.T) {
+			trips := new(DBRoundTrips)
+			store := NewPostgresStore(tracedPool(t, trips))
+			store.AsyncClaims = async
+			ts := newTestServer(t, store, Config{DBRoundTrips: trips})
+			cases := []struct {
+				name       string
+				key        func(i int) string
+				body       string
+				wantStatus int
+				want       int64
+			}{
+				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 3},
+				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 1},
+				{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
+			}
+			for _, c := range cases {
+				// The first send prepares the statements on the connection.
+				for i := range 2 {
+					before := trips.Total()
+					r := ts.mustSend(t, keyed(c.key(i), c.body))
+					if r.status != c.wantStatus {
+						t.Fatalf("%s: status %d, want %d", c.name, r.status, c.wantStatus)
+					}
+					if got := trips.Total() - before; i == 1 && got != c.want {
+						t.Errorf("%s: %d round trips, want %d", c.name, got, c.want)
+					}
+				}
+			}
+			if n := ts.counter(t, "idem_db_round_trips_total"); n != float64(trips.Total()) {
+				t.Errorf("idem_db_round_trips_total = %v, want %d", n, trips.Total())
+			}
+			resp, err := http.Get(ts.URL + "/metrics")
+			if err != nil {
+				t.Fatal(err)
+			}
+			text, _ := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			for _, kind := range []string{"query", "batch", "prepare", "connect"} {
+				if !strings.Contains(string(text), `idem_db_round_trips_total{kind="`+kind+`"}`) {
+					t.Errorf("/metrics lacks idem_db_round_trips_total{kind=%q}", kind)
+				}
+			}
+		})
+	}
+
+	t.Run("unkeyed", func(t *testing.T) {
+		trips := new(DBRoundTrips)
+		ts := newTestServer(t, NewPostgresStore(tracedPool(t, trips)), Config{DBRoundTrips: trips, NoIdempotency: true})
+		ts.mustSend(t, call{body: body})
+		before := trips.Total()
+		if r := ts.mustSend(t, call{body: body}); r.status != http.StatusCreated {
+			t.Fatalf("unkeyed payment: %d", r.status)
+		}
+		if got := trips.Total() - before; got != 2 {
+			t.Errorf("unkeyed payment: %d round trips, want 2 (charge, payment)", got)
+		}
+	})
+}
+
+// TestDBRoundTripsKinds checks the kinds apart on a plain connection: a
+// statement new to the connection costs a prepare and a query, the same
+// statement again a query only, a batch one round trip whatever it holds,
+// and a new connection one connect.
+func TestDBRoundTripsKinds(t *testing.T) {
+	trips := new(DBRoundTrips)
+	pool := tracedPool(t, trips)
+	ctx := context.Background()
+	start := [4]int64{trips.query.Load(), trips.batch.Load(), trips.prepare.Load(), trips.connect.Load()}
+	if start[3] != 1 {
+		t.Errorf("connects after the pool's first connection: %d, want 1", start[3])
+	}
+	const q = "SELECT $1::int + 1 AS dbtrace_kinds"
+	for range 2 {
+		var n int
+		if err := pool.QueryRow(ctx, q, 1).Scan(&n); err != nil || n != 2 {
+			t.Fatalf("query: %d, %v", n, err)
+		}
+	}
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := &pgx.Batch{}
+	for _, q := range []string{"SELECT 1", "SELECT 2", "SELECT 3"} {
+		b.Queue(q)
+	}
+	br := conn.SendBatch(ctx, b)
+	if err := br.Close(); err != nil {
+		t.Fatal(err)
+	}
+	conn.Release()
+	got := [4]int64{trips.query.Load() - start[0], trips.batch.Load() - start[1], trips.prepare.Load() - start[2], trips.connect.Load() - start[3]}
+	if want := [4]int64{2, 1, 1, 0}; got != want {
+		t.Errorf("query, batch, prepare, connect = %v, want %v", got, want)
+	}
+}
