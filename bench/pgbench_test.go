@@ -43,6 +43,22 @@ func TestPgbenchScripts(t *testing.T) {
 			t.Errorf("%s is not the server's SQL any more; run go test -run TestPgbenchScripts -update", name)
 		}
 	}
+	want, err := pgbenchUnkeyedScript(string(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const name = "pgbench/unkeyed.sql"
+	if *update {
+		if err := os.WriteFile(name, []byte(want), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if got, err := os.ReadFile(name); err != nil {
+		t.Fatal(err)
+	} else if string(got) != want {
+		t.Errorf("%s is not the server's SQL any more; run go test -run TestPgbenchScripts -update", name)
+	}
 }
 
 const pgbenchHeader = `-- One first execution of POST /v1/payments on the reference server's
@@ -137,6 +153,50 @@ func pgbenchScript(src string, async bool) (string, error) {
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
 	b.WriteString("\n-- completeSQL\n" + strings.TrimSpace(complete) + ";\n")
 	return b.String(), nil
+}
+
+const pgbenchUnkeyedHeader = `-- One unkeyed POST /v1/payments of the reference server started with
+-- -no-idempotency, as pgbench runs it: insert the card processor's charge,
+-- insert the payment (PostgresStore.InsertPayment). The database's side of
+-- the load test's "unkeyed" scenario (c), to set against first.sql (a).
+-- GENERATED from server/postgres.go by bench/pgbench_test.go (go test -run
+-- TestPgbenchScripts -update); do not edit.
+--
+-- The same substitutions as first.sql; the payment's id, key and operation
+-- are what the server derives from a fresh random operation ID: here the
+-- random :key, '' (no key) and gen_random_uuid()::text.
+`
+
+// pgbenchUnkeyedScript builds pgbench/unkeyed.sql from the server's source.
+func pgbenchUnkeyedScript(src string) (string, error) {
+	charge, err := goConst(src, "createChargeSQL")
+	if err != nil {
+		return "", err
+	}
+	insert, err := goConst(src, "insertPaymentSQL")
+	if err != nil {
+		return "", err
+	}
+	const createdCol = "created_at, true FROM inserted"
+	if !strings.Contains(charge, createdCol) {
+		return "", fmt.Errorf("createChargeSQL has no %q any more; update pgbenchUnkeyedScript", createdCol)
+	}
+	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
+	if charge, err = params(charge, map[int]string{
+		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
+	}); err != nil {
+		return "", fmt.Errorf("createChargeSQL: %w", err)
+	}
+	if insert, err = params(insert, map[int]string{
+		1: "'pay_' || :key", 2: ":client", 3: ":customer", 4: ":amount", 5: ":currency",
+		6: "''", 7: "gen_random_uuid()::text", 8: ":ch_charge_id", 9: "NULL::timestamptz",
+	}); err != nil {
+		return "", fmt.Errorf("insertPaymentSQL: %w", err)
+	}
+	return pgbenchUnkeyedHeader +
+		"\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n" +
+		"-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n" +
+		"\n-- insertPaymentSQL\n" + strings.TrimSpace(insert) + ";\n", nil
 }
 
 // goConst returns the raw string constant name of Go source src.

@@ -2,6 +2,8 @@
 # Runs the SQL of one first execution of the reference server (first.sql,
 # or first-async.sql with ASYNC=1) with pgbench: the physical limit of the
 # "first" scenario of cmd/loadtest on the same database and concurrency.
+# SCRIPT=unkeyed runs unkeyed.sql instead, the SQL of the "unkeyed"
+# scenario; ratio.sh compares the two.
 #
 #   bench/pgbench/run.sh [DATABASE_URL] [CONCURRENCY] [DURATION_SECONDS]
 #
@@ -13,8 +15,9 @@ url=${1:-${DATABASE_URL:-postgres://postgres@127.0.0.1:5432/idem_bench}}
 conc=${2:-8}
 secs=${3:-10}
 dir=$(cd "$(dirname "$0")" && pwd)
-script=$dir/first.sql
+script=$dir/${SCRIPT:-first}.sql
 if [[ ${ASYNC:-0} == 1 ]]; then script=$dir/first-async.sql; fi
+[[ -f $script ]] || { echo "run.sh: no script $script (SCRIPT: first, first-async or unkeyed)" >&2; exit 2; }
 pgbench=$(command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | tail -1)
 
 # The values the server sends for a demo payment (see server/postgres.go).
