@@ -5,6 +5,11 @@
 #
 #   bench/roundtrip.sh [ROUNDS] [OUTDIR]     (defaults: 10, bench/results)
 #
+# CPUS sets the GOMAXPROCS values the benchmarks run with (go test -cpu),
+# "2" by default. With CPUS=1 the client and the httptest server share one
+# P: slower, but far less scheduler noise on a 2-core machine, which is what
+# resolves a few percent over loopback.
+#
 # OUTDIR gets roundtrip.txt (the raw output) and one file per peer with the
 # peer's name taken out of the benchmark names, for benchstat.
 set -euo pipefail
@@ -18,14 +23,14 @@ go test -c -o "$bin" .
 : > "$out/roundtrip.txt"
 for i in $(seq "$rounds"); do
 	echo "round $i of $rounds" >&2
-	"$bin" -test.run '^$' -test.bench 'RoundTrip' -test.benchmem >> "$out/roundtrip.txt"
+	"$bin" -test.run '^$' -test.bench 'RoundTrip' -test.benchmem -test.cpu "${CPUS:-2}" >> "$out/roundtrip.txt"
 done
 peers=(bare idem retryablehttp failsafe)
 args=()
 for p in "${peers[@]}"; do
 	{
 		grep -E '^(goos|goarch|pkg|cpu):' "$out/roundtrip.txt" | awk '!seen[$0]++'
-		grep -E "^BenchmarkRoundTrip[A-Za-z]*/$p-" "$out/roundtrip.txt" | sed -E "s#/$p-#-#"
+		grep -E "^BenchmarkRoundTrip[A-Za-z]*/$p(-[0-9]+)?[[:space:]]" "$out/roundtrip.txt" | sed -E "s#/$p([-[:space:]])#\\1#"
 	} > "$out/$p.txt"
 	args+=("$p=$out/$p.txt")
 done
