@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"strings"
 	"sync"
 	"time"
@@ -26,13 +28,18 @@ import (
 // both or neither. A request that claims, creates its payment and completes
 // therefore costs two round trips and two commits (one with AsyncClaims).
 //
-// When PostgreSQL ends the connection under a claim or a completion
+// When the connection breaks under a claim or a completion, the store runs
+// it once more on a live connection, in a way that is safe whether or not
+// the lost statement committed: see [PostgresStore.Claim]; a completion that
+// finds its key already completed under its own fencing token is the lost
+// one, committed, and succeeds. A connection breaks when PostgreSQL ends it
 // (SQLSTATE 57P01 admin_shutdown, as after pg_terminate_backend or a fast
-// restart, or a connection exception of class 08), the store runs it once
-// more on a live connection, in a way that is safe whether or not the lost
-// statement committed: see [PostgresStore.Claim]; a completion that finds
-// its key already completed under its own fencing token is the lost one,
-// committed, and succeeds. Other statements return the error.
+// restart, or a connection exception of class 08), or when it fails with no
+// word from PostgreSQL: an EOF or a network error (a reset, a broken pipe)
+// while the statement is sent or its answer read, as after a network cut, a
+// crash of the server or a kill -9 of its process. A statement whose
+// context is done is not run again, nor one that got no connection (the
+// pool failed to connect). Other statements return the error.
 //
 // The zero value is not usable; call [NewPostgresStore]. A PostgresStore is
 // safe for concurrent use by many goroutines and many processes.
@@ -196,19 +203,20 @@ type claimRow struct {
 // Claim implements [Store.Claim] in one statement (see claimSQL), re-run
 // when it lost a race to a concurrent writer of the same key.
 //
-// When PostgreSQL ended the connection under the statement (see
-// errConnLost), Claim runs it once more on a connection that answers: the
-// statement is one transaction, so a retry is safe whatever became of the
-// first. Lost before its commit, it did nothing, and the retry claims. Lost
-// after, only its answer is gone, and the retry finds the key started and
-// answers Exists: the caller's 409 sends the client back after Retry-After,
-// and the key is taken over after the lock timeout. Either way the key has
-// one owner at most.
+// When the connection broke under the statement, ended by PostgreSQL or
+// failed without a word from it (see errConnLost), and ctx is not done,
+// Claim runs it once more on a connection that answers: the statement is
+// one transaction, so a retry is safe whatever became of the first. Lost
+// before its commit (or before it reached PostgreSQL), it did nothing, and
+// the retry claims. Lost after, only its answer is gone, and the retry
+// finds the key started and answers Exists: the caller's 409 sends the
+// client back after Retry-After, and the key is taken over after the lock
+// timeout. Either way the key has one owner at most.
 func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
 	retried := false
 	for range maxRaces {
 		row, found, err := s.claimOnce(ctx, s.pool, req)
-		if err = interpretError(err); errors.Is(err, errConnLost) && !retried {
+		if err = interpretError(err); errors.Is(err, errConnLost) && !retried && ctx.Err() == nil {
 			retried = true
 			err = interpretError(s.onLiveConn(ctx, func(q querier) (err error) {
 				row, found, err = s.claimOnce(ctx, q, req)
@@ -488,6 +496,14 @@ WITH done AS (
 SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM paid)`
 
 // Complete implements [Tx.Complete] in one statement (see completeSQL).
+//
+// When the connection broke under the statement, ended by PostgreSQL or
+// failed without a word from it (see errConnLost), and ctx is not done,
+// Complete runs it once more on a connection that answers. Lost before its
+// commit (or before it reached PostgreSQL), the first wrote nothing, and
+// the retry completes the key. Lost after, the retry finds the key
+// completed and writes nothing; a key completed under this claim's token
+// was completed by the lost statement, and Complete succeeds.
 func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 	tx.mu.Lock()
 	defer tx.mu.Unlock()
@@ -517,7 +533,7 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 		ids, clients, customers, amounts, currencies, keys, operations, charges, created}
 	var completed, paid int64
 	err := tx.store.pool.QueryRow(ctx, completeSQL, args...).Scan(&completed, &paid)
-	if err = interpretError(err); errors.Is(err, errConnLost) {
+	if err = interpretError(err); errors.Is(err, errConnLost) && ctx.Err() == nil {
 		// Whether the lost statement committed is unknown. Run it again:
 		// it completes the key if the first did not commit; if the first
 		// did, it finds the key completed and writes nothing, and the key
@@ -594,9 +610,12 @@ func (tx *pgTx) Rollback(ctx context.Context) error {
 }
 
 // interpretError translates an error of pgx into the package's sentinels,
-// by SQLSTATE and constraint name, never by message. Errors it does not
-// know are wrapped with the package prefix; errors.Is and errors.As still
-// reach the *pgconn.PgError and context errors inside.
+// by SQLSTATE, constraint name and error type, never by message:
+// [ErrNotFound] for no row, [ErrDuplicatePayment] for a payment's unique
+// violation, errConnLost for a broken connection (see connBroken). Errors
+// it does not know are wrapped with the package prefix. errors.Is and
+// errors.As still reach the errors inside: the *pgconn.PgError, the
+// context's error, the net.Error.
 func interpretError(err error) error {
 	if err == nil {
 		return nil
@@ -604,17 +623,46 @@ func interpretError(err error) error {
 	if errors.Is(err, pgx.ErrNoRows) {
 		return ErrNotFound
 	}
+	if connBroken(err) {
+		return fmt.Errorf("%w: %w", errConnLost, err)
+	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		switch {
-		case pgErr.Code == uniqueViolation && (pgErr.ConstraintName == "payments_pkey" ||
-			pgErr.ConstraintName == "payments_client_operation_key"):
-			return fmt.Errorf("%w: %w", ErrDuplicatePayment, err)
-		case pgErr.Code == adminShutdown || strings.HasPrefix(pgErr.Code, connectionException):
-			return fmt.Errorf("%w: %w", errConnLost, err)
-		}
+	if errors.As(err, &pgErr) && pgErr.Code == uniqueViolation && (pgErr.ConstraintName == "payments_pkey" ||
+		pgErr.ConstraintName == "payments_client_operation_key") {
+		return fmt.Errorf("%w: %w", ErrDuplicatePayment, err)
 	}
 	return fmt.Errorf("server: postgres: %w", err)
+}
+
+// connBroken reports whether err says that the connection broke under a
+// statement, rather than that the statement failed (see errConnLost).
+//
+// pgconn closes the connection on any error of its own reads and writes
+// and returns that error as it came (wrapped, for a write, in an error
+// whose SafeToRetry is true when nothing was sent): an io.EOF or
+// io.ErrUnexpectedEOF when the peer closed it, a net.Error (a
+// *net.OpError around syscall.ECONNRESET, EPIPE, ETIMEDOUT) when the
+// network failed. It closes it too when the statement's context is done,
+// and then returns the context's error instead: the caller gave up, and
+// that is not a broken connection. Neither is a *pgconn.ConnectError,
+// though it may wrap a net.Error: the pool found no connection to send the
+// statement on, and a second dial right away would meet the same refusal.
+func connBroken(err error) bool {
+	var (
+		pgErr      *pgconn.PgError
+		connectErr *pgconn.ConnectError
+		netErr     net.Error
+	)
+	switch {
+	case errors.Is(err, context.Canceled), errors.Is(err, context.DeadlineExceeded):
+		return false
+	case errors.As(err, &connectErr):
+		return false
+	case errors.As(err, &pgErr):
+		return pgErr.Code == adminShutdown || strings.HasPrefix(pgErr.Code, connectionException)
+	}
+	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.As(err, &netErr)
 }
 
 // SQLSTATEs that interpretError knows.
@@ -624,9 +672,15 @@ const (
 	connectionException = "08"    // the class of connection exceptions
 )
 
-// errConnLost marks an error of a statement whose connection PostgreSQL
-// ended (admin_shutdown, or a connection exception): the connection is
-// gone, and the statement may or may not have committed. [PostgresStore]
-// retries Claim and Complete once on another connection, in the ways that
-// are safe for each; other statements return it to the caller.
+// errConnLost marks an error of a statement whose connection broke under
+// it: PostgreSQL ended it (admin_shutdown, or a connection exception), or
+// it failed with no word from PostgreSQL (an EOF, or a network error such
+// as a reset or a broken pipe) while the statement was sent or its answer
+// read. The connection is gone, and the statement may or may not have
+// committed; when pgconn.SafeToRetry(err) is true it was not even sent.
+// Errors of a statement whose context is done are not marked, though pgx
+// closes the connection under them, and nor are failures to connect (see
+// connBroken). [PostgresStore] retries Claim and Complete once on another
+// connection, in the ways that are safe for each, unless their context is
+// done; other statements return it to the caller.
 var errConnLost = errors.New("server: postgres: connection lost")

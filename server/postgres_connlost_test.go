@@ -1,8 +1,13 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
+	"net"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -12,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/internal/faultproxy"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server"
 )
@@ -263,5 +269,390 @@ func TestPostgresCompleteConnLost(t *testing.T) {
 				t.Errorf("replay after the lost completion: %+v, %v", again, err)
 			}
 		})
+	}
+}
+
+// recorder is a pgx tracer that records the statements a pool starts, the
+// errors they fail with, and how many connections were acquired.
+type recorder struct {
+	mu       sync.Mutex
+	started  []string
+	errs     []error
+	acquires int
+}
+
+func (r *recorder) TraceAcquireStart(ctx context.Context, _ *pgxpool.Pool, _ pgxpool.TraceAcquireStartData) context.Context {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.acquires++
+	return ctx
+}
+
+func (r *recorder) TraceAcquireEnd(context.Context, *pgxpool.Pool, pgxpool.TraceAcquireEndData) {}
+
+func (r *recorder) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	r.start(data.SQL)
+	return ctx
+}
+
+func (r *recorder) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	r.failed(data.Err)
+}
+
+func (r *recorder) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	for _, q := range data.Batch.QueuedQueries {
+		r.start(q.SQL)
+	}
+	return ctx
+}
+
+func (r *recorder) TraceBatchQuery(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchQueryData) {
+	r.failed(data.Err)
+}
+
+func (r *recorder) TraceBatchEnd(_ context.Context, _ *pgx.Conn, data pgx.TraceBatchEndData) {
+	r.failed(data.Err)
+}
+
+func (r *recorder) start(sql string) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.started = append(r.started, strings.TrimSpace(sql))
+}
+
+func (r *recorder) failed(err error) {
+	if err != nil {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.errs = append(r.errs, err)
+	}
+}
+
+// runs returns how many statements starting with prefix were started,
+// and how many connections were acquired.
+func (r *recorder) runs(prefix string) (statements, acquires int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, sql := range r.started {
+		if strings.HasPrefix(sql, prefix) {
+			statements++
+		}
+	}
+	return statements, r.acquires
+}
+
+// first returns the error of the first statement that failed, or nil.
+func (r *recorder) first() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if len(r.errs) == 0 {
+		return nil
+	}
+	return r.errs[0]
+}
+
+// checkCut fails the test unless a statement failed, the first without a
+// SQLSTATE, and not because of its context: the connection broke under it.
+func (r *recorder) checkCut(t *testing.T) {
+	t.Helper()
+	err := r.first()
+	var pgErr *pgconn.PgError
+	if err == nil || errors.As(err, &pgErr) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("first failed statement: %v, want a broken connection (no SQLSTATE, no context error)", err)
+	}
+}
+
+// proxied is a store whose pool reaches PostgreSQL through a fault proxy.
+type proxied struct {
+	store *server.PostgresStore
+	pool  *pgxpool.Pool
+	proxy *faultproxy.Proxy
+	rec   *recorder
+	dsn   string // of the schema, straight to PostgreSQL
+}
+
+// proxiedStore returns a store on a fresh schema, through a fault proxy
+// that passes everything until told otherwise.
+func proxiedStore(t *testing.T) *proxied {
+	t.Helper()
+	ctx := context.Background()
+	w := &proxied{rec: &recorder{}, dsn: pgtest.SchemaURL(t)}
+	cfg, err := pgxpool.ParseConfig(w.dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc := cfg.ConnConfig
+	target := net.JoinHostPort(cc.Host, strconv.Itoa(int(cc.Port)))
+	if strings.HasPrefix(cc.Host, "/") { // a Unix socket directory, as pgtest's throwaway cluster's
+		target = filepath.Join(cc.Host, fmt.Sprintf(".s.PGSQL.%d", cc.Port))
+	}
+	w.proxy, err = faultproxy.Listen("127.0.0.1:0", faultproxy.Config{Targets: []string{target}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.proxy.Close() }) // after the pool's Close, registered below
+	host, port, err := net.SplitHostPort(w.proxy.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := strconv.ParseUint(port, 10, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cc.Host, cc.Port, cc.Fallbacks = host, uint16(p), nil
+	cc.Tracer = w.rec
+	cfg.MaxConns = 2
+	// A statement sent on a connection the proxy cut must meet the cut, not
+	// have the pool's ping on acquire catch it first.
+	cfg.ShouldPing = func(context.Context, pgxpool.ShouldPingParams) bool { return false }
+	w.pool, err = pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(w.pool.Close)
+	if err := server.Migrate(ctx, w.pool); err != nil {
+		t.Fatal(err)
+	}
+	w.store = server.NewPostgresStore(w.pool)
+	return w
+}
+
+// arm arms a trap of kind on the next chunk that carries the key of
+// lostReq, which the claim and completion statements send as a parameter.
+// The returned function waits until the trap has sprung.
+func (w *proxied) arm(t *testing.T, kind faultproxy.Kind, fin bool) (sprung func()) {
+	t.Helper()
+	key := []byte(lostReq.Key)
+	ch, err := w.proxy.Arm(faultproxy.Trap{Kind: kind, FIN: fin, Match: func(chunk []byte) bool {
+		return bytes.Contains(chunk, key)
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func() {
+		t.Helper()
+		select {
+		case <-ch:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the trap never sprang")
+		}
+	}
+}
+
+// cuts are the ways a trap cuts the connection.
+var cuts = []struct {
+	name string
+	fin  bool
+}{{"reset", false}, {"closed", true}}
+
+// TestPostgresClaimConnCut breaks the connection under a claim, with no
+// word from PostgreSQL: a reset or a plain close, as a network failure, a
+// killed server process or a dead proxy leaves it. Cut before the
+// statement reached PostgreSQL, the retry claims the key; cut after it
+// committed, with its answer lost, the retry finds the key started, and the
+// key still has one owner.
+func TestPostgresClaimConnCut(t *testing.T) {
+	ctx := context.Background()
+	for _, async := range []bool{false, true} {
+		for _, tt := range []struct {
+			name string
+			kind faultproxy.Kind
+			want server.Outcome
+		}{
+			{"before the server", faultproxy.Reset, server.Claimed},
+			{"answer lost", faultproxy.Drop, server.Exists},
+		} {
+			for _, cut := range cuts {
+				t.Run(fmt.Sprintf("%s/%s/%s", map[bool]string{false: "sync", true: "async"}[async], tt.name, cut.name), func(t *testing.T) {
+					w := proxiedStore(t)
+					w.store.AsyncClaims = async
+					sprung := w.arm(t, tt.kind, cut.fin)
+					res, err := w.store.Claim(ctx, lostReq)
+					sprung()
+					w.rec.checkCut(t)
+					if err != nil || res.Outcome != tt.want {
+						t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
+					}
+					if tt.want == server.Exists {
+						if res.Record.Status != server.StatusStarted {
+							t.Errorf("record status %s, want started", res.Record.Status)
+						}
+						return
+					}
+					mustComplete(t, w.store, res.Claim)
+				})
+			}
+		}
+	}
+}
+
+// TestPostgresClaimIdleConnsCut cuts every connection of the pool while it
+// is idle. Reset, the claim's statement fails as it is written, before
+// anything was sent (pgconn.SafeToRetry); closed, the write succeeds and
+// the answer is an EOF. Either way the retry finds a connection that
+// answers.
+func TestPostgresClaimIdleConnsCut(t *testing.T) {
+	ctx := context.Background()
+	for _, cut := range cuts {
+		t.Run(cut.name, func(t *testing.T) {
+			w := proxiedStore(t)
+			if n := w.proxy.Cut(cut.fin); n == 0 {
+				t.Fatal("the pool had no connection open to cut")
+			}
+			res, err := w.store.Claim(ctx, lostReq)
+			w.rec.checkCut(t)
+			if err := w.rec.first(); !cut.fin && !pgconn.SafeToRetry(err) {
+				t.Errorf("first failed statement: %v, want a failed write", err)
+			}
+			if err != nil || res.Outcome != server.Claimed {
+				t.Fatalf("Claim = %+v, %v; want outcome claimed", res, err)
+			}
+			mustComplete(t, w.store, res.Claim)
+		})
+	}
+}
+
+// TestPostgresCompleteConnCut breaks the connection under a completion,
+// with no word from PostgreSQL. Cut before the statement reached
+// PostgreSQL, the retry completes; cut after it committed, with its answer
+// lost, the completion succeeds (a fence here would tell the client that a
+// stored payment was rolled back).
+func TestPostgresCompleteConnCut(t *testing.T) {
+	ctx := context.Background()
+	for _, tt := range []struct {
+		name string
+		kind faultproxy.Kind
+	}{
+		{"before the server", faultproxy.Reset},
+		{"answer lost", faultproxy.Drop},
+	} {
+		for _, cut := range cuts {
+			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
+				w := proxiedStore(t)
+				res, err := w.store.Claim(ctx, lostReq)
+				if err != nil || res.Outcome != server.Claimed {
+					t.Fatalf("Claim = %+v, %v", res, err)
+				}
+				c := res.Claim
+				tx, err := w.store.Begin(ctx, c)
+				if err != nil {
+					t.Fatal(err)
+				}
+				p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
+					IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
+				if err := w.store.CreatePayment(ctx, tx, p); err != nil {
+					t.Fatal(err)
+				}
+				sprung := w.arm(t, tt.kind, cut.fin)
+				err = tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)})
+				sprung()
+				w.rec.checkCut(t)
+				var status string
+				var payments int
+				if err := w.pool.QueryRow(ctx, `SELECT (SELECT status FROM idempotency_keys), (SELECT count(*) FROM payments)`).
+					Scan(&status, &payments); err != nil {
+					t.Fatal(err)
+				}
+				if err != nil || status != "completed" || payments != 1 {
+					t.Errorf("Complete = %v; key %s, %d payments; want nil, completed, 1", err, status, payments)
+				}
+				again, err := w.store.Claim(ctx, lostReq)
+				if err != nil || again.Outcome != server.Exists || again.Record.Response == nil ||
+					string(again.Record.Response.Body) != `{"id":"pay_lost"}` {
+					t.Errorf("replay after the lost completion: %+v, %v", again, err)
+				}
+			})
+		}
+	}
+}
+
+// TestPostgresContextDoneNotRetried gives up on a claim and on a completion
+// while PostgreSQL makes them wait on a lock. pgx closes the connection
+// under a statement whose context is done, but the caller gave up: no
+// connection is acquired to run the statement again, and the context's
+// error comes back.
+func TestPostgresContextDoneNotRetried(t *testing.T) {
+	ctx := context.Background()
+	for _, op := range []struct {
+		name   string
+		prefix string // of the statement given up on
+		run    func(ctx context.Context, w *proxied, c server.Claim) error
+	}{
+		{"claim", "WITH existing", func(ctx context.Context, w *proxied, _ server.Claim) error {
+			_, err := w.store.Claim(ctx, lostReq)
+			return err
+		}},
+		{"complete", "WITH done", func(ctx context.Context, w *proxied, c server.Claim) error {
+			tx, err := w.store.Begin(ctx, c)
+			if err != nil {
+				return err
+			}
+			return tx.Complete(ctx, server.StoredResponse{Status: 201, Body: []byte(`{}`)})
+		}},
+	} {
+		for _, tt := range []struct {
+			name string
+			want error
+		}{{"cancelled", context.Canceled}, {"deadline", context.DeadlineExceeded}} {
+			t.Run(op.name+"/"+tt.name, func(t *testing.T) {
+				w := proxiedStore(t)
+				var c server.Claim
+				if op.name == "complete" {
+					res, err := w.store.Claim(ctx, lostReq)
+					if err != nil || res.Outcome != server.Claimed {
+						t.Fatalf("Claim = %+v, %v", res, err)
+					}
+					c = res.Claim
+				}
+				side, err := pgx.Connect(ctx, w.dsn)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer side.Close(ctx)
+				lock, err := side.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer lock.Rollback(ctx)
+				if _, err := lock.Exec(ctx, `LOCK TABLE idempotency_keys`); err != nil {
+					t.Fatal(err)
+				}
+				opCtx, cancel := context.WithTimeout(ctx, time.Second)
+				if tt.want == context.Canceled {
+					watch, err := pgx.Connect(ctx, w.dsn)
+					if err != nil {
+						t.Fatal(err)
+					}
+					defer watch.Close(ctx)
+					opCtx, cancel = context.WithCancel(ctx)
+					go func() {
+						// Give up once the statement waits on the lock.
+						for {
+							var waiting bool
+							err := watch.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_locks
+								WHERE NOT granted AND relation = 'idempotency_keys'::regclass)`).Scan(&waiting)
+							if err != nil || waiting {
+								break
+							}
+							time.Sleep(5 * time.Millisecond)
+						}
+						cancel()
+					}()
+				}
+				defer cancel()
+				statements, acquires := w.rec.runs(op.prefix)
+				err = op.run(opCtx, w, c)
+				if !errors.Is(err, tt.want) {
+					t.Errorf("%s = %v, want %v", op.name, err, tt.want)
+				}
+				statementsAfter, acquiresAfter := w.rec.runs(op.prefix)
+				if got := statementsAfter - statements; got != 1 {
+					t.Errorf("the statement ran %d times, want once", got)
+				}
+				if got := acquiresAfter - acquires; got != 1 {
+					t.Errorf("%d connections acquired, want 1: none for a retry", got)
+				}
+			})
+		}
 	}
 }

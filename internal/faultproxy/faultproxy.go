@@ -18,6 +18,10 @@
 // its answer": a [Drop] or [Stall] therefore hits the first answer on the
 // connection.
 //
+// Tests that must cut a connection at one precise point of a conversation,
+// rather than at random, arm a [Trap] on the proxy, or [Proxy.Cut] every
+// open connection at once.
+//
 // It exists because github.com/Shopify/toxiproxy/v2, the usual choice,
 // proxies one upstream per proxy (no round-robin across replicas), decides
 // toxics by unseeded randomness, has no "lose the answer after the server
@@ -31,7 +35,9 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -117,7 +123,9 @@ const (
 
 // Config configures a [Proxy].
 type Config struct {
-	// Targets are the upstream addresses. Connections go to them in turn
+	// Targets are the upstream addresses: host:port, or the path of a
+	// Unix socket (any target that starts with a slash, such as
+	// "/tmp/.s.PGSQL.5432"). Connections go to them in turn
 	// (round-robin); when one cannot be dialled, the next ones are tried,
 	// as a load balancer does. At least one is required.
 	Targets []string
@@ -161,9 +169,11 @@ type Proxy struct {
 	mix     Mix
 	targets []string
 	next    int
-	conns   map[net.Conn]struct{}
+	conns   map[net.Conn]bool // open connections: true for a client's, false for a target's
 	closed  bool
 	stats   Stats
+
+	trap atomic.Pointer[armed] // armed by Arm, not yet sprung
 
 	closeOnce sync.Once
 }
@@ -197,7 +207,7 @@ func Listen(addr string, cfg Config) (*Proxy, error) {
 		rng:     rand.New(rand.NewPCG(cfg.Seed, 0x9e3779b97f4a7c15)),
 		mix:     cfg.Mix,
 		targets: append([]string(nil), cfg.Targets...),
-		conns:   make(map[net.Conn]struct{}),
+		conns:   make(map[net.Conn]bool),
 		stats:   Stats{Faults: make(map[Kind]int64), ByTarget: make(map[string]int64)},
 	}
 	p.wg.Add(1)
@@ -262,16 +272,115 @@ func (p *Proxy) Close() error {
 	return err
 }
 
-// track registers c to be closed by Close; it reports false (and closes c)
-// when the proxy is already closed.
-func (p *Proxy) track(c net.Conn) bool {
+// Cut cuts every connection open through the proxy at once, as a network
+// failure would: each client's connection is reset (with fin, closed with a
+// FIN instead, so the client reads EOF) and each target's closed. The proxy
+// goes on accepting new connections. Cut returns how many clients'
+// connections it cut.
+func (p *Proxy) Cut(fin bool) int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	// Clients first: a target's connection closed first would have its
+	// client's closed with a FIN by the goroutines that serve them.
+	n := 0
+	for c, client := range p.conns {
+		switch {
+		case !client:
+		case fin:
+			c.Close()
+			n++
+		default:
+			reset(c)
+			n++
+		}
+	}
+	for c, client := range p.conns {
+		if !client {
+			c.Close()
+		}
+	}
+	return n
+}
+
+// A Trap is a fault armed on demand with [Proxy.Arm], for a test that must
+// cut a connection at one precise point of a conversation: it springs on the
+// first chunk of data from a client that Match accepts, on whichever
+// connection carries it, and is then disarmed. Connections the trap does not
+// spring on get the fault drawn for them as usual.
+type Trap struct {
+	// Match reports whether a chunk of data from a client springs the
+	// trap. A chunk is what one read returned: on loopback, usually one
+	// write of the client. Match may be called by many connections at
+	// once.
+	Match func(chunk []byte) bool
+	// Kind is what the trap does to the connection, one of
+	//   - [Reset]: the chunk is not forwarded, and the client's connection
+	//     is cut: the client has sent its request, and the server never
+	//     sees it;
+	//   - [Drop]: the chunk is forwarded, and once the target's first
+	//     bytes of answer arrive the client's connection is cut without
+	//     them: the server has processed the request, and the client never
+	//     learns it.
+	// The target's connection is closed either way.
+	Kind Kind
+	// FIN cuts the client's connection with a FIN, so that the client
+	// reads EOF, rather than with an RST (connection reset by peer).
+	FIN bool
+}
+
+// armed is a Trap armed on a proxy; sprung is closed once it has cut a
+// connection.
+type armed struct {
+	Trap
+	sprung chan struct{}
+}
+
+// Arm arms t, replacing the trap armed before, if it has not sprung. The
+// returned channel is closed once t has cut a connection. Arm returns an
+// error when t has no Match or a Kind other than [Reset] or [Drop].
+func (p *Proxy) Arm(t Trap) (<-chan struct{}, error) {
+	if t.Match == nil {
+		return nil, errors.New("faultproxy: trap without Match")
+	}
+	if t.Kind != Reset && t.Kind != Drop {
+		return nil, fmt.Errorf("faultproxy: trap of kind %v, want reset or drop", t.Kind)
+	}
+	a := &armed{Trap: t, sprung: make(chan struct{})}
+	p.trap.Store(a)
+	return a.sprung, nil
+}
+
+// spring returns the armed trap that chunk springs, and disarms it; nil
+// when there is none.
+func (p *Proxy) spring(chunk []byte) *armed {
+	a := p.trap.Load()
+	if a == nil || !a.Match(chunk) || !p.trap.CompareAndSwap(a, nil) {
+		return nil
+	}
+	return a
+}
+
+// cut cuts the client's connection c as the trap says.
+func (a *armed) cut(c net.Conn) {
+	if a.FIN {
+		c.Close()
+	} else {
+		reset(c)
+	}
+	close(a.sprung)
+}
+
+// track registers c, a client's connection or a target's, to be closed by
+// Close and Cut; it reports false (and closes c) when the proxy is already
+// closed.
+func (p *Proxy) track(c net.Conn, client bool) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.closed {
 		c.Close()
 		return false
 	}
-	p.conns[c] = struct{}{}
+	p.conns[c] = client
 	return true
 }
 
@@ -336,7 +445,7 @@ func (p *Proxy) accept() {
 			}
 			continue
 		}
-		if !p.track(c) {
+		if !p.track(c, true) {
 			continue
 		}
 		pl := p.decide()
@@ -373,7 +482,11 @@ func (p *Proxy) sleep(d time.Duration) bool {
 func (p *Proxy) dial(targets []string) net.Conn {
 	d := net.Dialer{Timeout: p.cfg.DialTimeout}
 	for i, t := range targets {
-		up, err := d.Dial("tcp", t)
+		network := "tcp"
+		if strings.HasPrefix(t, "/") {
+			network = "unix"
+		}
+		up, err := d.Dial(network, t)
 		if err == nil {
 			p.count(func(s *Stats) { s.ByTarget[t]++ })
 			return up
@@ -396,7 +509,7 @@ func (p *Proxy) serve(client net.Conn, pl plan) {
 		reset(client)
 		return
 	}
-	if !p.track(up) {
+	if !p.track(up, false) {
 		reset(client)
 		return
 	}
@@ -410,12 +523,25 @@ func (p *Proxy) serve(client net.Conn, pl plan) {
 	// end of the requests (the client's FIN) is passed on as a half-close,
 	// so the server still answers; the end of the answers, or an error
 	// either way, closes both connections, which ends the other direction.
+	// A Drop trap sprung by a request is handed to the answers in dropping.
+	var dropping atomic.Pointer[armed]
 	reqDone := make(chan struct{})
 	go func() {
 		defer close(reqDone)
-		if p.copy(up, client, delay, nil) == errEOF {
-			if tc, ok := up.(*net.TCPConn); ok {
-				_ = tc.CloseWrite()
+		request := func(chunk []byte) bool {
+			switch a := p.spring(chunk); {
+			case a == nil:
+			case a.Kind == Drop:
+				dropping.Store(a)
+			default: // Reset
+				a.cut(client)
+				return false
+			}
+			return true
+		}
+		if p.copy(up, client, delay, request) == errEOF {
+			if hc, ok := up.(interface{ CloseWrite() error }); ok {
+				_ = hc.CloseWrite()
 				return
 			}
 		}
@@ -438,8 +564,23 @@ func (p *Proxy) serve(client net.Conn, pl plan) {
 			return false
 		}
 	}
-	if p.copy(client, up, delay, first) == errHeld {
-		reset(client)
+	var trapped *armed
+	answer := func([]byte) bool {
+		if trapped = dropping.Swap(nil); trapped != nil {
+			return false
+		}
+		if f := first; f != nil {
+			first = nil
+			return f()
+		}
+		return true
+	}
+	if p.copy(client, up, delay, answer) == errHeld {
+		if trapped != nil {
+			trapped.cut(client)
+		} else {
+			reset(client)
+		}
 	}
 	up.Close()
 	client.Close()
@@ -453,20 +594,17 @@ var (
 	errBroken = errors.New("connection broken")
 )
 
-// copy copies src to dst, waiting delay before each chunk. Before the first
-// chunk it calls first, if not nil; when first returns false, copy stops
-// without writing and returns errHeld. It returns errEOF when src ended
+// copy copies src to dst, waiting delay before each chunk. Before each
+// chunk it calls forward; when forward returns false, copy stops without
+// writing the chunk and returns errHeld. It returns errEOF when src ended
 // cleanly and errBroken on any other error (or when the proxy closes).
-func (p *Proxy) copy(dst io.Writer, src io.Reader, delay time.Duration, first func() bool) error {
+func (p *Proxy) copy(dst io.Writer, src io.Reader, delay time.Duration, forward func(chunk []byte) bool) error {
 	buf := make([]byte, 32<<10)
 	for {
 		n, err := src.Read(buf)
 		if n > 0 {
-			if first != nil {
-				if !first() {
-					return errHeld
-				}
-				first = nil
+			if !forward(buf[:n]) {
+				return errHeld
 			}
 			if delay > 0 && !p.sleep(delay) {
 				return errBroken

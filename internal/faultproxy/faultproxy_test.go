@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"slices"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -322,5 +323,169 @@ func TestKindString(t *testing.T) {
 	}
 	if got, want := strings.Join(names, ","), "pass,latency,reset,drop,stall,kind(5)"; got != want {
 		t.Errorf("names %s, want %s", got, want)
+	}
+}
+
+// echo is a TCP server that answers each chunk it reads with the same
+// bytes, and counts the chunks it read.
+type echo struct {
+	ln   net.Listener
+	read atomic.Int64
+	wg   sync.WaitGroup
+}
+
+func newEcho(t *testing.T, network, addr string) *echo {
+	t.Helper()
+	ln, err := net.Listen(network, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &echo{ln: ln}
+	e.wg.Go(func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			e.wg.Go(func() {
+				defer c.Close()
+				buf := make([]byte, 1024)
+				for {
+					n, err := c.Read(buf)
+					if err != nil {
+						return
+					}
+					e.read.Add(1)
+					if _, err := c.Write(buf[:n]); err != nil {
+						return
+					}
+				}
+			})
+		}
+	})
+	t.Cleanup(func() { ln.Close(); e.wg.Wait() })
+	return e
+}
+
+func (e *echo) addr() string { return e.ln.Addr().String() }
+
+// dialEcho connects to the proxy and checks that one round trip passes.
+func dialEcho(t *testing.T, p *Proxy) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", p.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if got, err := roundTrip(c, "hello"); err != nil || got != "hello" {
+		t.Fatalf("round trip before any fault: %q, %v", got, err)
+	}
+	return c
+}
+
+// roundTrip writes msg on c and reads the answer.
+func roundTrip(c net.Conn, msg string) (string, error) {
+	if _, err := io.WriteString(c, msg); err != nil {
+		return "", err
+	}
+	buf := make([]byte, len(msg))
+	n, err := io.ReadFull(c, buf)
+	return string(buf[:n]), err
+}
+
+func TestTrap(t *testing.T) {
+	tests := []struct {
+		name     string
+		trap     Trap
+		wantErr  error
+		wantRead int64 // chunks the server read, the two that passed before the trap included
+	}{
+		{"reset before the server", Trap{Kind: Reset}, syscall.ECONNRESET, 2},
+		{"closed before the server", Trap{Kind: Reset, FIN: true}, io.EOF, 2},
+		{"answer dropped, reset", Trap{Kind: Drop}, syscall.ECONNRESET, 3},
+		{"answer dropped, closed", Trap{Kind: Drop, FIN: true}, io.EOF, 3},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := newEcho(t, "tcp", "127.0.0.1:0")
+			p := start(t, Config{Targets: []string{e.addr()}})
+			c := dialEcho(t, p)
+			tt.trap.Match = func(chunk []byte) bool { return strings.Contains(string(chunk), "charge") }
+			sprung, err := p.Arm(tt.trap)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, err := roundTrip(c, "other"); err != nil || got != "other" {
+				t.Fatalf("a chunk the trap does not match: %q, %v; want it through", got, err)
+			}
+			got, err := roundTrip(c, "charge 1")
+			// io.ReadFull reports a clean EOF before any byte as io.EOF.
+			if !errors.Is(err, tt.wantErr) {
+				t.Errorf("round trip the trap matches: %q, %v; want %v", got, err, tt.wantErr)
+			}
+			select {
+			case <-sprung:
+			case <-time.After(10 * time.Second):
+				t.Fatal("the trap's channel is not closed after it sprang")
+			}
+			// The server reads the chunk it is sent before it answers,
+			// and the client has its error after that.
+			if got := e.read.Load(); got != tt.wantRead {
+				t.Errorf("the server read %d chunks, want %d", got, tt.wantRead)
+			}
+			// Sprung once: the next matching chunk goes through.
+			c2 := dialEcho(t, p)
+			if got, err := roundTrip(c2, "charge 2"); err != nil || got != "charge 2" {
+				t.Errorf("after the trap sprang: %q, %v; want the chunk through", got, err)
+			}
+		})
+	}
+}
+
+func TestTrapUnixTarget(t *testing.T) {
+	e := newEcho(t, "unix", t.TempDir()+"/echo.sock")
+	p := start(t, Config{Targets: []string{e.addr()}})
+	c := dialEcho(t, p)
+	if _, err := p.Arm(Trap{Kind: Drop, Match: func([]byte) bool { return true }}); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := roundTrip(c, "charge"); !errors.Is(err, syscall.ECONNRESET) {
+		t.Errorf("got %q, %v; want connection reset by peer", got, err)
+	}
+	if got := e.read.Load(); got != 2 {
+		t.Errorf("the server read %d chunks, want 2", got)
+	}
+}
+
+func TestArmInvalid(t *testing.T) {
+	p := start(t, Config{Targets: []string{"127.0.0.1:1"}})
+	match := func([]byte) bool { return true }
+	for _, tr := range []Trap{{Kind: Reset}, {Kind: Stall, Match: match}, {Kind: Pass, Match: match}} {
+		if _, err := p.Arm(tr); err == nil {
+			t.Errorf("Arm(%+v) succeeded, want an error", tr)
+		}
+	}
+}
+
+func TestCut(t *testing.T) {
+	for _, tt := range []struct {
+		fin     bool
+		wantErr error
+	}{{false, syscall.ECONNRESET}, {true, io.EOF}} {
+		t.Run(map[bool]string{false: "reset", true: "fin"}[tt.fin], func(t *testing.T) {
+			e := newEcho(t, "tcp", "127.0.0.1:0")
+			p := start(t, Config{Targets: []string{e.addr()}})
+			a, b := dialEcho(t, p), dialEcho(t, p)
+			if n := p.Cut(tt.fin); n != 2 {
+				t.Errorf("Cut = %d, want 2 connections cut", n)
+			}
+			for _, c := range []net.Conn{a, b} {
+				if _, err := c.Read(make([]byte, 1)); !errors.Is(err, tt.wantErr) {
+					t.Errorf("read on a cut connection: %v, want %v", err, tt.wantErr)
+				}
+			}
+			dialEcho(t, p) // still accepting
+		})
 	}
 }
