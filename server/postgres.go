@@ -28,11 +28,11 @@ import (
 // both or neither. A request that claims, creates its payment and completes
 // therefore costs two round trips and two commits (one with AsyncClaims).
 //
-// When the connection breaks under a claim or a completion, the store runs
-// it once more on a live connection, in a way that is safe whether or not
-// the lost statement committed: see [PostgresStore.Claim]; a completion that
-// finds its key already completed under its own fencing token is the lost
-// one, committed, and succeeds. A connection breaks when PostgreSQL ends it
+// When the connection breaks under a claim, a completion or a release, the
+// store runs it once more on a live connection, in a way that is safe
+// whether or not the lost statement committed: see [PostgresStore.Claim]; a
+// completion (a release) that finds its key already completed (released)
+// under its own fencing token is the lost one, committed, and succeeds. A connection breaks when PostgreSQL ends it
 // (SQLSTATE 57P01 admin_shutdown, as after pg_terminate_backend or a fast
 // restart, or a connection exception of class 08), or when it fails with no
 // word from PostgreSQL: an EOF or a network error (a reset, a broken pipe)
@@ -268,6 +268,7 @@ func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResul
 
 // querier runs statements: a *pgxpool.Pool, or one *pgxpool.Conn of it.
 type querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error)
 	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
@@ -331,19 +332,41 @@ func (s *PostgresStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 // released and keeps its operation ID, request and creation time (see
 // claimSQL for what a claim does with it). Its lock token stays too; it no
 // longer owns the key, since completion and release require a started row.
+//
+// When the connection broke under the statement (see errConnLost), Release
+// runs it once more on a live connection, as Complete does: if the first
+// did not commit, the second releases; if it did, the second finds nothing
+// to release, and the key is then released under this claim's token, which
+// only this release can have done, so Release succeeds. A key that is
+// neither (completed, or claimed again under another token meanwhile) is
+// [ErrFenced], as without the retry.
 func (s *PostgresStore) Release(ctx context.Context, c Claim) error {
-	tag, err := s.pool.Exec(ctx, `
-		UPDATE idempotency_keys SET status = 'released'
-		WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`,
-		c.ClientID, c.Key, c.Token)
-	if err != nil {
-		return interpretError(err)
+	tag, err := s.pool.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token)
+	released := tag.RowsAffected() > 0
+	if err = interpretError(err); errors.Is(err, errConnLost) && ctx.Err() == nil {
+		err = interpretError(s.onLiveConn(ctx, func(q querier) error {
+			tag, err := q.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token)
+			if released = tag.RowsAffected() > 0; err != nil || released {
+				return err
+			}
+			released, err = hasStatusUnder(ctx, q, c, StatusReleased)
+			return err
+		}))
 	}
-	if tag.RowsAffected() == 0 {
+	if err != nil {
+		return err
+	}
+	if !released {
 		return ErrFenced
 	}
 	return nil
 }
+
+// releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
+// token).
+const releaseSQL = `
+UPDATE idempotency_keys SET status = 'released'
+WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Purge implements [Store.Purge]. One call is one short statement: it walks
 // the created_at index from the oldest key, locks at most limit expired keys
@@ -544,13 +567,9 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 			if err := q.QueryRow(ctx, completeSQL, args...).Scan(&completed, &paid); err != nil || completed > 0 {
 				return err
 			}
-			var ours bool
-			err := q.QueryRow(ctx, completedBySQL, c.ClientID, c.Key, c.Token).Scan(&ours)
+			ours, err := hasStatusUnder(ctx, q, c, StatusCompleted)
 			if ours {
 				completed = 1
-			}
-			if errors.Is(err, pgx.ErrNoRows) {
-				return nil // gone: fenced
 			}
 			return err
 		}))
@@ -564,10 +583,24 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 	return nil
 }
 
-// completedBySQL tells whether a key is completed under a lock token ($1
-// client, $2 key, $3 token).
-const completedBySQL = `
-SELECT status = 'completed' AND lock_token = $3 FROM idempotency_keys
+// hasStatusUnder tells whether c's key has status under c's lock token:
+// after a lost statement of c's owner, whether that statement committed,
+// since a token names one ownership (a takeover or a new claim takes
+// another) and only the owner completes or releases under it. A key that
+// is gone (purged) has not.
+func hasStatusUnder(ctx context.Context, q querier, c Claim, status Status) (bool, error) {
+	var ours bool
+	err := q.QueryRow(ctx, statusUnderSQL, c.ClientID, c.Key, c.Token, string(status)).Scan(&ours)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	return ours, err
+}
+
+// statusUnderSQL tells whether a key has a status under a lock token ($1
+// client, $2 key, $3 token, $4 status).
+const statusUnderSQL = `
+SELECT status = $4 AND lock_token = $3 FROM idempotency_keys
 WHERE client_id = $1 AND idempotency_key = $2`
 
 // onLiveConn runs f on a connection of the pool that answers a ping, for
@@ -680,7 +713,7 @@ const (
 // committed; when pgconn.SafeToRetry(err) is true it was not even sent.
 // Errors of a statement whose context is done are not marked, though pgx
 // closes the connection under them, and nor are failures to connect (see
-// connBroken). [PostgresStore] retries Claim and Complete once on another
-// connection, in the ways that are safe for each, unless their context is
-// done; other statements return it to the caller.
+// connBroken). [PostgresStore] retries Claim, Complete and Release once on
+// another connection, in the ways that are safe for each, unless their
+// context is done; other statements return it to the caller.
 var errConnLost = errors.New("server: postgres: connection lost")

@@ -656,3 +656,50 @@ func TestPostgresContextDoneNotRetried(t *testing.T) {
 		}
 	}
 }
+
+// TestPostgresReleaseConnCut breaks the connection under a release, with
+// no word from PostgreSQL. Cut before the statement reached PostgreSQL, the
+// retry releases; cut after it committed, with its answer lost, the retry
+// finds the key released under the claim's own token and the release
+// succeeds. Either way the retry of the request resumes the key under the
+// same operation.
+func TestPostgresReleaseConnCut(t *testing.T) {
+	ctx := context.Background()
+	for _, tt := range []struct {
+		name string
+		kind faultproxy.Kind
+	}{
+		{"before the server", faultproxy.Reset},
+		{"answer lost", faultproxy.Drop},
+	} {
+		for _, cut := range cuts {
+			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
+				w := proxiedStore(t)
+				res, err := w.store.Claim(ctx, lostReq)
+				if err != nil || res.Outcome != server.Claimed {
+					t.Fatalf("Claim = %+v, %v", res, err)
+				}
+				sprung := w.arm(t, tt.kind, cut.fin)
+				err = w.store.Release(ctx, res.Claim)
+				sprung()
+				w.rec.checkCut(t)
+				if err != nil {
+					t.Fatalf("Release = %v, want nil", err)
+				}
+				var status string
+				if err := w.pool.QueryRow(ctx, `SELECT status FROM idempotency_keys`).Scan(&status); err != nil || status != "released" {
+					t.Fatalf("key status %q, %v; want released", status, err)
+				}
+				again, err := w.store.Claim(ctx, lostReq)
+				if err != nil || again.Outcome != server.Claimed || again.Claim.OperationID != res.Claim.OperationID {
+					t.Errorf("retry after the lost release: %+v, %v; want claimed under operation %s", again, err, res.Claim.OperationID)
+				}
+				// The first claim's token no longer owns the key: releasing
+				// it again is fenced, retry or not.
+				if err := w.store.Release(ctx, res.Claim); !errors.Is(err, server.ErrFenced) {
+					t.Errorf("second release under the old token = %v, want ErrFenced", err)
+				}
+			})
+		}
+	}
+}
