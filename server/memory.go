@@ -279,6 +279,19 @@ func (s *MemoryStore) Charges() []Charge {
 	return all
 }
 
+// Payments returns every committed payment the store holds, oldest first;
+// tests and the example scenarios use it to count what was really paid.
+// Payments staged on a unit of work that has not completed are not in it.
+func (s *MemoryStore) Payments() []Payment {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	all := slices.Collect(maps.Values(s.payments))
+	slices.SortFunc(all, func(a, b Payment) int {
+		return cmp.Or(a.CreatedAt.Compare(b.CreatedAt), cmp.Compare(a.ID, b.ID))
+	})
+	return all
+}
+
 // memTx is the unit of work of a claim on a MemoryStore.
 type memTx struct {
 	store *MemoryStore

@@ -255,3 +255,44 @@ func TestMemoryStoreCharges(t *testing.T) {
 		t.Errorf("created %d, stored %d charges; want 1", created, len(s.Charges()))
 	}
 }
+
+// TestMemoryStorePayments lists only committed payments: a staged one
+// appears when its unit of work completes, never after a rollback, and the
+// list is in creation order.
+func TestMemoryStorePayments(t *testing.T) {
+	ctx := context.Background()
+	s, clock := newClockedMemoryStore()
+	pay := func(key, id string, commit bool) {
+		t.Helper()
+		c := mustClaim(t, s, claimReq("A", key, "fp"), Claimed).Claim
+		before := len(s.Payments())
+		tx, err := s.Begin(ctx, c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		p := Payment{ID: id, ClientID: "A", Customer: "cus_1", Amount: 100, Currency: "usd",
+			IdempotencyKey: key, OperationID: c.OperationID, CreatedAt: clock.Now()}
+		if err := s.CreatePayment(ctx, tx, p); err != nil {
+			t.Fatal(err)
+		}
+		if n := len(s.Payments()); n != before {
+			t.Errorf("a staged payment is listed before its completion")
+		}
+		if commit {
+			err = tx.Complete(ctx, StoredResponse{Status: 201})
+		} else {
+			err = tx.Rollback(ctx)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		clock.Advance(time.Second)
+	}
+	pay("k1", "pay_b", true)
+	pay("k2", "pay_x", false)
+	pay("k3", "pay_a", true)
+	got := s.Payments()
+	if len(got) != 2 || got[0].ID != "pay_b" || got[1].ID != "pay_a" {
+		t.Errorf("Payments() = %+v, want pay_b then pay_a", got)
+	}
+}

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"regexp"
 	"strings"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -47,54 +46,19 @@ func memoryBackend() backend {
 	return backend{
 		name: "memory store",
 		open: func(context.Context, string) (*storage, error) {
-			s := &countingMemory{MemoryStore: server.NewMemoryStore()}
-			return &storage{store: s, ledger: s}, nil
+			s := server.NewMemoryStore()
+			return &storage{store: s, ledger: memLedger{s}}, nil
 		},
 	}
 }
 
-// countingMemory is a server.MemoryStore that remembers the payments it
-// commits. server.MemoryStore can list its charges (Charges) but not its
-// payments, so the payments are counted here: a payment is counted when the
-// unit of work that staged it completes, which is exactly when the
-// MemoryStore applies it.
-type countingMemory struct {
-	*server.MemoryStore
-
-	mu       sync.Mutex
-	payments []server.Payment
-}
-
-// Begin wraps the MemoryStore's unit of work to see its completion.
-func (s *countingMemory) Begin(ctx context.Context, c server.Claim) (server.Tx, error) {
-	tx, err := s.MemoryStore.Begin(ctx, c)
-	if err != nil {
-		return nil, err
-	}
-	return &countingTx{Tx: tx, store: s}, nil
-}
-
-// CreatePayment stages p on the MemoryStore's own unit of work.
-func (s *countingMemory) CreatePayment(ctx context.Context, tx server.Tx, p server.Payment) error {
-	ct, ok := tx.(*countingTx)
-	if !ok {
-		return fmt.Errorf("scenarios: CreatePayment got a %T, not a unit of work of this store", tx)
-	}
-	if err := s.MemoryStore.CreatePayment(ctx, ct.Tx, p); err != nil {
-		return err
-	}
-	ct.mu.Lock()
-	ct.staged = append(ct.staged, p)
-	ct.mu.Unlock()
-	return nil
-}
+// memLedger counts what a server.MemoryStore committed.
+type memLedger struct{ s *server.MemoryStore }
 
 // Payments implements ledger.
-func (s *countingMemory) Payments(_ context.Context, customer string) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
+func (l memLedger) Payments(_ context.Context, customer string) (int, error) {
 	n := 0
-	for _, p := range s.payments {
+	for _, p := range l.s.Payments() {
 		if customer == "" || p.Customer == customer {
 			n++
 		}
@@ -103,33 +67,8 @@ func (s *countingMemory) Payments(_ context.Context, customer string) (int, erro
 }
 
 // Charges implements ledger.
-func (s *countingMemory) Charges(context.Context) (int, error) {
-	return len(s.MemoryStore.Charges()), nil
-}
-
-// countingTx is a MemoryStore unit of work whose staged payments are
-// counted once it completes.
-type countingTx struct {
-	server.Tx
-	store *countingMemory
-
-	mu     sync.Mutex
-	staged []server.Payment
-}
-
-// Complete implements server.Tx.
-func (tx *countingTx) Complete(ctx context.Context, resp server.StoredResponse) error {
-	if err := tx.Tx.Complete(ctx, resp); err != nil {
-		return err
-	}
-	tx.mu.Lock()
-	staged := tx.staged
-	tx.staged = nil
-	tx.mu.Unlock()
-	tx.store.mu.Lock()
-	tx.store.payments = append(tx.store.payments, staged...)
-	tx.store.mu.Unlock()
-	return nil
+func (l memLedger) Charges(context.Context) (int, error) {
+	return len(l.s.Charges()), nil
 }
 
 // pgLedger counts rows in the tables of one migrated schema.
