@@ -35,3 +35,21 @@ for p in "${peers[@]}"; do
 	args+=("$p=$out/$p.txt")
 done
 go tool benchstat "${args[@]}" | tee "$out/benchstat.txt"
+
+# Paired by round: each round runs every peer once, back to back, so the
+# ratio of a peer's sec/op to bare's in the same round cancels what slows a
+# whole round down (another process, the VM's neighbours), which benchstat's
+# unpaired test cannot. Prints the median ratio and its quartiles over the
+# rounds.
+{
+	echo "sec/op against bare in the same round (median [q1, q3] over $rounds rounds)"
+	for b in RoundTrip RoundTripFaults RoundTripStub; do
+		for p in "${peers[@]:1}"; do
+			paste <(grep -E "^Benchmark$b/bare(-[0-9]+)?[[:space:]]" "$out/roundtrip.txt" | awk '{print $3}') \
+				<(grep -E "^Benchmark$b/$p(-[0-9]+)?[[:space:]]" "$out/roundtrip.txt" | awk '{print $3}') |
+				awk '{ print $2 / $1 }' | sort -g | awk -v b="$b" -v p="$p" '
+					{ r[NR] = $1 }
+					END { printf "%-16s %-14s %6.3f [%5.3f, %5.3f]\n", b, p, r[int((NR + 1) / 2)], r[int(NR / 4) + 1], r[int(3 * NR / 4) + 1] }'
+		done
+	done
+} | tee "$out/paired.txt"
