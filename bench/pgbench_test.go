@@ -109,16 +109,8 @@ func pgbenchScript(src string, async bool) (string, error) {
 	if err != nil {
 		return "", fmt.Errorf("claimSQL: %w", err)
 	}
-	const createdCol = "created_at, true FROM inserted"
-	if !strings.Contains(charge, createdCol) {
-		return "", fmt.Errorf("createChargeSQL has no %q any more; update pgbenchScript", createdCol)
-	}
-	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
-	charge, err = params(charge, map[int]string{
-		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
-	})
-	if err != nil {
-		return "", fmt.Errorf("createChargeSQL: %w", err)
+	if charge, err = pgbenchCharge(charge); err != nil {
+		return "", err
 	}
 	complete, err = params(complete, map[int]string{
 		1: ":client", 2: ":key", 3: ":lock_token", 4: ":status", 5: ":ctype", 6: ":hdr", 7: ":body",
@@ -177,15 +169,8 @@ func pgbenchUnkeyedScript(src string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	const createdCol = "created_at, true FROM inserted"
-	if !strings.Contains(charge, createdCol) {
-		return "", fmt.Errorf("createChargeSQL has no %q any more; update pgbenchUnkeyedScript", createdCol)
-	}
-	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
-	if charge, err = params(charge, map[int]string{
-		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
-	}); err != nil {
-		return "", fmt.Errorf("createChargeSQL: %w", err)
+	if charge, err = pgbenchCharge(charge); err != nil {
+		return "", err
 	}
 	if insert, err = params(insert, map[int]string{
 		1: "'pay_' || :key", 2: ":client", 3: ":customer", 4: ":amount", 5: ":currency",
@@ -197,6 +182,24 @@ func pgbenchUnkeyedScript(src string) (string, error) {
 		"\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n" +
 		"-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n" +
 		"\n-- insertPaymentSQL\n" + strings.TrimSpace(insert) + ";\n", nil
+}
+
+// pgbenchCharge turns createChargeSQL into pgbench's form, as both scripts
+// run it: the created column named for \gset, $1 the empty string and $5 NULL as the
+// server sends them.
+func pgbenchCharge(charge string) (string, error) {
+	const createdCol = "created_at, true FROM inserted"
+	if !strings.Contains(charge, createdCol) {
+		return "", fmt.Errorf("createChargeSQL has no %q any more; update pgbenchCharge", createdCol)
+	}
+	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
+	charge, err := params(charge, map[int]string{
+		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
+	})
+	if err != nil {
+		return "", fmt.Errorf("createChargeSQL: %w", err)
+	}
+	return charge, nil
 }
 
 // goConst returns the raw string constant name of Go source src.

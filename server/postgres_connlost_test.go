@@ -519,51 +519,36 @@ func TestPostgresClaimIdleConnsCut(t *testing.T) {
 // stored payment was rolled back).
 func TestPostgresCompleteConnCut(t *testing.T) {
 	ctx := context.Background()
-	for _, tt := range []struct {
-		name string
-		kind faultproxy.Kind
-	}{
-		{"before the server", faultproxy.Reset},
-		{"answer lost", faultproxy.Drop},
-	} {
-		for _, cut := range cuts {
-			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
-				w := proxiedStore(t)
-				res, err := w.store.Claim(ctx, lostReq)
-				if err != nil || res.Outcome != server.Claimed {
-					t.Fatalf("Claim = %+v, %v", res, err)
-				}
-				c := res.Claim
-				tx, err := w.store.Begin(ctx, c)
-				if err != nil {
-					t.Fatal(err)
-				}
-				p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
-					IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
-				if err := w.store.CreatePayment(ctx, tx, p); err != nil {
-					t.Fatal(err)
-				}
-				sprung := w.arm(t, tt.kind, cut.fin)
-				err = tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)})
-				sprung()
-				w.rec.checkCut(t)
-				var status string
-				var payments int
-				if err := w.pool.QueryRow(ctx, `SELECT (SELECT status FROM idempotency_keys), (SELECT count(*) FROM payments)`).
-					Scan(&status, &payments); err != nil {
-					t.Fatal(err)
-				}
-				if err != nil || status != "completed" || payments != 1 {
-					t.Errorf("Complete = %v; key %s, %d payments; want nil, completed, 1", err, status, payments)
-				}
-				again, err := w.store.Claim(ctx, lostReq)
-				if err != nil || again.Outcome != server.Exists || again.Record.Response == nil ||
-					string(again.Record.Response.Body) != `{"id":"pay_lost"}` {
-					t.Errorf("replay after the lost completion: %+v, %v", again, err)
-				}
-			})
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool) {
+		c := res.Claim
+		tx, err := w.store.Begin(ctx, c)
+		if err != nil {
+			t.Fatal(err)
 		}
-	}
+		p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
+			IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
+		if err := w.store.CreatePayment(ctx, tx, p); err != nil {
+			t.Fatal(err)
+		}
+		sprung := w.arm(t, kind, fin)
+		err = tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)})
+		sprung()
+		w.rec.checkCut(t)
+		var status string
+		var payments int
+		if err := w.pool.QueryRow(ctx, `SELECT (SELECT status FROM idempotency_keys), (SELECT count(*) FROM payments)`).
+			Scan(&status, &payments); err != nil {
+			t.Fatal(err)
+		}
+		if err != nil || status != "completed" || payments != 1 {
+			t.Errorf("Complete = %v; key %s, %d payments; want nil, completed, 1", err, status, payments)
+		}
+		again, err := w.store.Claim(ctx, lostReq)
+		if err != nil || again.Outcome != server.Exists || again.Record.Response == nil ||
+			string(again.Record.Response.Body) != `{"id":"pay_lost"}` {
+			t.Errorf("replay after the lost completion: %+v, %v", again, err)
+		}
+	})
 }
 
 // TestPostgresContextDoneNotRetried gives up on a claim and on a completion
@@ -665,6 +650,35 @@ func TestPostgresContextDoneNotRetried(t *testing.T) {
 // same operation.
 func TestPostgresReleaseConnCut(t *testing.T) {
 	ctx := context.Background()
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool) {
+		sprung := w.arm(t, kind, fin)
+		err := w.store.Release(ctx, res.Claim)
+		sprung()
+		w.rec.checkCut(t)
+		if err != nil {
+			t.Fatalf("Release = %v, want nil", err)
+		}
+		var status string
+		if err := w.pool.QueryRow(ctx, `SELECT status FROM idempotency_keys`).Scan(&status); err != nil || status != "released" {
+			t.Fatalf("key status %q, %v; want released", status, err)
+		}
+		again, err := w.store.Claim(ctx, lostReq)
+		if err != nil || again.Outcome != server.Claimed || again.Claim.OperationID != res.Claim.OperationID {
+			t.Errorf("retry after the lost release: %+v, %v; want claimed under operation %s", again, err, res.Claim.OperationID)
+		}
+		// The first claim's token no longer owns the key: releasing
+		// it again is fenced, retry or not.
+		if err := w.store.Release(ctx, res.Claim); !errors.Is(err, server.ErrFenced) {
+			t.Errorf("second release under the old token = %v, want ErrFenced", err)
+		}
+	})
+}
+
+// eachCutOfClaimed runs f as a subtest for each way to cut a connection
+// with no word from PostgreSQL (before the statement reaches it, or after
+// it answered; with an RST or a FIN), each on a fresh proxied store where
+// lostReq has just been claimed.
+func eachCutOfClaimed(t *testing.T, f func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool)) {
 	for _, tt := range []struct {
 		name string
 		kind faultproxy.Kind
@@ -675,30 +689,11 @@ func TestPostgresReleaseConnCut(t *testing.T) {
 		for _, cut := range cuts {
 			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
 				w := proxiedStore(t)
-				res, err := w.store.Claim(ctx, lostReq)
+				res, err := w.store.Claim(context.Background(), lostReq)
 				if err != nil || res.Outcome != server.Claimed {
 					t.Fatalf("Claim = %+v, %v", res, err)
 				}
-				sprung := w.arm(t, tt.kind, cut.fin)
-				err = w.store.Release(ctx, res.Claim)
-				sprung()
-				w.rec.checkCut(t)
-				if err != nil {
-					t.Fatalf("Release = %v, want nil", err)
-				}
-				var status string
-				if err := w.pool.QueryRow(ctx, `SELECT status FROM idempotency_keys`).Scan(&status); err != nil || status != "released" {
-					t.Fatalf("key status %q, %v; want released", status, err)
-				}
-				again, err := w.store.Claim(ctx, lostReq)
-				if err != nil || again.Outcome != server.Claimed || again.Claim.OperationID != res.Claim.OperationID {
-					t.Errorf("retry after the lost release: %+v, %v; want claimed under operation %s", again, err, res.Claim.OperationID)
-				}
-				// The first claim's token no longer owns the key: releasing
-				// it again is fenced, retry or not.
-				if err := w.store.Release(ctx, res.Claim); !errors.Is(err, server.ErrFenced) {
-					t.Errorf("second release under the old token = %v, want ErrFenced", err)
-				}
+				f(t, w, res, tt.kind, cut.fin)
 			})
 		}
 	}
