@@ -314,63 +314,57 @@ func TestPostgresAsyncClaimIsLocal(t *testing.T) {
 	}
 }
 
-// BenchmarkPostgresClaim measures the claim of a new key, which commits one
-// row: durably (one WAL flush) or with AsyncClaims.
-func BenchmarkPostgresClaim(b *testing.B) {
+// benchClaims runs op once per iteration on a fresh store, durable and
+// with AsyncClaims, each time with a claim request for a new key.
+func benchClaims(b *testing.B, op func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, i int)) {
 	for _, async := range []bool{false, true} {
 		name := map[bool]string{false: "sync", true: "async"}[async]
 		b.Run(name, func(b *testing.B) {
 			s := server.NewPostgresStore(migratedPool(b))
 			s.AsyncClaims = async
-			ctx := context.Background()
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
 				i++
-				req := server.ClaimRequest{ClientID: "cli_bench", Key: fmt.Sprint("key-", i), Method: "POST",
-					Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1}
-				if _, err := s.Claim(ctx, req); err != nil {
-					b.Fatal(err)
-				}
+				op(b, s, server.ClaimRequest{ClientID: "cli_bench", Key: fmt.Sprint("key-", i), Method: "POST",
+					Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1}, i)
 			}
 		})
 	}
 }
 
+// BenchmarkPostgresClaim measures the claim of a new key, which commits one
+// row: durably (one WAL flush) or with AsyncClaims.
+func BenchmarkPostgresClaim(b *testing.B) {
+	benchClaims(b, func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, _ int) {
+		if _, err := s.Claim(context.Background(), req); err != nil {
+			b.Fatal(err)
+		}
+	})
+}
+
 // BenchmarkPostgresRequest measures a whole first request as the store sees
 // it: claim, then one payment and the completion; then a replayed duplicate.
 func BenchmarkPostgresRequest(b *testing.B) {
-	for _, async := range []bool{false, true} {
-		name := map[bool]string{false: "sync", true: "async"}[async]
-		b.Run(name, func(b *testing.B) {
-			s := server.NewPostgresStore(migratedPool(b))
-			s.AsyncClaims = async
-			ctx := context.Background()
-			b.ReportAllocs()
-			i := 0
-			for b.Loop() {
-				i++
-				req := server.ClaimRequest{ClientID: "cli_bench", Key: fmt.Sprint("key-", i), Method: "POST",
-					Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1}
-				res, err := s.Claim(ctx, req)
-				if err != nil {
-					b.Fatal(err)
-				}
-				tx, _ := s.Begin(ctx, res.Claim)
-				c := res.Claim
-				p := server.Payment{ID: fmt.Sprint("pay_", i), ClientID: c.ClientID, Customer: "cus_1", Amount: 4200,
-					Currency: "usd", IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_1"}
-				if err := s.CreatePayment(ctx, tx, p); err != nil {
-					b.Fatal(err)
-				}
-				if err := tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json",
-					Body: []byte(`{"id":"` + p.ID + `"}`)}); err != nil {
-					b.Fatal(err)
-				}
-				if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Exists {
-					b.Fatal(res.Outcome, err)
-				}
-			}
-		})
-	}
+	ctx := context.Background()
+	benchClaims(b, func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, i int) {
+		res, err := s.Claim(ctx, req)
+		if err != nil {
+			b.Fatal(err)
+		}
+		tx, _ := s.Begin(ctx, res.Claim)
+		c := res.Claim
+		p := server.Payment{ID: fmt.Sprint("pay_", i), ClientID: c.ClientID, Customer: "cus_1", Amount: 4200,
+			Currency: "usd", IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_1"}
+		if err := s.CreatePayment(ctx, tx, p); err != nil {
+			b.Fatal(err)
+		}
+		if err := tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json",
+			Body: []byte(`{"id":"` + p.ID + `"}`)}); err != nil {
+			b.Fatal(err)
+		}
+		if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Exists {
+			b.Fatal(res.Outcome, err)
+		}
+	})
 }
