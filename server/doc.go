@@ -43,9 +43,12 @@
 // A released key is not deleted: it keeps its [Claim.OperationID]
 // ([Store.Release]). The retry of the same request resumes the operation
 // under it, so a request that failed after an irreversible downstream call
-// keyed by the OperationID (a card charge) is not charged twice; a
-// different request with the key, such as the corrected one after a 400,
-// is a new operation.
+// keyed by the OperationID (a card charge) is not charged twice. After a
+// 4xx that means "nothing was done", a different request with the key,
+// such as the corrected one after a 400, is a new operation; after a 5xx,
+// a panic or a failed completion, it gets 422, since the failed request
+// may have taken effect and only its own retry finishes it
+// ([ReleaseKind]).
 //
 // # Crashes and slow requests
 //

@@ -710,6 +710,13 @@ func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
 				t.Fatalf("%d charges before the retry, want 1 (the failure must come after the charge)", n)
 			}
 			tt.recover(ts)
+			// Another request with the key would leave the charge behind
+			// (or charge again): refused, and nothing changes.
+			other := strings.Replace(payment, "4200", "4300", 1)
+			if r := ts.mustSend(t, keyed("k-charged", other)); r.status != http.StatusUnprocessableEntity ||
+				r.problem(t).Type != ProblemKeyMismatch || !strings.Contains(r.problem(t).Detail, "failed after it may have taken effect") {
+				t.Fatalf("another request with the key: %d %s, want 422 %s saying the first may have taken effect", r.status, r.body, ProblemKeyMismatch)
+			}
 			r = ts.mustSend(t, keyed("k-charged", payment))
 			if r.status != http.StatusCreated || r.replayed() {
 				t.Fatalf("immediate retry: %d replayed=%v %s, want a fresh 201", r.status, r.replayed(), r.body)

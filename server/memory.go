@@ -52,6 +52,7 @@ type memKey struct {
 	rec         Record
 	token       int64
 	operationID string
+	release     ReleaseKind // of the last release; meaningful while released
 }
 
 // NewMemoryStore returns an empty store.
@@ -85,7 +86,7 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	switch {
 	case k == nil:
 	case expired(k, now, req.Retention),
-		k.rec.Status == StatusReleased && sameVersion && !sameRequest:
+		k.rec.Status == StatusReleased && k.release == ReleaseRejected && sameVersion && !sameRequest:
 		// Absent, or free for another request: a new operation replaces it.
 		delete(s.keys, ref)
 		k = nil
@@ -163,10 +164,10 @@ func (s *MemoryStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 	return &memTx{store: s, claim: c}, nil
 }
 
-// Release implements [Store.Release]: the key is marked released and keeps
-// its operation ID, fingerprint and creation time (and its token, which no
-// longer owns it: ownership needs a started key).
-func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
+// Release implements [Store.Release]: the key is marked released, with
+// kind, and keeps its operation ID, fingerprint and creation time (and its
+// token, which no longer owns it: ownership needs a started key).
+func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := s.owned(c)
@@ -174,6 +175,7 @@ func (s *MemoryStore) Release(ctx context.Context, c Claim) error {
 		return ErrFenced
 	}
 	k.rec.Status = StatusReleased
+	k.release = kind
 	return nil
 }
 

@@ -90,7 +90,7 @@ func TestMemoryStoreClaim(t *testing.T) {
 	if _, err := s.GetPayment(ctx, "a", "pay_old"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("fenced payment visible: %v", err)
 	}
-	if err := s.Release(ctx, first.Claim); !errors.Is(err, ErrFenced) {
+	if err := s.Release(ctx, first.Claim, ReleaseFailed); !errors.Is(err, ErrFenced) {
 		t.Errorf("fenced Release = %v, want ErrFenced", err)
 	}
 	// The new owner completes.
@@ -136,19 +136,28 @@ func TestMemoryStoreRelease(t *testing.T) {
 	if err := tx.Complete(ctx, StoredResponse{Status: 201}); err == nil {
 		t.Error("Complete after Rollback succeeded")
 	}
-	if err := s.Release(ctx, c); err != nil {
+	if err := s.Release(ctx, c, ReleaseFailed); err != nil {
 		t.Fatal(err)
 	}
-	if err := s.Release(ctx, c); !errors.Is(err, ErrFenced) {
+	if err := s.Release(ctx, c, ReleaseFailed); !errors.Is(err, ErrFenced) {
 		t.Errorf("second Release = %v, want ErrFenced", err)
 	}
 	if again := mustClaim(t, s, claimReq("a", "k", "fp"), Claimed).Claim; again.OperationID != c.OperationID {
 		t.Errorf("claim after release: operation %s, want the released %s", again.OperationID, c.OperationID)
-	} else if err := s.Release(ctx, again); err != nil {
+	} else if err := s.Release(ctx, again, ReleaseFailed); err != nil {
+		t.Fatal(err)
+	}
+	// Released as failed, the key refuses another request...
+	if rec := mustClaim(t, s, claimReq("a", "k", "another body"), Exists).Record; rec.Status != StatusReleased {
+		t.Errorf("another request after a failed release: status %q, want released", rec.Status)
+	}
+	// ...and released as rejected, it takes it as a new operation.
+	again := mustClaim(t, s, claimReq("a", "k", "fp"), Claimed).Claim
+	if err := s.Release(ctx, again, ReleaseRejected); err != nil {
 		t.Fatal(err)
 	}
 	if other := mustClaim(t, s, claimReq("a", "k", "another body"), Claimed).Claim; other.OperationID == c.OperationID {
-		t.Error("another request after release kept the released operation")
+		t.Error("another request after a rejected release kept the released operation")
 	}
 	if _, err := s.GetPayment(ctx, "a", "p"); !errors.Is(err, ErrNotFound) {
 		t.Errorf("rolled back payment visible: %v", err)

@@ -167,20 +167,25 @@ func (e Event) String() string {
 //     writes, then sent. Every retry gets it again.
 //   - 400, 401, 403, 404, 405, 408, 409, 413, 415, 425 and 429: the request
 //     was rejected before it did anything, or may succeed later. The unit
-//     of work is rolled back and the key released; the client may retry with
-//     the same key (and, after a 400, a corrected body).
-//   - 5xx: released like a 400 unless [IdempotencyOptions.StoreServerErrors]
-//     asks for Stripe's behaviour of storing them.
+//     of work is rolled back and the key released as [ReleaseRejected];
+//     the client may retry with the same key (and, after a 400, a
+//     corrected body).
+//   - 5xx: released as [ReleaseFailed] unless
+//     [IdempotencyOptions.StoreServerErrors] asks for Stripe's behaviour of
+//     storing them.
 //   - a panic in the handler, or a completion that fails (other than
-//     fenced, below): rolled back and released; a panic then goes on up.
+//     fenced, below): rolled back and released as [ReleaseFailed]; a panic
+//     then goes on up.
 //
 // A released key keeps its [Claim.OperationID] (see [Store.Release]): the
 // client's retry of the same request runs again at once, under the same
 // operation, so work the failed request did outside its unit of work and
-// keyed by the operation (a downstream charge) is found, not done twice. A
-// different request with the key is a new operation. So a handler may fail
-// at any point, also after an irreversible downstream call, and the key is
-// still free for the retry.
+// keyed by the operation (a downstream charge) is found, not done twice.
+// So a handler may fail at any point, also after an irreversible
+// downstream call, and the key is still free for the retry. A different
+// request with the key is a new operation after a [ReleaseRejected] 4xx,
+// and 422 [ProblemKeyMismatch] after a [ReleaseFailed] failure: a new
+// operation would leave the failed request's work behind, or do it twice.
 //
 // When the completion fails with [ErrFenced], the request was taken over by
 // a retry after the lock timeout while it was still running; its writes are
@@ -381,10 +386,18 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		}
 		if rec.FingerprintVersion != req.FingerprintVersion || !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
 			m.event(EventMismatch)
-			log.Info("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path)
-			writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, fmt.Sprintf(
+			log.Info("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
+			detail := fmt.Sprintf(
 				"This %s was already used with another request (%s %s with a different body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
-				m.keyHeader, rec.Method, rec.Path))
+				m.keyHeader, rec.Method, rec.Path)
+			if rec.Status == StatusReleased {
+				// Released as failed (see ReleaseFailed): its request may
+				// have done work that only its own retry finishes.
+				detail = fmt.Sprintf(
+					"The request first sent with this %s (%s %s with a different body) failed after it may have taken effect, and only that request can finish it. Resend exactly that request with this key, or use a new key for a new operation.",
+					m.keyHeader, rec.Method, rec.Path)
+			}
+			writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, detail)
 			return
 		}
 		if rec.Status == StatusCompleted && rec.Response != nil {
@@ -438,7 +451,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	tx, err := m.store.Begin(r.Context(), claim)
 	if err != nil {
 		log.Error("idempotency: begin failed", "err", err)
-		m.release(detached, claim, log)
+		m.release(detached, claim, ReleaseRejected, log) // the handler did not run
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
 			"The operation could not be started. Retry with the same key.")
 		return
@@ -455,7 +468,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		if p != http.ErrAbortHandler {
 			log.Error("idempotency: handler panicked", "panic", p)
 		}
-		m.abandon(detached, st, log)
+		m.abandon(detached, st, ReleaseFailed, log)
 		if p != nil {
 			panic(p)
 		}
@@ -465,7 +478,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 
 	status := rec.result()
 	if !m.storable(status) {
-		m.abandon(detached, st, log)
+		kind := ReleaseRejected
+		if status >= 500 {
+			kind = ReleaseFailed
+		}
+		m.abandon(detached, st, kind, log)
 		writeRecorded(w, rec)
 		return
 	}
@@ -482,7 +499,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			"This request ran longer than the lock timeout and a retry with the same %s took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
 	default:
 		log.Error("idempotency: completion failed", "err", err)
-		m.abandon(detached, st, log)
+		m.abandon(detached, st, ReleaseFailed, log)
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
 			"The outcome could not be saved. Retry with the same key.")
 	}
@@ -509,7 +526,7 @@ func (m *middleware) storable(status int) bool {
 // abandon rolls back the unit of work and releases the key, keeping its
 // operation for the retry (see [Store.Release]). A simulated crash releases
 // nothing, as a real one could not.
-func (m *middleware) abandon(ctx context.Context, st *run, log *slog.Logger) {
+func (m *middleware) abandon(ctx context.Context, st *run, kind ReleaseKind, log *slog.Logger) {
 	if err := st.tx.Rollback(ctx); err != nil {
 		log.Error("idempotency: rollback failed", "err", err)
 	}
@@ -518,11 +535,11 @@ func (m *middleware) abandon(ctx context.Context, st *run, log *slog.Logger) {
 			"operation", st.claim.OperationID, "lock_timeout", m.lockTimeout)
 		return
 	}
-	m.release(ctx, st.claim, log)
+	m.release(ctx, st.claim, kind, log)
 }
 
-func (m *middleware) release(ctx context.Context, c Claim, log *slog.Logger) {
-	switch err := m.store.Release(ctx, c); {
+func (m *middleware) release(ctx context.Context, c Claim, kind ReleaseKind, log *slog.Logger) {
+	switch err := m.store.Release(ctx, c, kind); {
 	case err == nil:
 		m.event(EventReleased)
 	case errors.Is(err, ErrFenced):

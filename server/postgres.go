@@ -97,7 +97,9 @@ const maxRaces = 10
 //     its state and fingerprint): a new operation ID and creation time;
 //   - released under the same fingerprint version: with the same
 //     fingerprint it is resumed (same operation ID and creation time), with
-//     another it is replaced (new operation ID, creation time, request);
+//     another it is replaced (new operation ID, creation time, request) if
+//     it was released as rejected (release_rejected), and left as it is,
+//     for an Exists row, if it was released as failed;
 //   - started, stale and with the same fingerprint: taken over (same
 //     operation ID).
 //
@@ -120,7 +122,8 @@ WITH existing AS (
         (k.status = 'started'
             AND $7::bigint > 0 AND k.locked_at < now() - $7::bigint * interval '1 microsecond'
             AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
-        (k.status = 'released' AND k.fingerprint_version = $6) AS free
+        (k.status = 'released' AND k.fingerprint_version = $6
+            AND (k.release_rejected OR k.request_hash = $5)) AS free
     FROM idempotency_keys k
     WHERE k.client_id = $1 AND k.idempotency_key = $2
 ), renewed AS (
@@ -140,6 +143,7 @@ WITH existing AS (
                 OR (k.status = 'released' AND k.request_hash <> $5)
             THEN now() ELSE k.created_at END,
         locked_at = now(),
+        release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
         response_headers = NULL,
@@ -147,7 +151,8 @@ WITH existing AS (
     WHERE k.client_id = $1 AND k.idempotency_key = $2
         AND k.status = (SELECT status FROM existing)
         AND (($8::bigint > 0 AND k.created_at < now() - $8::bigint * interval '1 microsecond')
-            OR (k.status = 'released' AND k.fingerprint_version = $6)
+            OR (k.status = 'released' AND k.fingerprint_version = $6
+                AND (k.release_rejected OR k.request_hash = $5))
             OR (k.status = 'started'
                 AND $7::bigint > 0 AND k.locked_at < now() - $7::bigint * interval '1 microsecond'
                 AND k.fingerprint_version = $6 AND k.request_hash = $5))
@@ -329,7 +334,8 @@ func (s *PostgresStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 }
 
 // Release implements [Store.Release] in one statement: the row is marked
-// released and keeps its operation ID, request and creation time (see
+// released, with its kind in release_rejected, and keeps its operation ID,
+// request and creation time (see
 // claimSQL for what a claim does with it). Its lock token stays too; it no
 // longer owns the key, since completion and release require a started row.
 //
@@ -340,12 +346,13 @@ func (s *PostgresStore) Begin(ctx context.Context, c Claim) (Tx, error) {
 // only this release can have done, so Release succeeds. A key that is
 // neither (completed, or claimed again under another token meanwhile) is
 // [ErrFenced], as without the retry.
-func (s *PostgresStore) Release(ctx context.Context, c Claim) error {
-	tag, err := s.pool.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token)
+func (s *PostgresStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
+	rejected := kind == ReleaseRejected
+	tag, err := s.pool.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token, rejected)
 	released := tag.RowsAffected() > 0
 	if err = interpretError(err); errors.Is(err, errConnLost) && ctx.Err() == nil {
 		err = interpretError(s.onLiveConn(ctx, func(q querier) error {
-			tag, err := q.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token)
+			tag, err := q.Exec(ctx, releaseSQL, c.ClientID, c.Key, c.Token, rejected)
 			if released = tag.RowsAffected() > 0; err != nil || released {
 				return err
 			}
@@ -363,9 +370,9 @@ func (s *PostgresStore) Release(ctx context.Context, c Claim) error {
 }
 
 // releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
-// token).
+// token), as rejected or not ($4; see [ReleaseKind]).
 const releaseSQL = `
-UPDATE idempotency_keys SET status = 'released'
+UPDATE idempotency_keys SET status = 'released', release_rejected = $4
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Purge implements [Store.Purge]. One call is one short statement: it walks

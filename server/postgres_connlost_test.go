@@ -652,7 +652,7 @@ func TestPostgresReleaseConnCut(t *testing.T) {
 	ctx := context.Background()
 	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool) {
 		sprung := w.arm(t, kind, fin)
-		err := w.store.Release(ctx, res.Claim)
+		err := w.store.Release(ctx, res.Claim, server.ReleaseFailed)
 		sprung()
 		w.rec.checkCut(t)
 		if err != nil {
@@ -668,7 +668,7 @@ func TestPostgresReleaseConnCut(t *testing.T) {
 		}
 		// The first claim's token no longer owns the key: releasing
 		// it again is fenced, retry or not.
-		if err := w.store.Release(ctx, res.Claim); !errors.Is(err, server.ErrFenced) {
+		if err := w.store.Release(ctx, res.Claim, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
 			t.Errorf("second release under the old token = %v, want ErrFenced", err)
 		}
 	})

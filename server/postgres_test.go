@@ -120,39 +120,52 @@ func TestMigrateTwiceAndConcurrently(t *testing.T) {
 	}
 }
 
-// TestMigrateFromVersion1 upgrades a database made by the first schema, with
-// keys in it, while claims may run: the keys survive, a key can then be
-// released and resumed, and the status check still refuses unknown states.
+// TestMigrateFromVersion1 upgrades a database made by the first schema,
+// with keys in it, as a server of that version left them: the keys
+// survive, a key started before the upgrade can be released and resumed,
+// and the status check still refuses unknown states. Then a database of
+// version 2 with a released key in it (its kind unknown): after the
+// upgrade it takes its own request back, and refuses another (see
+// 003_release_kind.sql).
 func TestMigrateFromVersion1(t *testing.T) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t)
-	v1, err := os.ReadFile("schema/001_init.sql")
-	if err != nil {
+	schema := func(name string) string {
+		sql, err := os.ReadFile("schema/" + name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(sql)
+	}
+	if _, err := pool.Exec(ctx, schema("001_init.sql")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := pool.Exec(ctx, string(v1)); err != nil {
-		t.Fatal(err)
-	}
-	// As Migrate records a version (see migrate.go).
-	if _, err := pool.Exec(ctx, `
+	// As Migrate records a version (see migrate.go), and as a server of
+	// version 1 claims and completes keys.
+	migrations := `
 		CREATE TABLE idem_schema_migrations (
 			version    integer     PRIMARY KEY,
 			name       text        NOT NULL,
 			applied_at timestamptz NOT NULL DEFAULT now()
 		);
-		INSERT INTO idem_schema_migrations (version, name) VALUES (1, '001_init.sql');
+		INSERT INTO idem_schema_migrations (version, name) VALUES (1, '001_init.sql')`
+	if _, err := pool.Exec(ctx, migrations+`;
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
 			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at)
 		VALUES ('cli_a', 'done', 'POST', '/v1/payments', '\x01', 1, 'completed', gen_random_uuid(),
 			nextval('idempotency_lock_tokens'), 201, now(), now())`); err != nil {
 		t.Fatal(err)
 	}
-	s := server.NewPostgresStore(pool)
-	req := server.ClaimRequest{ClientID: "cli_a", Key: "running", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte{2}, FingerprintVersion: 1}
-	running, err := s.Claim(ctx, req) // a key started under version 1
-	if err != nil || running.Outcome != server.Claimed {
-		t.Fatalf("Claim under version 1 = %v, %v", running, err)
+	var running server.Claim
+	err := pool.QueryRow(ctx, `
+		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
+			fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
+		VALUES ('cli_a', 'running', 'POST', '/v1/payments', '\x02', 1, 'started', gen_random_uuid(),
+			nextval('idempotency_lock_tokens'), now(), now())
+		RETURNING client_id, idempotency_key, lock_token, operation_id::text`).Scan(
+		&running.ClientID, &running.Key, &running.Token, &running.OperationID)
+	if err != nil {
+		t.Fatal(err)
 	}
 
 	for range 2 { // and again: nothing to do
@@ -162,24 +175,62 @@ func TestMigrateFromVersion1(t *testing.T) {
 	}
 	rows, _ := pool.Query(ctx, `SELECT version FROM idem_schema_migrations ORDER BY version`)
 	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	if err != nil || fmt.Sprint(versions) != "[1 2]" {
-		t.Errorf("versions %v, %v; want [1 2]", versions, err)
+	if err != nil || fmt.Sprint(versions) != "[1 2 3]" {
+		t.Errorf("versions %v, %v; want [1 2 3]", versions, err)
 	}
+	s := server.NewPostgresStore(pool)
+	req := server.ClaimRequest{ClientID: "cli_a", Key: "running", Method: "POST", Path: "/v1/payments",
+		Fingerprint: []byte{2}, FingerprintVersion: 1}
 	done := req
 	done.Key, done.Fingerprint = "done", []byte{1}
 	if res, err := s.Claim(ctx, done); err != nil || res.Outcome != server.Exists || res.Record.Status != server.StatusCompleted {
 		t.Errorf("completed key after the upgrade: %+v, %v", res, err)
 	}
-	if err := s.Release(ctx, running.Claim); err != nil {
+	if err := s.Release(ctx, running, server.ReleaseFailed); err != nil {
 		t.Fatalf("Release of a key claimed before the upgrade: %v", err)
 	}
-	if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != running.Claim.OperationID {
-		t.Errorf("claim of the released key: %+v, %v; want Claimed with operation %s", res, err, running.Claim.OperationID)
+	if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != running.OperationID {
+		t.Errorf("claim of the released key: %+v, %v; want Claimed with operation %s", res, err, running.OperationID)
 	}
 	_, err = pool.Exec(ctx, `UPDATE idempotency_keys SET status = 'gone' WHERE idempotency_key = 'running'`)
 	var pgErr *pgconn.PgError
 	if !errors.As(err, &pgErr) || pgErr.ConstraintName != "idempotency_keys_status_check" {
 		t.Errorf("unknown status: %v, want a violation of idempotency_keys_status_check", err)
+	}
+
+	// Version 2, with a key a server of that version released.
+	if _, err := pool.Exec(ctx, `DROP TABLE idem_schema_migrations, idempotency_keys, payments, charges;
+		DROP SEQUENCE idempotency_lock_tokens`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, schema("001_init.sql")+";"+schema("002_released.sql")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, migrations+`, (2, '002_released.sql')`); err != nil {
+		t.Fatal(err)
+	}
+	var released server.Claim
+	err = pool.QueryRow(ctx, `
+		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
+			fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
+		VALUES ('cli_a', 'released', 'POST', '/v1/payments', '\x03', 1, 'released', gen_random_uuid(),
+			nextval('idempotency_lock_tokens'), now(), now())
+		RETURNING operation_id::text`).Scan(&released.OperationID)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := server.Migrate(ctx, pool); err != nil {
+		t.Fatalf("Migrate from version 2: %v", err)
+	}
+	other := req
+	other.Key, other.Fingerprint = "released", []byte{4}
+	if res, err := s.Claim(ctx, other); err != nil || res.Outcome != server.Exists || res.Record.Status != server.StatusReleased {
+		t.Errorf("another request on a key released before the upgrade: %+v, %v; want Exists, released", res, err)
+	}
+	same := other
+	same.Fingerprint = []byte{3}
+	if res, err := s.Claim(ctx, same); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != released.OperationID {
+		t.Errorf("its own request on a key released before the upgrade: %+v, %v; want Claimed with operation %s", res, err, released.OperationID)
 	}
 }
 

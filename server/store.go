@@ -17,14 +17,42 @@ const (
 	// every later request with the same key and fingerprint.
 	StatusCompleted Status = "completed"
 	// StatusReleased marks a key whose owner gave it up with
-	// [Store.Release]: nothing of its request was committed, the key is
-	// free, and it keeps its [Claim.OperationID] for the retry of the same
-	// request (see [Store.Claim]). [Store.Claim] hands a released key to the
-	// caller, so a [Record] shows this status only when its fingerprint
+	// [Store.Release]: nothing of its request was committed, and it keeps
+	// its [Claim.OperationID] for the retry of the same request (see
+	// [Store.Claim]). A [Record] shows this status when its fingerprint
 	// version differs from the request's (the caller compares in the stored
-	// version and claims again).
+	// version and claims again), or when the key was released with
+	// [ReleaseFailed] and the request is another one (a mismatch).
 	StatusReleased Status = "released"
 )
+
+// ReleaseKind says what a request that gives up its key may have left
+// behind, and so which request may claim the key next (see [Store.Claim]).
+type ReleaseKind int
+
+const (
+	// ReleaseFailed: the request failed after it may have done work keyed
+	// by its operation outside its unit of work (a downstream charge whose
+	// answer was lost, then a 5xx, a panic or a failed completion). Only
+	// the same request may claim the key again, and it resumes the
+	// operation, so the work is found, not done twice. Another request gets
+	// [Exists], a mismatch: claiming it as a new operation would leave the
+	// work behind, a charge with no payment, or do it a second time. It is
+	// the zero value, the safe one.
+	ReleaseFailed ReleaseKind = iota
+	// ReleaseRejected: the request was refused before it did anything (a
+	// 400, 401, 404, 409, 429, ...). Any request may claim the key next: a
+	// corrected one, after a 400, is a new operation.
+	ReleaseRejected
+)
+
+// String returns "failed" or "rejected".
+func (k ReleaseKind) String() string {
+	if k == ReleaseRejected {
+		return "rejected"
+	}
+	return "failed"
+}
 
 // Sentinel errors spoken by every [Store]. Stores translate their driver's
 // errors to these in one place; callers test them with [errors.Is].
@@ -100,7 +128,8 @@ type Claim struct {
 	// by it downstream (the card processor's idempotency key) is done once
 	// even when a request is taken over, or fails after that work and is
 	// retried. A key that expired and is used again, or that was released
-	// and is claimed by another request, gets a new one.
+	// with [ReleaseRejected] and is claimed by another request, gets a new
+	// one.
 	OperationID string
 }
 
@@ -112,7 +141,7 @@ type Record struct {
 	Path               string
 	Fingerprint        []byte
 	FingerprintVersion int
-	Status             Status          // StatusReleased only under another fingerprint version
+	Status             Status          // StatusReleased: see StatusReleased
 	Response           *StoredResponse // set when Status is StatusCompleted
 	CreatedAt          time.Time
 	LockedAt           time.Time
@@ -139,10 +168,13 @@ type Store interface {
 	//   - released, same fingerprint and version: Claimed, the same
 	//     operation (same OperationID and creation time), so downstream
 	//     work keyed by it is found, not redone;
-	//   - released, same version, other fingerprint: Claimed, a new
-	//     operation replacing the old: nothing of the released request was
-	//     committed, and a corrected request (after a 400, say) is a new
+	//   - released with [ReleaseRejected], same version, other fingerprint:
+	//     Claimed, a new operation replacing the old: the released request
+	//     did nothing, and a corrected request (after a 400, say) is a new
 	//     request;
+	//   - released with [ReleaseFailed], same version, other fingerprint:
+	//     Exists, a mismatch: the released request may have done work
+	//     keyed by its operation, which only its own retry finishes;
 	//   - released under another fingerprint version: Exists, so the caller
 	//     can compare in the stored version and claim again;
 	//   - started, lock older than req.LockTimeout, same fingerprint and
@@ -150,8 +182,9 @@ type Store interface {
 	//   - otherwise (started and fresh, completed, or another fingerprint):
 	//     Exists.
 	//
-	// A released key is never answered Exists for a request it could be
-	// compared with, so a duplicate never waits on one.
+	// A released key is answered Exists for a request of its fingerprint
+	// version only when the request differs from the released one, so a
+	// duplicate never waits on it.
 	Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error)
 	// Begin opens the unit of work of a claim: the business writes made
 	// through the returned Tx commit together with the key's completion.
@@ -161,9 +194,11 @@ type Store interface {
 	Begin(ctx context.Context, c Claim) (Tx, error)
 	// Release gives up a started key still owned by c, without an outcome,
 	// so the next request with it runs (validation failures, server errors,
-	// panics, failed completions, clean shutdown). It returns ErrFenced
-	// when c no longer owns the key (taken over, completed, released,
-	// expired and claimed anew); then it changes nothing.
+	// panics, failed completions, clean shutdown). kind says which request
+	// that may be: any, or only the same one (see [ReleaseKind]). It
+	// returns ErrFenced when c no longer owns the key (taken over,
+	// completed, released, expired and claimed anew); then it changes
+	// nothing.
 	//
 	// The key is marked [StatusReleased], not deleted: it keeps its
 	// OperationID and creation time, so the retry of the same request
@@ -173,9 +208,10 @@ type Store interface {
 	// key, and the processor returns the existing charge instead of
 	// charging again. Deleting the key would give the retry a new
 	// OperationID, and so a second charge. Work done under a released
-	// operation is found again only by a retry of the same request: a
-	// different request with the key is a new operation.
-	Release(ctx context.Context, c Claim) error
+	// operation is found again only by a retry of the same request, which
+	// is why a key released with [ReleaseFailed] refuses every other
+	// request.
+	Release(ctx context.Context, c Claim, kind ReleaseKind) error
 	// Purge deletes at most limit keys created before now minus retention,
 	// whatever their status (released ones included), oldest first, and
 	// returns how many it deleted. A retention or limit of zero or less

@@ -33,7 +33,8 @@ WITH existing AS (
         (k.status = 'started'
             AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
             AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
-        (k.status = 'released' AND k.fingerprint_version = :fpver) AS free
+        (k.status = 'released' AND k.fingerprint_version = :fpver
+            AND (k.release_rejected OR k.request_hash = :fp)) AS free
     FROM idempotency_keys k
     WHERE k.client_id = :client AND k.idempotency_key = :key
 ), renewed AS (
@@ -53,6 +54,7 @@ WITH existing AS (
                 OR (k.status = 'released' AND k.request_hash <> :fp)
             THEN now() ELSE k.created_at END,
         locked_at = now(),
+        release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
         response_headers = NULL,
@@ -60,7 +62,8 @@ WITH existing AS (
     WHERE k.client_id = :client AND k.idempotency_key = :key
         AND k.status = (SELECT status FROM existing)
         AND ((:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
-            OR (k.status = 'released' AND k.fingerprint_version = :fpver)
+            OR (k.status = 'released' AND k.fingerprint_version = :fpver
+                AND (k.release_rejected OR k.request_hash = :fp))
             OR (k.status = 'started'
                 AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
                 AND k.fingerprint_version = :fpver AND k.request_hash = :fp))

@@ -272,7 +272,7 @@ func TestMemLedger(t *testing.T) {
 	}
 	c3 := claim("k3")
 	tx = stage(c3, "p3")
-	if err := s.Release(ctx, c3); err != nil {
+	if err := s.Release(ctx, c3, server.ReleaseFailed); err != nil {
 		t.Fatal(err)
 	}
 	if err := tx.Complete(ctx, done); !errors.Is(err, server.ErrFenced) {

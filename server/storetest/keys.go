@@ -244,15 +244,22 @@ func testNoTakeoverWithoutLockTimeout(t *testing.T, b Backend) {
 	claim(t, b.Store, req, server.Exists)
 }
 
-// testReleaseThenClaim releases a key and claims it again with the same
-// request: the same operation (and creation time) under a new token, at
-// once, although the request sets a lock timeout.
+// testReleaseThenClaim releases a key, as failed and as rejected, and
+// claims it again with the same request: the same operation (and creation
+// time) under a new token, at once, although the request sets a lock
+// timeout.
 func testReleaseThenClaim(t *testing.T, b Backend) {
+	for _, kind := range []server.ReleaseKind{server.ReleaseFailed, server.ReleaseRejected} {
+		t.Run(kind.String(), func(t *testing.T) { releaseThenClaim(t, b, kind) })
+	}
+}
+
+func releaseThenClaim(t *testing.T, b Backend, kind server.ReleaseKind) {
 	ctx := context.Background()
-	req := withLockTimeout(request("cli_a", "key-1", "a"))
+	req := withLockTimeout(request("cli_a", "key-"+kind.String(), "a"))
 	first := claim(t, b.Store, req, server.Claimed).Claim
 	createdAt := claim(t, b.Store, req, server.Exists).Record.CreatedAt
-	if err := b.Store.Release(ctx, first); err != nil {
+	if err := b.Store.Release(ctx, first, kind); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	second := claim(t, b.Store, req, server.Claimed).Claim
@@ -268,26 +275,27 @@ func testReleaseThenClaim(t *testing.T, b Backend) {
 			rec.Status, rec.CreatedAt, rec.Fingerprint, createdAt)
 	}
 	// The released claim owns nothing any more.
-	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, first, kind); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("second Release of the first claim: %v, want ErrFenced", err)
 	}
-	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); !errors.Is(err, server.ErrFenced) {
+	if err := complete(t, b, first, created("pay_1_"+kind.String()), payment(first, "pay_1_"+kind.String())); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("Complete of the released claim: %v, want ErrFenced", err)
 	}
-	mustNotFindPayment(t, b, "cli_a", "pay_1")
-	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
+	mustNotFindPayment(t, b, "cli_a", "pay_1_"+kind.String())
+	pay := "pay_2_" + kind.String()
+	if err := complete(t, b, second, created(pay), payment(second, pay)); err != nil {
 		t.Fatalf("Complete of the resumed claim: %v", err)
 	}
-	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
+	mustGetPayment(t, b, "cli_a", payment(second, pay))
 }
 
-// testReleaseThenClaimOther releases a key and claims it with another
-// request: a new operation replaces the released one.
+// testReleaseThenClaimOther releases a key as rejected and claims it with
+// another request: a new operation replaces the released one.
 func testReleaseThenClaimOther(t *testing.T, b Backend) {
 	ctx := context.Background()
 	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
 	before := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
-	if err := b.Store.Release(ctx, first); err != nil {
+	if err := b.Store.Release(ctx, first, server.ReleaseRejected); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	other := request("cli_a", "key-1", "b")
@@ -304,7 +312,7 @@ func testReleaseThenClaimOther(t *testing.T, b Backend) {
 	if rec := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
 		t.Errorf("the first request sees fingerprint %x, want the new request's", rec.Fingerprint)
 	}
-	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, first, server.ReleaseRejected); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("Release of the replaced claim: %v, want ErrFenced", err)
 	}
 	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
@@ -313,67 +321,115 @@ func testReleaseThenClaimOther(t *testing.T, b Backend) {
 	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
 }
 
-// testReleasedOtherVersion claims a released key with a request of another
-// fingerprint version: the store cannot compare, so it answers Exists with
-// the released record, and the claim in the stored version resumes it.
-func testReleasedOtherVersion(t *testing.T, b Backend) {
+// testFailedReleaseRefusesOther releases a key as failed and claims it with
+// another request: Exists, the released record as it was, since the failed
+// request may have done work keyed by its operation that a new operation
+// would leave behind or do again. The released request itself still
+// resumes the operation afterwards, and the other request is then a
+// mismatch of a started key.
+func testFailedReleaseRefusesOther(t *testing.T, b Backend) {
+	ctx := context.Background()
 	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
-	if err := b.Store.Release(context.Background(), first); err != nil {
+	before := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
+	if err := b.Store.Release(ctx, first, server.ReleaseFailed); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
-	v2 := request("cli_a", "key-1", "a")
-	v2.FingerprintVersion = 2
-	rec := claim(t, b.Store, v2, server.Exists).Record
-	if rec.Status != server.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
-		t.Errorf("record %+v, want the released key of version 1", rec)
+	other := request("cli_a", "key-1", "b")
+	for range 2 { // refusing changes nothing: the second answer is the same
+		rec := claim(t, b.Store, other, server.Exists).Record
+		if rec.Status != server.StatusReleased || !bytes.Equal(rec.Fingerprint, fingerprint("a")) ||
+			rec.FingerprintVersion != 1 || !rec.CreatedAt.Equal(before.CreatedAt) || rec.Response != nil {
+			t.Fatalf("another request on a key released as failed: record %+v, want the released key of request a, created %v", rec, before.CreatedAt)
+		}
 	}
-	if c := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim; c.OperationID != first.OperationID {
-		t.Errorf("claim in the stored version: operation %q, want %q", c.OperationID, first.OperationID)
+	second := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	if second.OperationID != first.OperationID {
+		t.Errorf("the released request after a refused other: operation %q, want the released %q", second.OperationID, first.OperationID)
+	}
+	if rec := claim(t, b.Store, other, server.Exists).Record; rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+		t.Errorf("the other request after the resume: status %q, fingerprint %x; want started, request a's", rec.Status, rec.Fingerprint)
+	}
+	if err := complete(t, b, second, created("pay_1"), payment(second, "pay_1")); err != nil {
+		t.Fatalf("Complete of the resumed operation: %v", err)
+	}
+	mustGetPayment(t, b, "cli_a", payment(second, "pay_1"))
+}
+
+// testReleasedOtherVersion claims a released key (as failed and as
+// rejected) with a request of another fingerprint version: the store
+// cannot compare, so it answers Exists with the released record, and the
+// claim in the stored version resumes it.
+func testReleasedOtherVersion(t *testing.T, b Backend) {
+	for _, kind := range []server.ReleaseKind{server.ReleaseFailed, server.ReleaseRejected} {
+		key := "key-" + kind.String()
+		first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+		if err := b.Store.Release(context.Background(), first, kind); err != nil {
+			t.Fatalf("Release: %v", err)
+		}
+		v2 := request("cli_a", key, "a")
+		v2.FingerprintVersion = 2
+		rec := claim(t, b.Store, v2, server.Exists).Record
+		if rec.Status != server.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
+			t.Errorf("%s: record %+v, want the released key of version 1", kind, rec)
+		}
+		if c := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim; c.OperationID != first.OperationID {
+			t.Errorf("%s: claim in the stored version: operation %q, want %q", kind, c.OperationID, first.OperationID)
+		}
 	}
 }
 
 // testReleasedClaimRace lets many claimers race for a released key, first
-// all with the released request, then half of them with another: exactly
-// one wins, with the released operation if and only if its request is the
-// released one, and the others see the key started.
+// all with the released request, then half of them with another. Released
+// as rejected, exactly one wins, with the released operation if and only
+// if its request is the released one. Released as failed, exactly one of
+// the released request's claimers wins, with the released operation, and
+// the other request never does. The losers see the key started, or, for
+// the other request of a failed release, still released.
 func testReleasedClaimRace(t *testing.T, b Backend) {
-	for _, mixed := range []bool{false, true} {
-		key := map[bool]string{false: "key-same", true: "key-mixed"}[mixed]
-		first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
-		if err := b.Store.Release(context.Background(), first); err != nil {
-			t.Fatalf("Release: %v", err)
-		}
-		const n = 20
-		body := func(i int) string {
-			if mixed && i%2 == 1 {
-				return "b"
+	for _, kind := range []server.ReleaseKind{server.ReleaseRejected, server.ReleaseFailed} {
+		for _, mixed := range []bool{false, true} {
+			key := fmt.Sprintf("key-%s-mixed-%v", kind, mixed)
+			first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+			if err := b.Store.Release(context.Background(), first, kind); err != nil {
+				t.Fatalf("Release: %v", err)
 			}
-			return "a"
-		}
-		results := make([]server.ClaimResult, n)
-		errs := make([]error, n)
-		race(n, func(i int) { results[i], errs[i] = b.Store.Claim(context.Background(), request("cli_a", key, body(i))) })
-		winners := 0
-		for i, r := range results {
-			if errs[i] != nil {
-				t.Fatalf("concurrent Claim: %v", errs[i])
-			}
-			switch r.Outcome {
-			case server.Claimed:
-				winners++
-				if same := r.Claim.OperationID == first.OperationID; same != (body(i) == "a") {
-					t.Errorf("winner with request %q got operation %q (released: %q)", body(i), r.Claim.OperationID, first.OperationID)
+			const n = 20
+			body := func(i int) string {
+				if mixed && i%2 == 1 {
+					return "b"
 				}
-			case server.Exists:
-				if r.Record.Status != server.StatusStarted {
-					t.Errorf("a losing claim saw status %q, want started", r.Record.Status)
-				}
-			default:
-				t.Errorf("a claim of a released key returned %s", outcome(r.Outcome))
+				return "a"
 			}
-		}
-		if winners != 1 {
-			t.Errorf("%d claimers of a released key (mixed=%v): %d won, want 1", n, mixed, winners)
+			results := make([]server.ClaimResult, n)
+			errs := make([]error, n)
+			race(n, func(i int) { results[i], errs[i] = b.Store.Claim(context.Background(), request("cli_a", key, body(i))) })
+			winners := 0
+			for i, r := range results {
+				if errs[i] != nil {
+					t.Fatalf("concurrent Claim: %v", errs[i])
+				}
+				switch r.Outcome {
+				case server.Claimed:
+					winners++
+					if kind == server.ReleaseFailed && body(i) != "a" {
+						t.Errorf("%s: another request claimed a key released as failed", key)
+					}
+					if same := r.Claim.OperationID == first.OperationID; same != (body(i) == "a") {
+						t.Errorf("%s: winner with request %q got operation %q (released: %q)", key, body(i), r.Claim.OperationID, first.OperationID)
+					}
+				case server.Exists:
+					ok := r.Record.Status == server.StatusStarted ||
+						kind == server.ReleaseFailed && body(i) != "a" && r.Record.Status == server.StatusReleased
+					if !ok {
+						t.Errorf("%s: a losing claim with request %q saw status %q", key, body(i), r.Record.Status)
+					}
+				default:
+					t.Errorf("%s: a claim of a released key returned %s", key, outcome(r.Outcome))
+				}
+			}
+			if winners != 1 {
+				t.Errorf("%d claimers of a released key (%s): %d won, want 1", n, key, winners)
+			}
 		}
 	}
 }
@@ -383,7 +439,7 @@ func testReleaseFenced(t *testing.T, b Backend) {
 	req := withLockTimeout(request("cli_a", "key-1", "a"))
 	first := stale(t, b, req)
 	second := claim(t, b.Store, req, server.TookOver).Claim
-	if err := b.Store.Release(ctx, first); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, first, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("Release by the taken-over claim: %v, want ErrFenced", err)
 	}
 	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted {
@@ -392,7 +448,7 @@ func testReleaseFenced(t *testing.T, b Backend) {
 	if err := complete(t, b, second, created("pay_1")); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Store.Release(ctx, second); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, second, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
 		t.Errorf("Release of a completed key: %v, want ErrFenced", err)
 	}
 	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusCompleted {
@@ -451,7 +507,7 @@ func testRetentionStarted(t *testing.T, b Backend) {
 func testRetentionReleased(t *testing.T, b Backend) {
 	req := withRetention(request("cli_a", "key-1", "a"))
 	first := claim(t, b.Store, req, server.Claimed).Claim
-	if err := b.Store.Release(context.Background(), first); err != nil {
+	if err := b.Store.Release(context.Background(), first, server.ReleaseFailed); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	time.Sleep(pause)
@@ -467,7 +523,7 @@ func testPurgeReleased(t *testing.T, b Backend) {
 	release := func(client, key string) server.Claim {
 		t.Helper()
 		c := claim(t, b.Store, request(client, key, "a"), server.Claimed).Claim
-		if err := b.Store.Release(ctx, c); err != nil {
+		if err := b.Store.Release(ctx, c, server.ReleaseFailed); err != nil {
 			t.Fatalf("Release(%s): %v", key, err)
 		}
 		return c

@@ -57,6 +57,7 @@ func Exercise(t *testing.T, newStore func(t *testing.T) Backend) {
 		{"FencedAfterTakerCompleted", testFencedAfterTakerCompleted},
 		{"ReleaseThenClaimKeepsOperation", testReleaseThenClaim},
 		{"ReleaseThenClaimOtherRequest", testReleaseThenClaimOther},
+		{"FailedReleaseRefusesOtherRequest", testFailedReleaseRefusesOther},
 		{"ReleasedKeyOtherFingerprintVersion", testReleasedOtherVersion},
 		{"ReleasedKeyClaimRace", testReleasedClaimRace},
 		{"ReleaseFenced", testReleaseFenced},
