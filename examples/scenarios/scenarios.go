@@ -47,6 +47,11 @@ var scenarios = []scenario{
 		run:   keyReuse,
 	},
 	{
+		name:  "changed-body",
+		title: "the card is charged but the answer is lost; the app then changes the body under the same key",
+		run:   changedBody,
+	},
+	{
 		name:  "missing-key",
 		title: "a request without a key against the raw API",
 		run:   missingKey,
@@ -191,17 +196,71 @@ func keyReuse(ctx context.Context, e *env) error {
 	if _, _, err := e.pay(ctx, c, "first", payment{Amount: 4200, Currency: "usd", Customer: cus}); err != nil {
 		return err
 	}
-	_, _, err := e.pay(ctx, c, "reuse", payment{Amount: 9900, Currency: "usd", Customer: cus})
-	var reuse *idem.KeyReuseError
-	if !errors.As(err, &reuse) {
-		e.expect(false, "the reuse returned a *idem.KeyReuseError (got %v)", err)
+	if !expectKeyReuse(ctx, e, c, "reuse", key, payment{Amount: 9900, Currency: "usd", Customer: cus}) {
 		return nil
 	}
-	e.note("what the developer sees (err.Error() of the second Post):")
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// expectKeyReuse pays in under key, labelled op, and checks that the
+// server refused it as a key reused with another request, in one attempt
+// (a 422 is not retried). It shows the error as the developer sees it.
+func expectKeyReuse(ctx context.Context, e *env, c *idem.Client, op, key string, in payment) bool {
+	_, _, err := e.pay(ctx, c, op, in)
+	var reuse *idem.KeyReuseError
+	if !errors.As(err, &reuse) {
+		e.expect(false, "the %s Post returned a *idem.KeyReuseError (got %v)", op, err)
+		return false
+	}
+	e.note(fmt.Sprintf("what the developer sees (err.Error() of the %s Post):", op))
 	e.note(wrap(err.Error(), 96)...)
-	sent := e.tl.count(func(ev event) bool { return ev.op == "reuse" })
+	sent := e.tl.count(func(ev event) bool { return ev.op == op })
 	e.expect(reuse.Key == key && reuse.Problem.Status == http.StatusUnprocessableEntity && sent == 1,
 		"*idem.KeyReuseError with the key and the server's 422, after %d attempt", sent)
+	return true
+}
+
+// changedBody: the card processor charges but its answers never reach the
+// server, which answers 502 and releases the key with its operation. The
+// app gives up, then sends the payment again under the same key with
+// another amount (a re-priced order, a timestamp in the body: the
+// article's "422 errors after a client release"). A new operation would
+// leave the first charge without a payment, or charge twice; the server
+// refuses it with 422. The original request, resent once the processor
+// answers again, finds the first charge: one payment, one charge.
+func changedBody(ctx context.Context, e *env) error {
+	proc := e.srv.Processor()
+	proc.LoseNext(1 << 20) // every answer: the server's own retries too
+	p := policy
+	p.MaxAttempts = 2
+	c := e.client(e.transport(p))
+	cus := customer("changed-body")
+	key := idem.NewKey()
+	ctx = idem.WithKey(ctx, key)
+	first := payment{Amount: 4200, Currency: "usd", Customer: cus}
+	_, _, err := e.pay(ctx, c, "pay", first)
+	if apiErr := (*idem.APIError)(nil); errors.As(err, &apiErr) && apiErr.StatusCode == http.StatusBadGateway {
+		e.expect(true, "the payment failed with the server's 502")
+	} else {
+		e.expect(false, "the payment failed with the server's 502 (got %v)", err)
+	}
+	charged, err := e.charges(ctx)
+	if err != nil {
+		return err
+	}
+	e.expect(charged == 1, "the card was charged once nonetheless: %d charge", charged)
+
+	proc.LoseNext(0)
+	if !expectKeyReuse(ctx, e, c, "re-priced", key, payment{Amount: 4300, Currency: "usd", Customer: cus}) {
+		return nil
+	}
+
+	out, resp, err := e.pay(ctx, c, "resend", first)
+	if err != nil {
+		return err
+	}
+	e.expect(resp.StatusCode == http.StatusCreated && out.Amount == first.Amount,
+		"the original request, resent, created the payment of %d (%s)", out.Amount, resp.Status)
 	return e.expectStored(ctx, cus, 1, 1)
 }
 

@@ -32,6 +32,7 @@ var stored = map[string]struct{ payments, charges int }{
 	"slow-server":     {1, 1},
 	"concurrent":      {1, 1},
 	"key-reuse":       {1, 1},
+	"changed-body":    {1, 1},
 	"missing-key":     {0, 0},
 	"crash":           {1, 1},
 	"retention":       {2, 2},
