@@ -79,6 +79,7 @@ type config struct {
 	replayKeys  int
 	expiredKeys int
 	scenarios   []string
+	rounds      int
 	json        bool
 	keepServer  bool
 }
@@ -107,6 +108,8 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 	fs.IntVar(&c.replayKeys, "replay-keys", 1000, "completed keys the replay scenario cycles through")
 	fs.IntVar(&c.expiredKeys, "expired-keys", 1_000_000, "expired keys inserted for the retention scenario")
 	scen := fs.String("scenario", defaultScenarios, "comma-separated scenarios: "+strings.Join(allScenarios, ", "))
+	fs.IntVar(&c.rounds, "rounds", 1,
+		"run the scenarios this many times, in turn, and report each ratio's median over the rounds")
 	fs.BoolVar(&c.json, "json", false, "print one JSON object per scenario and line")
 	fs.BoolVar(&c.keepServer, "keep-server", false, "leave the started server's log and binary directory in place")
 	if err := fs.Parse(args); err != nil {
@@ -137,6 +140,8 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 		return c, errors.New("-duration must be positive and -warmup not negative")
 	case c.concurrency < 1 || c.concurrency > 1024:
 		return c, errors.New("-concurrency must be in [1, 1024]")
+	case c.rounds < 1:
+		return c, errors.New("-rounds must be at least 1")
 	case c.maxRequests < 1 || c.replayKeys < 1 || c.expiredKeys < 0:
 		return c, errors.New("-max-requests and -replay-keys must be positive, -expired-keys not negative")
 	}
@@ -160,33 +165,46 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 	if err := r.setup(ctx); err != nil {
 		return err
 	}
-	results := make(map[string]result)
+	// rounds[i] holds round i+1's results by scenario. Running the
+	// scenarios in turn, round after round, puts each ratio's numerator
+	// and denominator close together in time: on a shared machine whose
+	// speed drifts over minutes, the spread of the per-round ratios then
+	// says how far one figure can be trusted.
+	rounds := make([]map[string]result, c.rounds)
 	var ran []result
-	for _, s := range c.scenarios {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		res, err := r.scenario(ctx, s)
-		if errors.Is(err, errSkipped) {
-			r.logf("%s: %v", s, err)
-			continue
-		}
-		if err != nil {
-			return fmt.Errorf("%s: %w", s, err)
-		}
-		results[s] = res
-		for _, b := range append(r.before, res) {
-			ran = append(ran, b)
-			if c.json {
-				r.printJSON(b)
+	for i := range rounds {
+		rounds[i] = make(map[string]result)
+		for _, s := range c.scenarios {
+			if ctx.Err() != nil {
+				return ctx.Err()
 			}
+			res, err := r.scenario(ctx, s)
+			if errors.Is(err, errSkipped) {
+				if i == 0 {
+					r.logf("%s: %v", s, err)
+				}
+				continue
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", s, err)
+			}
+			rounds[i][s] = res
+			for _, b := range append(r.before, res) {
+				if c.rounds > 1 {
+					b.Round = i + 1
+				}
+				ran = append(ran, b)
+				if c.json {
+					r.printJSON(b)
+				}
+			}
+			r.before = nil
 		}
-		r.before = nil
 	}
 	if !c.json {
 		printTable(stdout, ran)
 	}
-	r.printRatios(results)
+	r.printRatios(rounds)
 	return nil
 }
 

@@ -40,6 +40,7 @@ func TestParseFlags(t *testing.T) {
 		{"-concurrency", "0"},
 		{"-duration", "0s"},
 		{"-server-url", "http://192.0.2.1:80"},
+		{"-rounds", "0"},
 		{"extra"},
 	} {
 		if _, err := parseFlags(args, getenv, io.Discard); err == nil {
@@ -106,5 +107,32 @@ idem_keys_purged_total 42
 	}
 	if _, err := metric(ctx, srv.URL, "idem_missing_total"); err == nil {
 		t.Error("a missing counter: no error")
+	}
+}
+
+func TestRatioLine(t *testing.T) {
+	round := func(first, unkeyed float64) map[string]result {
+		return map[string]result{"first": {ReqPerS: first}, "unkeyed": {ReqPerS: unkeyed}}
+	}
+	for _, tc := range []struct {
+		rounds []map[string]result
+		want   string
+	}{
+		{[]map[string]result{round(600, 1000)}, "first/unkeyed req/s = 0.60 (target >= 0.8: MISSED)"},
+		{[]map[string]result{round(900, 1000)}, "first/unkeyed req/s = 0.90 (target >= 0.8: met)"},
+		// The median, not the best round, is judged; the rounds keep their order.
+		{[]map[string]result{round(900, 1000), round(500, 1000), round(700, 1000)},
+			"first/unkeyed req/s = 0.70, median of 3 rounds [0.90 0.50 0.70] (target >= 0.8: MISSED)"},
+		{[]map[string]result{round(900, 1000), round(700, 1000)},
+			"first/unkeyed req/s = 0.80, median of 2 rounds [0.90 0.70] (target >= 0.8: met)"},
+		// A round without one of the two, or with nothing measured, is left out.
+		{[]map[string]result{round(900, 1000), {"first": {ReqPerS: 800}}, round(800, 0)},
+			"first/unkeyed req/s = 0.90 (target >= 0.8: met)"},
+		{[]map[string]result{{"first": {ReqPerS: 800}}},
+			"first/unkeyed: not measured (first and unkeyed must both run)"},
+	} {
+		if got := ratioLine(tc.rounds, "first", "unkeyed", 0.8); got != tc.want {
+			t.Errorf("ratioLine = %q\n                want %q", got, tc.want)
+		}
 	}
 }
