@@ -413,8 +413,12 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		}
 	}
 	op.report(resp, nil, false, 0, why)
-	if op.policy.AttemptTimeout > 0 && resp.StatusCode != http.StatusSwitchingProtocols {
-		resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+	if op.policy.AttemptTimeout > 0 {
+		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
+			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
+		} else {
+			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+		}
 	}
 	return resp, nil
 }
@@ -583,6 +587,21 @@ type cancelOnClose struct {
 
 func (c *cancelOnClose) Close() error {
 	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
+// cancelOnCloseRW is cancelOnClose for the body of a 101 Switching
+// Protocols response, which net/http makes the upgraded connection, an
+// io.ReadWriteCloser: the caller's type assertion still holds, and closing
+// the connection releases the attempt's context.
+type cancelOnCloseRW struct {
+	io.ReadWriteCloser
+	cancel func()
+}
+
+func (c *cancelOnCloseRW) Close() error {
+	err := c.ReadWriteCloser.Close()
 	c.cancel()
 	return err
 }

@@ -565,3 +565,61 @@ func TestSFStringKeyFormatAndCustomHeader(t *testing.T) {
 		t.Errorf("header = %q, want one sf-string", got)
 	}
 }
+
+// TestSwitchingProtocols sends an upgrade through a Transport with an
+// attempt timeout: the 101's body is still the upgraded connection (an
+// io.ReadWriteCloser, as net/http promises), it outlives the attempt
+// timeout, and closing it releases the attempt's context.
+func TestSwitchingProtocols(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		conn, brw, err := http.NewResponseController(w).Hijack()
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close()
+		brw.WriteString("HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: echo\r\n\r\n")
+		brw.Flush()
+		if line, err := brw.ReadString('\n'); err == nil {
+			brw.WriteString(line)
+			brw.Flush()
+		}
+	}))
+	defer srv.Close()
+	hc := &http.Transport{}
+	defer hc.CloseIdleConnections()
+	var attempt context.Context
+	p := fastPolicy
+	p.AttemptTimeout = 20 * time.Millisecond
+	tr := &Transport{Retry: p, Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		attempt = r.Context()
+		return hc.RoundTrip(r)
+	})}
+	req, _ := http.NewRequest(http.MethodGet, srv.URL, nil)
+	req.Header.Set("Connection", "Upgrade")
+	req.Header.Set("Upgrade", "echo")
+	resp, err := tr.RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rw, ok := resp.Body.(io.ReadWriteCloser)
+	if resp.StatusCode != http.StatusSwitchingProtocols || !ok {
+		resp.Body.Close()
+		t.Fatalf("status %d, body %T: want 101 and an io.ReadWriteCloser", resp.StatusCode, resp.Body)
+	}
+	time.Sleep(2 * p.AttemptTimeout) // longer than the attempt timeout: not cut
+	if _, err := io.WriteString(rw, "ping\n"); err != nil {
+		t.Fatalf("write to the upgraded connection: %v", err)
+	}
+	got := make([]byte, len("ping\n"))
+	if _, err := io.ReadFull(rw, got); err != nil || string(got) != "ping\n" {
+		t.Fatalf("echo %q, %v; want ping", got, err)
+	}
+	if attempt.Err() != nil {
+		t.Fatalf("attempt context ended while the connection is open: %v", context.Cause(attempt))
+	}
+	rw.Close()
+	if attempt.Err() == nil {
+		t.Error("closing the upgraded connection left the attempt's context live")
+	}
+}
