@@ -26,7 +26,9 @@ import (
 // (run again in the rare case it lost a race); a completion writes the
 // staged payments and completes the key in one statement, which commits
 // both or neither. A request that claims, creates its payment and completes
-// therefore costs two round trips and two commits (one with AsyncClaims).
+// therefore costs two round trips and two commits (one with AsyncClaims);
+// with BatchClaims, the claims of new keys that arrive together share one
+// statement, round trip and commit.
 //
 // When the connection breaks under a claim, a completion or a release, the
 // store runs it once more on a live connection, in a way that is safe
@@ -67,6 +69,19 @@ type PostgresStore struct {
 	// lost claim of a released key is harmless: the durable released row
 	// keeps the operation ID for the retry.)
 	AsyncClaims bool
+
+	// BatchClaims gathers the claims that arrive while another batch of
+	// claims is running into one statement and one commit, which under
+	// concurrent load claims many new keys for the price of one (see
+	// batchClaimSQL). It changes nothing else: a key that has a row, and
+	// every key of a batch that fails, is claimed by claimSQL as without
+	// it, and a claim waits for no timer, only for the batch before it.
+	// The price: a key that has a row (a replay, a duplicate, a retry
+	// after a release) costs two round trips, the batch's and claimSQL's,
+	// instead of one. Defaults to false. Set it before first use.
+	BatchClaims bool
+
+	batcher claimBatcher
 }
 
 // NewPostgresStore returns a store on pool, whose search_path must reach the
@@ -218,6 +233,14 @@ type claimRow struct {
 // client back after Retry-After, and the key is taken over after the lock
 // timeout. Either way the key has one owner at most.
 func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	if s.BatchClaims {
+		switch c, claimed, err := s.batcher.claim(ctx, s, req); {
+		case err != nil:
+			return ClaimResult{}, err
+		case claimed:
+			return ClaimResult{Outcome: Claimed, Claim: c}, nil
+		}
+	}
 	retried := false
 	for range maxRaces {
 		row, found, err := s.claimOnce(ctx, s.pool, req)

@@ -75,6 +75,18 @@ func TestPostgresStoreAsyncClaimsConformance(t *testing.T) {
 	})
 }
 
+func TestPostgresStoreBatchClaimsConformance(t *testing.T) {
+	for _, async := range []bool{false, true} {
+		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
+			storetest.Exercise(t, func(t *testing.T) storetest.Backend {
+				s := server.NewPostgresStore(widePool(t, 16))
+				s.BatchClaims, s.AsyncClaims = true, async
+				return storetest.Backend{Store: s, Payments: s, Charges: s}
+			})
+		})
+	}
+}
+
 func TestMigrateTwiceAndConcurrently(t *testing.T) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t)

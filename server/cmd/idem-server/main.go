@@ -88,6 +88,7 @@ type options struct {
 	dbMaxConns           int
 	dbMaxConnsSet        bool // -db-max-conns was given
 	asyncClaims          bool
+	batchClaims          bool
 	apiKeys              string
 	retention            time.Duration
 	lockTimeout          time.Duration
@@ -122,6 +123,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"commit key claims without waiting for their WAL flush (synchronous_commit=off for the claim's transaction only): one disk flush less per payment. "+
 			"Safe here because nothing durable depends on a claim before a synchronous commit to the same database (the fake processor's charge, the completion) "+
 			"flushes the WAL behind it; a claim lost in a crash is claimed again by the retry (needs -database-url and the built-in processor)")
+	fs.BoolVar(&o.batchClaims, "batch-claims", false,
+		"claim the new keys of concurrent requests together, in one statement and one commit (see PostgresStore.BatchClaims); needs -database-url")
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
@@ -174,6 +177,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-purge-duty-cycle %v: want a share in (0, 1]", o.purgeDutyCycle)
 	case o.dbMaxConns < 1 || o.dbMaxConns > math.MaxInt32:
 		return o, fmt.Errorf("-db-max-conns %d: want at least 1", o.dbMaxConns)
+	case o.databaseURL == "" && o.batchClaims:
+		return o, errors.New("-batch-claims needs -database-url: the in-memory store has no statements to batch")
 	case o.databaseURL == "" && o.asyncClaims:
 		return o, errors.New("-async-claims needs -database-url: the in-memory store has no commit to make asynchronous")
 	case o.asyncClaims && o.processorURL != "":
@@ -227,9 +232,10 @@ func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.D
 	}
 	store := server.NewPostgresStore(pool)
 	store.AsyncClaims = o.asyncClaims
+	store.BatchClaims = o.batchClaims
 	cc := cfg.ConnConfig
 	log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User,
-		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims)
+		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims, "batch_claims", store.BatchClaims)
 	return store, pool, nil
 }
 

@@ -1,0 +1,169 @@
+package server
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// batchClaimSQL claims new keys, many in one statement: it inserts a
+// started row for each key that has none, as claimSQL's inserted branch
+// does for one, and returns the rows it inserted. A key that has a row, or
+// that stands twice in the batch (the second time), is skipped; its caller
+// runs claimSQL. Parameters: parallel arrays of $1 client, $2 key,
+// $3 method, $4 path, $5 fingerprint, $6 fingerprint version.
+const batchClaimSQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
+SELECT r.client, r.key, r.method, r.path, r.hash, r.version, 'started',
+    gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now()
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::integer[])
+    AS r(client, key, method, path, hash, version)
+ON CONFLICT (client_id, idempotency_key) DO NOTHING
+RETURNING client_id, idempotency_key, lock_token, operation_id::text`
+
+// claimBatcher gathers the claims that arrive while one batch is running
+// into the next, so that under load one statement and one commit claim
+// many new keys (see [PostgresStore.BatchClaims]). A goroutine runs the
+// batches while there are claims waiting, and ends when there are none.
+// Its zero value is ready.
+type claimBatcher struct {
+	mu      sync.Mutex
+	queue   []*pendingClaim
+	running bool // a drain goroutine is running
+}
+
+// The states of a pendingClaim: its caller waits for it, has left, or has
+// been handed its result.
+const (
+	claimWaiting int32 = iota
+	claimAbandoned
+	claimDelivered
+)
+
+// pendingClaim is one caller's claim in a batch.
+type pendingClaim struct {
+	req   ClaimRequest
+	state atomic.Int32
+	done  chan struct{} // closed when the result below is set
+
+	claimed bool // the batch inserted the key's row: claim is the caller's
+	claim   Claim
+}
+
+// claim tries req in a batch. It returns claimed when the batch inserted
+// the key's row; otherwise (the key has a row, or the batch failed) the
+// caller claims it the usual way, with claimSQL, which also reports a
+// database error. A caller whose ctx ends while it waits leaves at once
+// with ctx's error; a key the batch then claims for it is released as
+// rejected (nothing was done under it), so it does not stay started until
+// the lock timeout.
+func (b *claimBatcher) claim(ctx context.Context, s *PostgresStore, req ClaimRequest) (Claim, bool, error) {
+	if err := ctx.Err(); err != nil {
+		return Claim{}, false, err
+	}
+	p := &pendingClaim{req: req, done: make(chan struct{})}
+	b.mu.Lock()
+	b.queue = append(b.queue, p)
+	if !b.running {
+		b.running = true
+		go b.drain(s)
+	}
+	b.mu.Unlock()
+	select {
+	case <-p.done:
+		return p.claim, p.claimed, nil
+	case <-ctx.Done():
+		if p.state.CompareAndSwap(claimWaiting, claimAbandoned) {
+			return Claim{}, false, ctx.Err() // runClaimBatch releases a claim made for p
+		}
+		<-p.done // handed over just now: the release is the caller's
+		if p.claimed {
+			_ = s.Release(context.WithoutCancel(ctx), p.claim, ReleaseRejected) // best effort, as for a panic
+		}
+		return Claim{}, false, ctx.Err()
+	}
+}
+
+// drain runs batches of the waiting claims until there are none.
+func (b *claimBatcher) drain(s *PostgresStore) {
+	for {
+		b.mu.Lock()
+		batch := b.queue
+		b.queue = nil
+		if len(batch) == 0 {
+			b.running = false
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		s.runClaimBatch(context.Background(), batch)
+	}
+}
+
+// runClaimBatch runs batchClaimSQL for batch and hands every pending
+// claim its result; it releases the keys it claimed for callers that have
+// left. On an error every claim is left unclaimed, and each caller claims
+// its key with claimSQL, which sees whatever the batch did: a row a lost
+// batch did commit is found started, as after a lost claimSQL (see
+// [PostgresStore.Claim]).
+func (s *PostgresStore) runClaimBatch(ctx context.Context, batch []*pendingClaim) {
+	defer func() {
+		for _, p := range batch {
+			if !p.state.CompareAndSwap(claimWaiting, claimDelivered) && p.claimed {
+				_ = s.Release(ctx, p.claim, ReleaseRejected) // its caller has left
+			}
+			close(p.done)
+		}
+	}()
+	n := len(batch)
+	clients, keys, methods, paths := make([]string, n), make([]string, n), make([]string, n), make([]string, n)
+	hashes, versions := make([][]byte, n), make([]int64, n)
+	for i, p := range batch {
+		clients[i], keys[i], methods[i], paths[i] = p.req.ClientID, p.req.Key, p.req.Method, p.req.Path
+		hashes[i], versions[i] = p.req.Fingerprint, int64(p.req.FingerprintVersion)
+	}
+	b := &pgx.Batch{}
+	if s.AsyncClaims {
+		b.Queue(asyncCommitSQL)
+	}
+	b.Queue(batchClaimSQL, clients, keys, methods, paths, hashes, versions)
+	br := s.pool.SendBatch(ctx, b)
+	defer br.Close()
+	if s.AsyncClaims {
+		if _, err := br.Exec(); err != nil {
+			return
+		}
+	}
+	rows, err := br.Query()
+	if err != nil {
+		return
+	}
+	byKey := make(map[[2]string]*pendingClaim, n)
+	for _, p := range batch {
+		k := [2]string{p.req.ClientID, p.req.Key}
+		if byKey[k] == nil { // a key twice in a batch: the first one's row
+			byKey[k] = p
+		}
+	}
+	claimed := make([]*pendingClaim, 0, n)
+	for rows.Next() {
+		var c Claim
+		if err := rows.Scan(&c.ClientID, &c.Key, &c.Token, &c.OperationID); err != nil {
+			break
+		}
+		if p := byKey[[2]string{c.ClientID, c.Key}]; p != nil {
+			p.claim = c
+			claimed = append(claimed, p)
+		}
+	}
+	rows.Close()
+	if rows.Err() != nil {
+		return // not committed, or not known to be: claimSQL decides
+	}
+	for _, p := range claimed {
+		p.claimed = true
+	}
+}

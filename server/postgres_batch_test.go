@@ -1,0 +1,192 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server"
+)
+
+// batchHook is a pgx tracer that calls onBatch when a batch starts and
+// onReleased when a release statement has ended, and counts the batches.
+type batchHook struct {
+	mu         sync.Mutex
+	onBatch    func()
+	onReleased func()
+	batches    int
+}
+
+type releaseMark struct{}
+
+func (h *batchHook) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(data.SQL, "SET status = 'released'") {
+		return context.WithValue(ctx, releaseMark{}, true)
+	}
+	return ctx
+}
+
+func (h *batchHook) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	h.mu.Lock()
+	f := h.onReleased
+	h.mu.Unlock()
+	if ctx.Value(releaseMark{}) != nil && f != nil {
+		f()
+	}
+}
+
+func (h *batchHook) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	h.mu.Lock()
+	f := h.onBatch
+	h.batches++
+	h.mu.Unlock()
+	if f != nil {
+		f()
+	}
+	return ctx
+}
+func (h *batchHook) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (h *batchHook) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// batchStore returns a migrated PostgresStore with BatchClaims on a pool of
+// conns connections traced by hook.
+func batchStore(t *testing.T, hook *batchHook, conns int32) *server.PostgresStore {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = conns
+	cfg.ConnConfig.Tracer = hook
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(pool.Close)
+	if err := server.Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	s := server.NewPostgresStore(pool)
+	s.BatchClaims = true
+	return s
+}
+
+func batchReq(key, body string) server.ClaimRequest {
+	return server.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/payments",
+		Fingerprint: []byte(body), FingerprintVersion: 1}
+}
+
+// TestPostgresBatchClaimCallerGone cancels a caller's context while its
+// claim is in a running batch: Claim returns the context's error at once,
+// before the batch has ended, and the batch then releases the key it
+// claimed for the caller as rejected, free for the next request, its own or
+// another, instead of leaving it started (409) until the lock timeout.
+func TestPostgresBatchClaimCallerGone(t *testing.T) {
+	hook := &batchHook{}
+	s := batchStore(t, hook, 4)
+	ctx, cancel := context.WithCancel(context.Background())
+	returned, released := make(chan struct{}), make(chan struct{})
+	hook.mu.Lock()
+	hook.onBatch = func() {
+		cancel()
+		<-returned // the batch runs only once the caller has left
+	}
+	hook.onReleased = func() { close(released) }
+	hook.mu.Unlock()
+	_, err := s.Claim(ctx, batchReq("gone", "a"))
+	close(returned)
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Claim whose caller left during the batch: %v, want context.Canceled", err)
+	}
+	select {
+	case <-released:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the key claimed for the caller that left was not released")
+	}
+	hook.mu.Lock()
+	hook.onBatch, hook.onReleased = nil, nil
+	batches := hook.batches
+	hook.mu.Unlock()
+	if batches != 1 {
+		t.Fatalf("%d batches, want 1", batches)
+	}
+	res, err := s.Claim(context.Background(), batchReq("gone", "b"))
+	if err != nil || res.Outcome != server.Claimed {
+		t.Fatalf("another request after the caller left: %+v, %v; want Claimed", res, err)
+	}
+	// A context that has ended before Claim claims nothing.
+	if _, err := s.Claim(ctx, batchReq("never", "a")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Claim with an ended context: %v", err)
+	}
+	if res, err := s.Claim(context.Background(), batchReq("never", "b")); err != nil || res.Outcome != server.Claimed {
+		t.Fatalf("the key of an ended context: %+v, %v; want Claimed (it was never claimed)", res, err)
+	}
+}
+
+// TestPostgresBatchClaimsMixed claims 8 new keys, each by 4 concurrent
+// callers: exactly one caller of each key gets Claimed, whether its batch
+// held the key once or several times, and the tokens differ.
+func TestPostgresBatchClaimsMixed(t *testing.T) {
+	hook := &batchHook{}
+	s := batchStore(t, hook, 8)
+	const keys, callers = 8, 4
+	results := make([]server.ClaimResult, keys*callers)
+	errs := make([]error, keys*callers)
+	var wg sync.WaitGroup
+	for i := range results {
+		wg.Go(func() {
+			results[i], errs[i] = s.Claim(context.Background(), batchReq(fmt.Sprintf("k%d", i%keys), "a"))
+		})
+	}
+	wg.Wait()
+	won := make(map[string]int)
+	tokens := make(map[int64]bool)
+	for i, r := range results {
+		if errs[i] != nil {
+			t.Fatalf("Claim: %v", errs[i])
+		}
+		switch r.Outcome {
+		case server.Claimed:
+			won[r.Claim.Key]++
+			if tokens[r.Claim.Token] {
+				t.Errorf("token %d handed out twice", r.Claim.Token)
+			}
+			tokens[r.Claim.Token] = true
+		case server.Exists:
+			if r.Record.Status != server.StatusStarted {
+				t.Errorf("a losing claim saw %q, want started", r.Record.Status)
+			}
+		default:
+			t.Errorf("outcome %v", r.Outcome)
+		}
+	}
+	for k := range keys {
+		if n := won[fmt.Sprintf("k%d", k)]; n != 1 {
+			t.Errorf("key k%d claimed %d times, want once", k, n)
+		}
+	}
+	t.Logf("%d claims in %d batches", keys*callers, hook.batches)
+}
+
+// TestPostgresBatchClaimError makes the batch statement fail (a
+// fingerprint version out of PostgreSQL's integer range): the caller gets
+// the error of its own claim, the one claimSQL reports, and nothing hangs.
+func TestPostgresBatchClaimError(t *testing.T) {
+	s := batchStore(t, &batchHook{}, 2)
+	req := batchReq("big", "a")
+	req.FingerprintVersion = 1 << 40
+	if _, err := s.Claim(context.Background(), req); err == nil {
+		t.Fatal("Claim with a fingerprint version out of range: no error")
+	}
+	if res, err := s.Claim(context.Background(), batchReq("big", "a")); err != nil || res.Outcome != server.Claimed {
+		t.Fatalf("the key after the failed batch: %+v, %v; want Claimed", res, err)
+	}
+}
