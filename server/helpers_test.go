@@ -134,6 +134,24 @@ func (r reply) payment(t *testing.T) paymentResource {
 	return p
 }
 
+// created checks that r is the 201 of the test payment (4200 usd for
+// cus_123, charged), with its Location and the echoed key (none when
+// key is ""), and returns the payment.
+func (r reply) created(t *testing.T, key string) paymentResource {
+	t.Helper()
+	p := r.payment(t)
+	if p.Amount != 4200 || p.Currency != "usd" || p.Customer != "cus_123" || !strings.HasPrefix(p.ID, "pay_") || p.Charge == "" {
+		t.Errorf("payment %+v", p)
+	}
+	if got := r.header.Get("Location"); got != "/v1/payments/"+p.ID {
+		t.Errorf("Location = %q", got)
+	}
+	if got := r.header.Get("Idempotency-Key"); got != key {
+		t.Errorf("echoed key %q, want %q", got, key)
+	}
+	return p
+}
+
 // send makes one raw request (no retries) and reads the response.
 func (ts *testServer) send(t *testing.T, c call) reply {
 	t.Helper()
