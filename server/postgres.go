@@ -27,8 +27,9 @@ import (
 // staged payments and completes the key in one statement, which commits
 // both or neither. A request that claims, creates its payment and completes
 // therefore costs two round trips and two commits (one with AsyncClaims);
-// with BatchClaims, the claims of new keys that arrive together share one
-// statement, round trip and commit.
+// with BatchClaims (BatchCompletions), the claims of new keys (the
+// completions) that arrive together share one statement, round trip and
+// commit.
 //
 // When the connection breaks under a claim, a completion or a release, the
 // store runs it once more on a live connection, in a way that is safe
@@ -81,7 +82,16 @@ type PostgresStore struct {
 	// instead of one. Defaults to false. Set it before first use.
 	BatchClaims bool
 
-	batcher claimBatcher
+	// BatchCompletions gathers the completions that arrive while another
+	// batch of completions is running into one statement and one commit
+	// (see batchCompleteSQL), as BatchClaims does for claims. A batch that
+	// fails (a payment that breaks a constraint fails the whole batch) is
+	// run again one completion at a time, so each gets its own outcome.
+	// Defaults to false. Set it before first use.
+	BatchCompletions bool
+
+	claims      batcher[*pendingClaim]
+	completions batcher[*pendingCompletion]
 }
 
 // NewPostgresStore returns a store on pool, whose search_path must reach the
@@ -234,7 +244,7 @@ type claimRow struct {
 // timeout. Either way the key has one owner at most.
 func (s *PostgresStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
 	if s.BatchClaims {
-		switch c, claimed, err := s.batcher.claim(ctx, s, req); {
+		switch c, claimed, err := s.batchClaim(ctx, req); {
 		case err != nil:
 			return ClaimResult{}, err
 		case claimed:
@@ -566,6 +576,18 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 	tx.done = true
 	staged := tx.payments
 	tx.payments = nil
+	c := tx.claim
+	batched := tx.store.BatchCompletions
+	if batched {
+		if completed, ok := tx.store.batchComplete(c, resp, staged); ok {
+			if !completed {
+				return ErrFenced
+			}
+			return nil
+		}
+		// The batch failed, and may have committed (its connection lost):
+		// completeSQL below decides, as after a lost completeSQL.
+	}
 
 	n := len(staged)
 	ids, clients, customers := make([]string, n), make([]string, n), make([]string, n)
@@ -581,7 +603,6 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 	if len(resp.Header) > 0 {
 		header = resp.Header
 	}
-	c := tx.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body,
 		ids, clients, customers, amounts, currencies, keys, operations, charges, created}
 	var completed, paid int64
@@ -603,6 +624,15 @@ func (tx *pgTx) Complete(ctx context.Context, resp StoredResponse) error {
 			}
 			return err
 		}))
+	}
+	if err == nil && completed == 0 && batched {
+		// After a failed batch: completed by the batch, or fenced.
+		var ours bool
+		ours, err = hasStatusUnder(ctx, tx.store.pool, c, StatusCompleted)
+		if ours {
+			completed = 1
+		}
+		err = interpretError(err)
 	}
 	if err != nil {
 		return err

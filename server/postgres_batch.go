@@ -2,10 +2,12 @@ package server
 
 import (
 	"context"
+	"encoding/json"
 	"sync"
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // batchClaimSQL claims new keys, many in one statement: it inserts a
@@ -24,15 +26,43 @@ FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::int
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING client_id, idempotency_key, lock_token, operation_id::text`
 
-// claimBatcher gathers the claims that arrive while one batch is running
-// into the next, so that under load one statement and one commit claim
-// many new keys (see [PostgresStore.BatchClaims]). A goroutine runs the
-// batches while there are claims waiting, and ends when there are none.
-// Its zero value is ready.
-type claimBatcher struct {
+// batcher gathers the items that arrive while one batch of them is
+// running into the next, so that under load one statement and one commit
+// serve many requests (see [PostgresStore.BatchClaims] and
+// [PostgresStore.BatchCompletions]). A goroutine runs the batches while
+// items wait, and ends when none do. Its zero value is ready.
+type batcher[T any] struct {
 	mu      sync.Mutex
-	queue   []*pendingClaim
+	queue   []T
 	running bool // a drain goroutine is running
+}
+
+// add queues item for the next batch, and starts a goroutine that runs
+// run on the batches unless one is running.
+func (b *batcher[T]) add(item T, run func([]T)) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.queue = append(b.queue, item)
+	if !b.running {
+		b.running = true
+		go b.drain(run)
+	}
+}
+
+// drain runs run on batches of the queued items until there are none.
+func (b *batcher[T]) drain(run func([]T)) {
+	for {
+		b.mu.Lock()
+		batch := b.queue
+		b.queue = nil
+		if len(batch) == 0 {
+			b.running = false
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		run(batch)
+	}
 }
 
 // The states of a pendingClaim: its caller waits for it, has left, or has
@@ -53,25 +83,19 @@ type pendingClaim struct {
 	claim   Claim
 }
 
-// claim tries req in a batch. It returns claimed when the batch inserted
+// batchClaim tries req in a batch. It returns claimed when the batch inserted
 // the key's row; otherwise (the key has a row, or the batch failed) the
 // caller claims it the usual way, with claimSQL, which also reports a
 // database error. A caller whose ctx ends while it waits leaves at once
 // with ctx's error; a key the batch then claims for it is released as
 // rejected (nothing was done under it), so it does not stay started until
 // the lock timeout.
-func (b *claimBatcher) claim(ctx context.Context, s *PostgresStore, req ClaimRequest) (Claim, bool, error) {
+func (s *PostgresStore) batchClaim(ctx context.Context, req ClaimRequest) (Claim, bool, error) {
 	if err := ctx.Err(); err != nil {
 		return Claim{}, false, err
 	}
 	p := &pendingClaim{req: req, done: make(chan struct{})}
-	b.mu.Lock()
-	b.queue = append(b.queue, p)
-	if !b.running {
-		b.running = true
-		go b.drain(s)
-	}
-	b.mu.Unlock()
+	s.claims.add(p, func(batch []*pendingClaim) { s.runClaimBatch(context.Background(), batch) })
 	select {
 	case <-p.done:
 		return p.claim, p.claimed, nil
@@ -84,22 +108,6 @@ func (b *claimBatcher) claim(ctx context.Context, s *PostgresStore, req ClaimReq
 			_ = s.Release(context.WithoutCancel(ctx), p.claim, ReleaseRejected) // best effort, as for a panic
 		}
 		return Claim{}, false, ctx.Err()
-	}
-}
-
-// drain runs batches of the waiting claims until there are none.
-func (b *claimBatcher) drain(s *PostgresStore) {
-	for {
-		b.mu.Lock()
-		batch := b.queue
-		b.queue = nil
-		if len(batch) == 0 {
-			b.running = false
-			b.mu.Unlock()
-			return
-		}
-		b.mu.Unlock()
-		s.runClaimBatch(context.Background(), batch)
 	}
 }
 
@@ -131,7 +139,12 @@ func (s *PostgresStore) runClaimBatch(ctx context.Context, batch []*pendingClaim
 	}
 	b.Queue(batchClaimSQL, clients, keys, methods, paths, hashes, versions)
 	br := s.pool.SendBatch(ctx, b)
-	defer br.Close()
+	closed := false
+	defer func() {
+		if !closed {
+			br.Close()
+		}
+	}()
 	if s.AsyncClaims {
 		if _, err := br.Exec(); err != nil {
 			return
@@ -163,7 +176,130 @@ func (s *PostgresStore) runClaimBatch(ctx context.Context, batch []*pendingClaim
 	if rows.Err() != nil {
 		return // not committed, or not known to be: claimSQL decides
 	}
+	// The batch's implicit transaction commits at its end, after the rows:
+	// only the end of the batch says it did. A commit that failed (the
+	// connection ended while the commit waited for its WAL flush, say)
+	// leaves no row, and a caller that took the rows for claims would
+	// charge under an operation that another claim of the key replaces.
+	closed = true
+	if err := br.Close(); err != nil {
+		return
+	}
 	for _, p := range claimed {
 		p.claimed = true
+	}
+}
+
+// batchCompleteSQL completes many keys, and writes their staged payments,
+// in one statement (see [PostgresStore.BatchCompletions]): completeSQL for
+// a batch. $1 to $7 are parallel arrays of the completions (client, key,
+// token, status, content type, headers as JSON text or NULL, body); $8 to
+// $17 of all their payments, $8 naming the completion (from 1) each
+// belongs to. A completion whose claim no longer owns its key (fenced)
+// writes nothing, and its payments are not written either. It returns the
+// numbers of the completions it made. One statement: if any payment breaks
+// a constraint, nothing is written.
+const batchCompleteSQL = `
+WITH c AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::integer[], $5::text[], $6::text[], $7::bytea[])
+        WITH ORDINALITY AS c(client, key, token, status, ctype, hdr, body, i)
+), done AS (
+    UPDATE idempotency_keys k SET
+        status = 'completed',
+        response_status = c.status,
+        response_content_type = c.ctype,
+        response_headers = c.hdr::jsonb,
+        response_body = c.body
+    FROM c
+    WHERE k.client_id = c.client AND k.idempotency_key = c.key AND k.lock_token = c.token AND k.status = 'started'
+    RETURNING c.i
+), paid AS (
+    INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
+        idempotency_key, operation_id, charge_id, created_at)
+    SELECT p.id, p.client_id, p.customer, p.amount, p.currency,
+        p.key, nullif(p.operation, '')::uuid, nullif(p.charge, ''), coalesce(p.created_at, now())
+    FROM unnest($8::bigint[], $9::text[], $10::text[], $11::text[], $12::bigint[], $13::text[],
+            $14::text[], $15::text[], $16::text[], $17::timestamptz[])
+        AS p(item, id, client_id, customer, amount, currency, key, operation, charge, created_at)
+    WHERE p.item IN (SELECT i FROM done)
+    RETURNING 1
+)
+SELECT i FROM done`
+
+// pendingCompletion is one completion in a batch.
+type pendingCompletion struct {
+	claim    Claim
+	resp     StoredResponse
+	payments []Payment
+	done     chan struct{} // closed when the result below is set
+
+	ok        bool // the batch committed: completed is the outcome
+	completed bool // false with ok: fenced
+}
+
+// batchComplete runs one completion in a batch. ok says the batch committed,
+// and then completed says whether this completion was made (false: the
+// claim was fenced). Without ok, the batch failed, and may or may not have
+// committed (a lost connection): the caller completes the key with
+// completeSQL, where a key found completed under the claim's token was
+// completed by the batch.
+func (s *PostgresStore) batchComplete(c Claim, resp StoredResponse, payments []Payment) (completed, ok bool) {
+	p := &pendingCompletion{claim: c, resp: resp, payments: payments, done: make(chan struct{})}
+	s.completions.add(p, func(batch []*pendingCompletion) { s.runCompletionBatch(context.Background(), batch) })
+	<-p.done
+	return p.completed, p.ok
+}
+
+// runCompletionBatch runs batchCompleteSQL for batch and hands every
+// completion its result.
+func (s *PostgresStore) runCompletionBatch(ctx context.Context, batch []*pendingCompletion) {
+	defer func() {
+		for _, p := range batch {
+			close(p.done)
+		}
+	}()
+	n := len(batch)
+	clients, keys, tokens := make([]string, n), make([]string, n), make([]int64, n)
+	statuses, ctypes, headers, bodies := make([]int32, n), make([]string, n), make([]*string, n), make([][]byte, n)
+	var (
+		items                                       []int64
+		ids, pclients, customers, currencies, pkeys []string
+		operations, charges                         []string
+		amounts                                     []int64
+		created                                     []pgtype.Timestamptz
+	)
+	for i, p := range batch {
+		clients[i], keys[i], tokens[i] = p.claim.ClientID, p.claim.Key, p.claim.Token
+		statuses[i], ctypes[i], bodies[i] = int32(p.resp.Status), p.resp.ContentType, p.resp.Body
+		if len(p.resp.Header) > 0 { // else SQL NULL: nothing to replay
+			js, err := json.Marshal(p.resp.Header)
+			if err != nil {
+				return
+			}
+			h := string(js)
+			headers[i] = &h
+		}
+		for _, pay := range p.payments {
+			items = append(items, int64(i+1))
+			ids, pclients, customers = append(ids, pay.ID), append(pclients, pay.ClientID), append(customers, pay.Customer)
+			amounts, currencies, pkeys = append(amounts, pay.Amount), append(currencies, pay.Currency), append(pkeys, pay.IdempotencyKey)
+			operations, charges = append(operations, pay.OperationID), append(charges, pay.ChargeID)
+			created = append(created, pgtype.Timestamptz{Time: pay.CreatedAt, Valid: !pay.CreatedAt.IsZero()})
+		}
+	}
+	rows, err := s.pool.Query(ctx, batchCompleteSQL, clients, keys, tokens, statuses, ctypes, headers, bodies,
+		items, ids, pclients, customers, amounts, currencies, pkeys, operations, charges, created)
+	if err != nil {
+		return
+	}
+	made, err := pgx.CollectRows(rows, pgx.RowTo[int64])
+	if err != nil {
+		return // not committed, or not known to be: completeSQL decides
+	}
+	for _, i := range made {
+		batch[i-1].completed = true
+	}
+	for _, p := range batch {
+		p.ok = true
 	}
 }

@@ -58,7 +58,7 @@ func (h *batchHook) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndD
 
 // batchStore returns a migrated PostgresStore with BatchClaims on a pool of
 // conns connections traced by hook.
-func batchStore(t *testing.T, hook *batchHook, conns int32) *server.PostgresStore {
+func batchStore(t *testing.T, hook *batchHook, conns int32) (*server.PostgresStore, *pgxpool.Pool) {
 	t.Helper()
 	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
 	if err != nil {
@@ -76,7 +76,7 @@ func batchStore(t *testing.T, hook *batchHook, conns int32) *server.PostgresStor
 	}
 	s := server.NewPostgresStore(pool)
 	s.BatchClaims = true
-	return s
+	return s, pool
 }
 
 func batchReq(key, body string) server.ClaimRequest {
@@ -91,7 +91,7 @@ func batchReq(key, body string) server.ClaimRequest {
 // another, instead of leaving it started (409) until the lock timeout.
 func TestPostgresBatchClaimCallerGone(t *testing.T) {
 	hook := &batchHook{}
-	s := batchStore(t, hook, 4)
+	s, _ := batchStore(t, hook, 4)
 	ctx, cancel := context.WithCancel(context.Background())
 	returned, released := make(chan struct{}), make(chan struct{})
 	hook.mu.Lock()
@@ -136,7 +136,7 @@ func TestPostgresBatchClaimCallerGone(t *testing.T) {
 // held the key once or several times, and the tokens differ.
 func TestPostgresBatchClaimsMixed(t *testing.T) {
 	hook := &batchHook{}
-	s := batchStore(t, hook, 8)
+	s, _ := batchStore(t, hook, 8)
 	const keys, callers = 8, 4
 	results := make([]server.ClaimResult, keys*callers)
 	errs := make([]error, keys*callers)
@@ -180,7 +180,7 @@ func TestPostgresBatchClaimsMixed(t *testing.T) {
 // fingerprint version out of PostgreSQL's integer range): the caller gets
 // the error of its own claim, the one claimSQL reports, and nothing hangs.
 func TestPostgresBatchClaimError(t *testing.T) {
-	s := batchStore(t, &batchHook{}, 2)
+	s, _ := batchStore(t, &batchHook{}, 2)
 	req := batchReq("big", "a")
 	req.FingerprintVersion = 1 << 40
 	if _, err := s.Claim(context.Background(), req); err == nil {
@@ -188,5 +188,85 @@ func TestPostgresBatchClaimError(t *testing.T) {
 	}
 	if res, err := s.Claim(context.Background(), batchReq("big", "a")); err != nil || res.Outcome != server.Claimed {
 		t.Fatalf("the key after the failed batch: %+v, %v; want Claimed", res, err)
+	}
+}
+
+// TestPostgresBatchClaimCommitFails makes the batch's commit fail after
+// its rows came back (a deferred constraint trigger that refuses the key
+// at commit, as a connection ended during the commit's WAL flush would
+// fail it): the rows are not claims. Claim must not return Claimed for a
+// key that has no row, or the caller would charge under an operation that
+// the next claim of the key replaces, and charge twice.
+func TestPostgresBatchClaimCommitFails(t *testing.T) {
+	ctx := context.Background()
+	for _, async := range []bool{false, true} {
+		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
+			s, pool := batchStore(t, &batchHook{}, 2)
+			s.AsyncClaims = async
+			refuseAtCommit(t, pool, "idempotency_keys", "idempotency_key", "boom")
+			res, err := s.Claim(ctx, batchReq("boom", "a"))
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys WHERE idempotency_key = 'boom'`).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if err == nil || n != 0 {
+				t.Fatalf("Claim whose commit failed: %+v, %v, with %d rows; want an error and no row", res, err, n)
+			}
+			if res, err := s.Claim(ctx, batchReq("fine", "a")); err != nil || res.Outcome != server.Claimed {
+				t.Fatalf("the next claim: %+v, %v", res, err)
+			}
+		})
+	}
+}
+
+// TestPostgresBatchCompletionCommitFails makes a batched completion's
+// commit fail after its rows came back (a deferred constraint trigger on
+// payments): Complete must not report the key completed.
+func TestPostgresBatchCompletionCommitFails(t *testing.T) {
+	ctx := context.Background()
+	s, pool := batchStore(t, &batchHook{}, 2)
+	s.BatchCompletions = true
+	refuseAtCommit(t, pool, "payments", "payment_id", "pay_boom")
+	res, err := s.Claim(ctx, batchReq("k", "a"))
+	if err != nil || res.Outcome != server.Claimed {
+		t.Fatalf("Claim: %+v, %v", res, err)
+	}
+	tx, err := s.Begin(ctx, res.Claim)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := server.Payment{ID: "pay_boom", ClientID: "cli_a", Customer: "cus", Amount: 1, Currency: "usd",
+		IdempotencyKey: "k", OperationID: res.Claim.OperationID}
+	if err := s.CreatePayment(ctx, tx, p); err != nil {
+		t.Fatal(err)
+	}
+	err = tx.Complete(ctx, server.StoredResponse{Status: 201, Body: []byte(`{}`)})
+	var status string
+	if err := pool.QueryRow(ctx, `SELECT status FROM idempotency_keys WHERE idempotency_key = 'k'`).Scan(&status); err != nil {
+		t.Fatal(err)
+	}
+	if err == nil || status != "started" {
+		t.Fatalf("Complete whose commit failed: %v, key %s; want an error and the key started", err, status)
+	}
+}
+
+// refuseAtCommit makes every transaction that inserts a row into table
+// whose column is value fail at its commit, after the statement has
+// returned its rows: a deferred constraint trigger.
+func refuseAtCommit(t *testing.T, pool *pgxpool.Pool, table, column, value string) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), fmt.Sprintf(`
+		CREATE FUNCTION refuse_%[1]s() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.%[2]s = %[3]s THEN
+				RAISE EXCEPTION 'refused at commit';
+			END IF;
+			RETURN NULL;
+		END $$;
+		CREATE CONSTRAINT TRIGGER refuse_%[1]s AFTER INSERT ON %[1]s
+			DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_%[1]s()`,
+		table, column, "'"+strings.ReplaceAll(value, "'", "''")+"'"))
+	if err != nil {
+		t.Fatal(err)
 	}
 }

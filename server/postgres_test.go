@@ -75,12 +75,12 @@ func TestPostgresStoreAsyncClaimsConformance(t *testing.T) {
 	})
 }
 
-func TestPostgresStoreBatchClaimsConformance(t *testing.T) {
+func TestPostgresStoreBatchConformance(t *testing.T) {
 	for _, async := range []bool{false, true} {
 		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
 			storetest.Exercise(t, func(t *testing.T) storetest.Backend {
 				s := server.NewPostgresStore(widePool(t, 16))
-				s.BatchClaims, s.AsyncClaims = true, async
+				s.BatchClaims, s.BatchCompletions, s.AsyncClaims = true, true, async
 				return storetest.Backend{Store: s, Payments: s, Charges: s}
 			})
 		})

@@ -113,7 +113,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 			n:       i,
 			appName: app,
 			bin:     bin,
-			args: []string{
+			args: append([]string{
 				"-database-url", db.serverURL(app),
 				"-api-keys", apiKeysFlag(accts),
 				"-lock-timeout", cfg.lockTimeout.String(),
@@ -121,7 +121,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
 				"-shutdown-timeout", (stopTimeout - 5*time.Second).String(),
 				"-log-format", "json",
-			},
+			}, cfg.serverArgs...),
 			logPath: filepath.Join(logsDir, fmt.Sprintf("replica-%d.log", i)),
 			onLog:   c.fleet.countLog,
 		})

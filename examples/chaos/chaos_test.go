@@ -24,13 +24,20 @@ func TestMain(m *testing.M) {
 // that a loaded machine merely makes it slower.
 func TestChaos(t *testing.T) {
 	if testing.Short() {
-		t.Skip("the chaos test runs for about 15s; skipped with -short")
+		t.Skip("the chaos test runs for about 30s; skipped with -short")
 	}
+	t.Run("default", func(t *testing.T) { testChaos(t, "") })
+	// The servers' batched claims and completions (PostgresStore.BatchClaims,
+	// BatchCompletions), with asynchronous claims, through the same faults.
+	t.Run("batched", func(t *testing.T) { testChaos(t, "-batch-claims -batch-completions -async-claims") })
+}
+
+func testChaos(t *testing.T, serverArgs string) {
 	dbURL := pgtest.URL(t) // fails under CI=true when there is no database
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-pg-terminations", "3",
-		"-database-url", dbURL,
+		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
 	if err != nil {

@@ -36,6 +36,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -77,8 +78,9 @@ type config struct {
 	processorFails float64
 	mix            faultproxy.Mix
 	keepSchema     bool
-	logsDir        string // where the replicas' logs are kept; empty: a temporary directory
-	keyPerAttempt  bool   // the classic client bug, a new key on every attempt: a negative control
+	logsDir        string   // where the replicas' logs are kept; empty: a temporary directory
+	keyPerAttempt  bool     // the classic client bug, a new key on every attempt: a negative control
+	serverArgs     []string // extra idem-server flags for every replica
 }
 
 func parseFlags(args []string, out io.Writer) (config, error) {
@@ -93,6 +95,7 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		"PostgreSQL (pgx `DSN`); the run works in a schema of its own there and drops it at the end")
 	fs.StringVar(&c.serverBin, "server-bin", "", "idem-server `binary` to run; empty: go build ./server/cmd/idem-server into a temporary directory")
 	fs.IntVar(&c.replicas, "replicas", 3, "server replicas sharing the database")
+	serverArgs := fs.String("server-args", "", "extra idem-server flags for every replica, space-separated (e.g. \"-batch-claims -async-claims\")")
 	fs.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	fs.IntVar(&c.accounts, "accounts", 2, "API keys the clients are spread over (keys are scoped by API client)")
 	fs.IntVar(&c.kills, "kills", -1, "server processes killed with SIGKILL and restarted; -1: one per 5s of -duration")
@@ -113,6 +116,7 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
+	c.serverArgs = strings.Fields(*serverArgs)
 	if c.kills < 0 {
 		c.kills = max(1, int(c.duration/(5*time.Second)))
 	}

@@ -89,6 +89,7 @@ type options struct {
 	dbMaxConnsSet        bool // -db-max-conns was given
 	asyncClaims          bool
 	batchClaims          bool
+	batchCompletions     bool
 	apiKeys              string
 	retention            time.Duration
 	lockTimeout          time.Duration
@@ -125,6 +126,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"flushes the WAL behind it; a claim lost in a crash is claimed again by the retry (needs -database-url and the built-in processor)")
 	fs.BoolVar(&o.batchClaims, "batch-claims", false,
 		"claim the new keys of concurrent requests together, in one statement and one commit (see PostgresStore.BatchClaims); needs -database-url")
+	fs.BoolVar(&o.batchCompletions, "batch-completions", false,
+		"complete the keys of concurrent requests together, with their payments, in one statement and one commit (see PostgresStore.BatchCompletions); needs -database-url")
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
@@ -177,8 +180,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-purge-duty-cycle %v: want a share in (0, 1]", o.purgeDutyCycle)
 	case o.dbMaxConns < 1 || o.dbMaxConns > math.MaxInt32:
 		return o, fmt.Errorf("-db-max-conns %d: want at least 1", o.dbMaxConns)
-	case o.databaseURL == "" && o.batchClaims:
-		return o, errors.New("-batch-claims needs -database-url: the in-memory store has no statements to batch")
+	case o.databaseURL == "" && (o.batchClaims || o.batchCompletions):
+		return o, errors.New("-batch-claims and -batch-completions need -database-url: the in-memory store has no statements to batch")
 	case o.databaseURL == "" && o.asyncClaims:
 		return o, errors.New("-async-claims needs -database-url: the in-memory store has no commit to make asynchronous")
 	case o.asyncClaims && o.processorURL != "":
@@ -233,9 +236,11 @@ func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.D
 	store := server.NewPostgresStore(pool)
 	store.AsyncClaims = o.asyncClaims
 	store.BatchClaims = o.batchClaims
+	store.BatchCompletions = o.batchCompletions
 	cc := cfg.ConnConfig
 	log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User,
-		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims, "batch_claims", store.BatchClaims)
+		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims, "batch_claims", store.BatchClaims,
+		"batch_completions", store.BatchCompletions)
 	return store, pool, nil
 }
 

@@ -208,7 +208,8 @@ func TestRunFlags(t *testing.T) {
 		{"db max conns", []string{"-database-url", "postgres://127.0.0.1/x", "-db-max-conns", "0"}, nil, "-db-max-conns 0"},
 		{"db max conns without a database", []string{"-db-max-conns", "8"}, nil, "needs -database-url"},
 		{"async claims without a database", []string{"-async-claims"}, nil, "needs -database-url"},
-		{"batch claims without a database", []string{"-batch-claims"}, nil, "needs -database-url"},
+		{"batch claims without a database", []string{"-batch-claims"}, nil, "need -database-url"},
+		{"batch completions without a database", []string{"-batch-completions"}, nil, "need -database-url"},
 		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
 		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
@@ -330,7 +331,7 @@ func TestOpenStore(t *testing.T) {
 		{"defaults", nil, dsn, false, defaultDBMaxConns, false},
 		{"async claims", []string{"-async-claims"}, dsn, true, defaultDBMaxConns, false},
 		{"async claims off", []string{"-async-claims=false"}, dsn, false, defaultDBMaxConns, false},
-		{"batch claims", []string{"-batch-claims", "-async-claims"}, dsn, true, defaultDBMaxConns, true},
+		{"batch claims", []string{"-batch-claims", "-batch-completions", "-async-claims"}, dsn, true, defaultDBMaxConns, true},
 		{"db max conns", []string{"-db-max-conns", "7"}, dsn, false, 7, false},
 		{"pool size in the DSN", []string{"-async-claims"}, withParam(dsn, "pool_max_conns", "3"), true, 3, false},
 	} {
@@ -349,8 +350,9 @@ func TestOpenStore(t *testing.T) {
 			if !ok {
 				t.Fatalf("store %T, want *server.PostgresStore", store)
 			}
-			if ps.AsyncClaims != tt.wantAsync || ps.BatchClaims != tt.wantBatch {
-				t.Errorf("AsyncClaims, BatchClaims = %v, %v; want %v, %v", ps.AsyncClaims, ps.BatchClaims, tt.wantAsync, tt.wantBatch)
+			if ps.AsyncClaims != tt.wantAsync || ps.BatchClaims != tt.wantBatch || ps.BatchCompletions != tt.wantBatch {
+				t.Errorf("AsyncClaims, BatchClaims, BatchCompletions = %v, %v, %v; want %v, %v, %v",
+					ps.AsyncClaims, ps.BatchClaims, ps.BatchCompletions, tt.wantAsync, tt.wantBatch, tt.wantBatch)
 			}
 			if got := pool.Config().MaxConns; got != tt.wantConns {
 				t.Errorf("pool MaxConns = %d, want %d", got, tt.wantConns)
