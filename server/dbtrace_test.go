@@ -19,17 +19,17 @@ import (
 // exact: every statement is prepared once, on it.
 func tracedPool(t *testing.T, trips *DBRoundTrips) *pgxpool.Pool {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	cfg.ConnConfig.Tracer = trips
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	return migratedTracedPool(t, trips, 1)
+}
+
+// migratedTracedPool returns a migrated pool of at most conns connections
+// on a schema of its own, traced by tracer.
+func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = conns
+		cfg.ConnConfig.Tracer = tracer
+	})
 	if err := Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}

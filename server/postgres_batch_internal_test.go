@@ -9,9 +9,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/idemkit/idem/internal/pgtest"
 )
 
 // gate is a pgx tracer that holds the first batched completion until
@@ -41,21 +38,9 @@ func (g *gate) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) 
 func TestPostgresBatchCompletionFallsBack(t *testing.T) {
 	ctx := context.Background()
 	g := &gate{arrived: make(chan struct{}), open: make(chan struct{})}
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 4
-	cfg.ConnConfig.Tracer = g
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
+	pool := migratedTracedPool(t, g, 4)
 	s := NewPostgresStore(pool)
+	var err error
 	s.BatchCompletions = true
 
 	txs := make([]Tx, 3)

@@ -60,17 +60,10 @@ func (h *batchHook) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndD
 // conns connections traced by hook.
 func batchStore(t *testing.T, hook *batchHook, conns int32) (*server.PostgresStore, *pgxpool.Pool) {
 	t.Helper()
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = conns
-	cfg.ConnConfig.Tracer = hook
-	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = conns
+		cfg.ConnConfig.Tracer = hook
+	})
 	if err := server.Migrate(context.Background(), pool); err != nil {
 		t.Fatal(err)
 	}

@@ -128,18 +128,12 @@ func rerun(ctx context.Context, side *pgx.Conn, lost pgx.TraceQueryStartData) er
 func terminatedStore(t *testing.T, k *terminator) (*server.PostgresStore, *pgxpool.Pool) {
 	t.Helper()
 	ctx := context.Background()
-	k.t, k.dsn = t, pgtest.SchemaURL(t)
-	cfg, err := pgxpool.ParseConfig(k.dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 2
-	cfg.ConnConfig.Tracer = k
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	k.t = t
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 2
+		cfg.ConnConfig.Tracer = k
+	})
+	k.dsn = pool.Config().ConnString()
 	if err := server.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}

@@ -35,17 +35,9 @@ func migratedPool(t testing.TB) *pgxpool.Pool {
 func widePool(t testing.TB, conns int32) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = conns
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = conns })
 	held := make([]*pgxpool.Conn, conns)
+	var err error
 	for i := range held {
 		if held[i], err = pool.Acquire(ctx); err != nil {
 			t.Fatal(err)

@@ -87,10 +87,20 @@ func SchemaURL(t testing.TB) string {
 // test must not close the pool itself.
 func Pool(t testing.TB) *pgxpool.Pool {
 	t.Helper()
+	return PoolWith(t, nil)
+}
+
+// PoolWith is Pool with the pool's configuration adjusted by configure, if
+// not nil, before the pool opens: its size, a tracer.
+func PoolWith(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
 	u := SchemaURL(t) // registered first, so its cleanup runs after Close
 	cfg, err := pgxpool.ParseConfig(u)
 	if err != nil {
 		t.Fatalf("pgtest: parse connection string: %v", err)
+	}
+	if configure != nil {
+		configure(cfg)
 	}
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	if err != nil {
