@@ -1,17 +1,21 @@
-package server
+package idempotency
 
 import (
 	"context"
 	"errors"
+	"strconv"
+	"strings"
 	"time"
+	"unicode/utf8"
 )
 
 // Status is the state of a stored idempotency key.
 type Status string
 
 const (
-	// StatusStarted marks a key whose first request has been claimed and is
-	// still running (or crashed; see [ClaimRequest.LockTimeout]).
+	// StatusStarted marks a key whose request has been claimed and is still
+	// running, its owner renewing its lease ([Store.Renew]), or whose owner
+	// crashed (see [ClaimRequest.LockTimeout]).
 	StatusStarted Status = "started"
 	// StatusCompleted marks a key whose outcome is stored and is replayed to
 	// every later request with the same key and fingerprint.
@@ -57,15 +61,17 @@ func (k ReleaseKind) String() string {
 // Sentinel errors spoken by every [Store]. Stores translate their driver's
 // errors to these in one place; callers test them with [errors.Is].
 var (
-	// ErrFenced is returned by [Tx.Complete] and [Store.Release] when the claim
-	// is no longer the current owner of the key: it was taken over after the
-	// lock timeout, released, or its expired row was claimed anew. Complete
-	// writes nothing of the unit of work (the business writes included)
-	// before returning it. (A key that merely expired, with no new claim,
-	// still completes: retention is checked when a key is claimed.)
-	ErrFenced = errors.New("server: claim no longer owns the key")
-	// ErrNotFound is returned by lookups that find nothing.
-	ErrNotFound = errors.New("server: not found")
+	// ErrFenced is returned by [Tx.Complete], [Store.Renew] and
+	// [Store.Release] when the claim is no longer the current owner of the
+	// key: it was taken over after its lease ran out, released, completed,
+	// or its expired row was claimed anew. Complete writes nothing of the
+	// unit of work (the business writes included) before returning it.
+	ErrFenced = errors.New("idempotency: claim no longer owns the key")
+	// ErrInvalidText is returned (wrapped) by a store asked to keep text
+	// that is not valid UTF-8 or holds a NUL byte, which PostgreSQL's text
+	// columns refuse; every store refuses the same values (see
+	// [ValidText]).
+	ErrInvalidText = errors.New("idempotency: text is not valid UTF-8 or holds a NUL byte")
 )
 
 // ClaimRequest asks a [Store] to claim a key for one request.
@@ -75,14 +81,24 @@ type ClaimRequest struct {
 	Method   string
 	Path     string
 	// Fingerprint is the SHA-256 of the canonical request (method, path,
-	// canonical body), computed with FingerprintVersion of the canonical form.
+	// query, canonical body), computed with FingerprintVersion of the
+	// canonical form.
 	Fingerprint        []byte
 	FingerprintVersion int
-	// LockTimeout: a started key whose lock is older than this may be taken
-	// over by this request (only when the fingerprint matches). Zero: never.
+	// LockTimeout is the lease of the claim: the key stays the caller's
+	// for this long after the claim and after each [Store.Renew], and a
+	// started key whose lease ran out (its owner stopped renewing: it
+	// crashed or was cut off) may be taken over by a request with the same
+	// fingerprint. It is stored with the key, so replicas with different
+	// settings agree on every key. Zero: the lease never runs out (no
+	// takeover).
 	LockTimeout time.Duration
-	// Retention: a key created longer ago than this counts as absent, even
-	// if the purge job has not deleted it yet. Zero: keys never expire.
+	// Retention is how long the key is kept once its request finished
+	// (completed or released), stored with the key: the key expires that
+	// long after it finished, and an expired key counts as absent, even if
+	// the purge has not deleted it yet. A started key never expires while
+	// its lease is renewed; one whose owner died expires Retention after
+	// its lease ran out. Zero: the key never expires.
 	Retention time.Duration
 }
 
@@ -96,16 +112,29 @@ const (
 	// operation when the fingerprint matches, a new one otherwise; see
 	// [Store.Claim]).
 	Claimed Outcome = iota + 1
-	// TookOver: a started row older than the lock timeout, with the same
+	// TookOver: a started row whose lease ran out, with the same
 	// fingerprint, now belongs to the caller under a new fencing token and
 	// the same operation. The previous owner, presumed dead, is fenced: its
-	// completion and its release fail with [ErrFenced].
+	// renewal, completion and release fail with [ErrFenced].
 	TookOver
-	// Exists: a live row belongs to someone else (started and not stale, or
-	// completed), or its fingerprint differs, or it was released under
-	// another fingerprint version; [ClaimResult.Record] holds it.
+	// Exists: a live row belongs to someone else (started with a live
+	// lease, or completed), or its fingerprint differs, or it was released
+	// under another fingerprint version; [ClaimResult.Record] holds it.
 	Exists
 )
+
+// String returns "claimed", "took over" or "exists".
+func (o Outcome) String() string {
+	switch o {
+	case Claimed:
+		return "claimed"
+	case TookOver:
+		return "took over"
+	case Exists:
+		return "exists"
+	}
+	return "outcome(" + strconv.Itoa(int(o)) + ")"
+}
 
 // ClaimResult is the answer of [Store.Claim].
 type ClaimResult struct {
@@ -117,7 +146,7 @@ type ClaimResult struct {
 }
 
 // Claim is the ownership of a started key. The Token fences the owner: every
-// completion or release checks that it is still current.
+// renewal, completion or release checks that it is still current.
 type Claim struct {
 	ClientID string
 	Key      string
@@ -125,7 +154,7 @@ type Claim struct {
 	// OperationID identifies the logical operation behind the key. It is
 	// chosen at the first claim and kept across takeovers and across a
 	// release followed by a claim with the same fingerprint, so work keyed
-	// by it downstream (the card processor's idempotency key) is done once
+	// by it downstream (a card processor's idempotency key) is done once
 	// even when a request is taken over, or fails after that work and is
 	// retried. A key that expired and is used again, or that was released
 	// with [ReleaseRejected] and is claimed by another request, gets a new
@@ -143,28 +172,31 @@ type Record struct {
 	FingerprintVersion int
 	Status             Status          // StatusReleased: see StatusReleased
 	Response           *StoredResponse // set when Status is StatusCompleted
-	CreatedAt          time.Time
-	LockedAt           time.Time
+	CreatedAt          time.Time       // when its operation began
+	LockedAt           time.Time       // the last claim or renewal of its lease
 }
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.
 type StoredResponse struct {
 	Status      int
 	ContentType string
-	// Header holds the other headers worth replaying (Location).
+	// Header holds the other headers worth replaying (Location), each
+	// with its values joined by ", ".
 	Header map[string]string
 	Body   []byte
 }
 
 // Store keeps idempotency keys. Implementations are safe for concurrent use
-// by many goroutines and, for the PostgreSQL store, many processes.
+// by many goroutines and, for a shared database, many processes. Package
+// storetest is the conformance suite every Store passes.
 type Store interface {
-	// Claim atomically claims the key, takes over a stale started row, or
-	// returns the live row as it is. Exactly one of many concurrent callers
-	// with the same key gets Claimed or TookOver. By the row it finds:
+	// Claim atomically claims the key, takes over a started row whose
+	// lease ran out, or returns the live row as it is. Exactly one of many
+	// concurrent callers with the same key gets Claimed or TookOver. By the
+	// row it finds:
 	//
-	//   - none, or one created longer ago than req.Retention, whatever its
-	//     state: Claimed, a new operation (new OperationID, created now);
+	//   - none, or an expired one, whatever its state: Claimed, a new
+	//     operation (new OperationID, created now);
 	//   - released, same fingerprint and version: Claimed, the same
 	//     operation (same OperationID and creation time), so downstream
 	//     work keyed by it is found, not redone;
@@ -177,28 +209,36 @@ type Store interface {
 	//     keyed by its operation, which only its own retry finishes;
 	//   - released under another fingerprint version: Exists, so the caller
 	//     can compare in the stored version and claim again;
-	//   - started, lock older than req.LockTimeout, same fingerprint and
-	//     version: TookOver, the same operation;
-	//   - otherwise (started and fresh, completed, or another fingerprint):
-	//     Exists.
+	//   - started, lease run out, same fingerprint and version: TookOver,
+	//     the same operation;
+	//   - otherwise (started with a live lease, completed, or another
+	//     fingerprint): Exists.
 	//
-	// A released key is answered Exists for a request of its fingerprint
-	// version only when the request differs from the released one, so a
-	// duplicate never waits on it.
+	// Every claim stores req.LockTimeout and req.Retention with the key.
+	// A store refuses, with an error wrapping [ErrInvalidText], a client,
+	// key, method or path that is not valid text.
 	Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error)
 	// Begin opens the unit of work of a claim: the business writes made
-	// through the returned Tx commit together with the key's completion.
-	// It runs before the handler, which may call slow downstream systems,
-	// so it must not hold scarce resources (a pooled connection, a lock)
-	// until Complete: stores stage the writes and apply them in Complete.
+	// through it commit together with the key's completion. It runs
+	// before the handler, which may call slow downstream systems, so it
+	// must not hold scarce resources (a pooled connection, a lock) until
+	// they are needed: the PostgreSQL store begins its transaction on its
+	// first use, the memory store stages writes and applies them in
+	// Complete.
 	Begin(ctx context.Context, c Claim) (Tx, error)
+	// Renew extends the lease of a started key still owned by c by the
+	// lock timeout it was claimed with, counted from now, and pushes its
+	// expiry back with it. It returns ErrFenced when c no longer owns the
+	// key; then it changes nothing. The middleware renews every third of
+	// the lock timeout while the handler runs.
+	Renew(ctx context.Context, c Claim) error
 	// Release gives up a started key still owned by c, without an outcome,
 	// so the next request with it runs (validation failures, server errors,
 	// panics, failed completions, clean shutdown). kind says which request
-	// that may be: any, or only the same one (see [ReleaseKind]). It
-	// returns ErrFenced when c no longer owns the key (taken over,
-	// completed, released, expired and claimed anew); then it changes
-	// nothing.
+	// that may be: any, or only the same one (see [ReleaseKind]). The key
+	// expires its retention after the release. It returns ErrFenced when c
+	// no longer owns the key (taken over, completed, released, expired and
+	// claimed anew); then it changes nothing.
 	//
 	// The key is marked [StatusReleased], not deleted: it keeps its
 	// OperationID and creation time, so the retry of the same request
@@ -212,73 +252,32 @@ type Store interface {
 	// is why a key released with [ReleaseFailed] refuses every other
 	// request.
 	Release(ctx context.Context, c Claim, kind ReleaseKind) error
-	// Purge deletes at most limit keys created before now minus retention,
-	// whatever their status (released ones included), oldest first, and
-	// returns how many it deleted. A retention or limit of zero or less
+	// Purge deletes at most limit expired keys (see
+	// [ClaimRequest.Retention]), whatever their status, those that expired
+	// first first, and returns how many it deleted. A key whose lease is
+	// live is never expired, and so never purged. A limit of zero or less
 	// deletes nothing.
-	Purge(ctx context.Context, retention time.Duration, limit int) (int64, error)
+	Purge(ctx context.Context, limit int) (int64, error)
 }
 
 // Tx is the unit of work of one claimed key.
 type Tx interface {
-	// Complete stores resp as the key's outcome and commits it with the
-	// business writes, or rolls everything back and returns ErrFenced when
-	// the claim no longer owns the key.
+	// Complete stores resp as the key's outcome, expiring its retention
+	// from now, and commits it with the business writes; or it rolls
+	// everything back and returns ErrFenced when the claim no longer owns
+	// the key, or another error when the writes or the outcome could not
+	// be committed.
 	Complete(ctx context.Context, resp StoredResponse) error
-	// Rollback abandons the unit of work; the key stays started. Safe to
-	// call after Complete (it does nothing then).
+	// Rollback abandons the unit of work and its writes; the key stays
+	// started. Safe to call after Complete (it does nothing then) and
+	// more than once.
 	Rollback(ctx context.Context) error
 }
 
-// Payment is one payment of the reference API.
-type Payment struct {
-	ID             string
-	ClientID       string
-	Customer       string
-	Amount         int64
-	Currency       string
-	IdempotencyKey string // the key the payment was created with; "" without one ([PaymentInserter])
-	OperationID    string // [Claim.OperationID]; unique per client: the safety net once the key is purged
-	ChargeID       string // the card processor's charge
-	CreatedAt      time.Time
-}
-
-// PaymentStore keeps payments. The memory and PostgreSQL stores implement it
-// next to [Store], so a payment and its key commit together.
-type PaymentStore interface {
-	// CreatePayment inserts p in the unit of work tx (which must come from
-	// the same store's Begin); it is visible only once tx.Complete commits.
-	CreatePayment(ctx context.Context, tx Tx, p Payment) error
-	// GetPayment returns the client's payment, or ErrNotFound (also for
-	// another client's payment).
-	GetPayment(ctx context.Context, clientID, id string) (Payment, error)
-}
-
-// PaymentInserter stores a payment on its own, in one write that commits
-// at once, outside the unit of work of any key. It is what the payments
-// API of [Config.NoIdempotency] uses, to measure the same insert without
-// the idempotency layer; a payment stored this way has no key, and nothing
-// guards it against a retry. Both stores of this package implement it.
-type PaymentInserter interface {
-	// InsertPayment stores p and commits it. It returns an error matching
-	// [ErrDuplicatePayment] when p repeats the ID or the (client,
-	// operation) of a stored payment; nothing is stored then.
-	InsertPayment(ctx context.Context, p Payment) error
-}
-
-// Charge is one charge made by the fake card processor.
-type Charge struct {
-	ID             string
-	IdempotencyKey string // derived by the payments API from (client, operation)
-	Amount         int64
-	Currency       string
-	CreatedAt      time.Time
-}
-
-// ChargeStore keeps the fake card processor's charges.
-type ChargeStore interface {
-	// CreateCharge inserts c, or returns the charge already stored under
-	// c.IdempotencyKey with created false. It is atomic: concurrent calls
-	// with one key create one charge.
-	CreateCharge(ctx context.Context, c Charge) (stored Charge, created bool, err error)
+// ValidText reports whether s can be stored in a text column: valid UTF-8
+// without a NUL byte. Every [Store] refuses other values with
+// [ErrInvalidText]; a handler should check the text it will write with it
+// before any side effect, and answer 400.
+func ValidText(s string) bool {
+	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
 }

@@ -1,4 +1,4 @@
-package server
+package idempotency
 
 import (
 	"bytes"
@@ -16,34 +16,49 @@ import (
 	"github.com/idemkit/idem/internal/keyheader"
 )
 
-// Defaults of [IdempotencyOptions].
+// Defaults of [Options].
 const (
-	DefaultKeyHeader    = "Idempotency-Key"
-	DefaultLockTimeout  = 30 * time.Second
+	DefaultKeyHeader = "Idempotency-Key"
+	// DefaultLockTimeout is short because a live request renews its lease
+	// every third of it: it bounds only how long a crashed request's key
+	// keeps its client waiting, and a false takeover (a request cut off
+	// from the store for that long) is harmless, since the cut-off request
+	// is fenced. 10s is far above a renewal's round trip and a GC pause,
+	// and well below the SDK's default conflict budget (30s), so a
+	// client waiting out the 409s of a crashed key gets through in one call.
+	DefaultLockTimeout  = 10 * time.Second
 	DefaultRetention    = 24 * time.Hour
 	DefaultRetryAfter   = time.Second
 	DefaultMaxBodyBytes = 1 << 20
 )
 
-// IdempotencyOptions configures [Idempotency]. The zero value is ready to
-// use: every zero field takes the default it documents. Defaults are applied
-// when the middleware is built, on a copy; the caller's struct is not
-// changed.
-type IdempotencyOptions struct {
+// Options configures [Middleware]. The zero value is ready to use: every
+// zero field takes the default it documents. Defaults are applied when the
+// middleware is built, on a copy; the caller's struct is not changed.
+type Options struct {
 	// KeyHeader is the request header carrying the key, echoed on every
 	// keyed response. If empty, "Idempotency-Key" is used.
 	KeyHeader string
 
-	// LockTimeout is how long a started key may run before a retry with the
-	// same request takes it over (Step 4 of the design: the first request
-	// is presumed dead). Choose it comfortably longer than the slowest
-	// legitimate request. If zero, 30s is used; if negative, a started key
-	// is never taken over.
+	// LockTimeout is the lease of a claimed key. While the handler runs,
+	// the middleware renews the lease every third of it ([Store.Renew]),
+	// so a slow request keeps its key however long it takes; a key whose
+	// owner stopped renewing it (crashed, or cut off from the store) for
+	// this long is taken over by a retry with the same request (Step 4 of
+	// the design: the first request is presumed dead). It is stored with
+	// each key, so replicas with different settings agree. If zero, 10s
+	// ([DefaultLockTimeout]) is used; if negative, a started key is never
+	// taken over (nor renewed).
 	LockTimeout time.Duration
 
-	// Retention is how long a key is kept; an older key counts as absent,
-	// so reusing it starts a new operation. If zero, 24h is used; if
-	// negative, keys never expire.
+	// Retention is how long a key is kept after its request finished
+	// (its outcome stored, or the key released); after that it counts as
+	// absent, so reusing it starts a new operation, and [Purger] deletes
+	// it. It is stored with each key when the key is claimed, so the
+	// replica that finishes a key decides its expiry, whatever the
+	// settings of the replica that reads it later. A key whose request is
+	// running never expires. If zero, 24h is used; if negative, keys never
+	// expire.
 	Retention time.Duration
 
 	// RetryAfter is the wait suggested by the Retry-After header of a 409
@@ -76,27 +91,30 @@ type IdempotencyOptions struct {
 	MaxBodyBytes int64
 
 	// ClientID returns the authenticated client of a request, which scopes
-	// its keys; a request without one gets 401. If nil,
-	// [ClientIDFromContext] is used, which reads what [BearerAuth] stored.
+	// its keys; a request without one gets 401. It is how a service brings
+	// its own authentication. If nil, [ClientIDFromContext] is used, which
+	// reads what an authentication middleware stored with [WithClientID].
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
-	// Logger receives takeovers, fenced completions, mismatches, panics
-	// and store errors, each with the client, key, method and path as
-	// attributes. Bodies are never logged. If nil, [slog.Default] is used.
+	// Logger receives what an operator must act on, at Warn and Error:
+	// takeovers, lost leases, fenced completions, panics and store errors,
+	// each with the client, key, method and path as attributes; per-request
+	// outcomes (stored, replayed, mismatched) go at Debug. Bodies are
+	// never logged. If nil, [slog.Default] is used.
 	Logger *slog.Logger
 
 	// OnEvent, if not nil, is called once for each [Event] of a keyed
 	// request, from the request's goroutine; it must be safe for concurrent
-	// use. [Metrics.Observe] fits.
+	// use. Wire it to the metrics of your choice.
 	OnEvent func(Event)
 }
 
-// Event is something [Idempotency] did with a keyed request; [Metrics]
-// counts them.
+// Event is something [Middleware] did with a keyed request, reported to
+// [Options.OnEvent].
 type Event int
 
-// Events reported to [IdempotencyOptions.OnEvent].
+// Events reported to [Options.OnEvent].
 const (
 	EventClaimed   Event = iota + 1 // the key was new, expired or released: the handler runs
 	EventTookOver                   // a stale started key was taken over: the handler runs
@@ -107,6 +125,8 @@ const (
 	EventReleased                   // the outcome was not stored and the key was freed
 	EventFenced                     // the completion lost the key to a takeover
 	EventRejected                   // 400/401/413 before the claim: nothing stored
+	EventRenewed                    // the lease of a running request was renewed
+	EventLeaseLost                  // a renewal found the key taken over: the handler's context is cancelled
 )
 
 var eventNames = [...]string{
@@ -119,6 +139,8 @@ var eventNames = [...]string{
 	EventReleased:  "released",
 	EventFenced:    "fenced",
 	EventRejected:  "rejected",
+	EventRenewed:   "renewed",
+	EventLeaseLost: "lease_lost",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -129,7 +151,7 @@ func (e Event) String() string {
 	return "event(" + strconv.Itoa(int(e)) + ")"
 }
 
-// Idempotency returns middleware that makes POST and PATCH requests safe to
+// Middleware returns middleware that makes POST and PATCH requests safe to
 // retry with an Idempotency-Key header, as the IETF draft
 // (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe.
 // Other methods pass through untouched. Wrap each route that needs it (a
@@ -139,7 +161,7 @@ func (e Event) String() string {
 //
 // For a POST or PATCH it:
 //
-//  1. finds the authenticated client ([IdempotencyOptions.ClientID]; 401
+//  1. finds the authenticated client ([Options.ClientID]; 401
 //     without one), since keys are scoped by client;
 //  2. parses the key header, a bare token or an RFC 9651 sf-string (the
 //     same key either way): 400 [ProblemKeyMissing] without it, 400
@@ -153,12 +175,13 @@ func (e Event) String() string {
 //     stored status, headers and body, byte for byte, with
 //     Idempotent-Replayed: true; a started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
-//     [IdempotencyOptions.WaitForCompletion]). A stored record of another
+//     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
 //  5. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
-//     context ([TxFromContext], [ClaimFromContext]) and buffers the
-//     handler's response.
+//     context ([NewContext]: the store's accessor, [ClaimFromContext]),
+//     renews the claim's lease every third of [Options.LockTimeout] while
+//     the handler runs, and buffers the handler's response.
 //
 // The buffered response is then stored or not, by status:
 //
@@ -171,7 +194,7 @@ func (e Event) String() string {
 //     the client may retry with the same key (and, after a 400, a
 //     corrected body).
 //   - 5xx: released as [ReleaseFailed] unless
-//     [IdempotencyOptions.StoreServerErrors] asks for Stripe's behaviour of
+//     [Options.StoreServerErrors] asks for Stripe's behaviour of
 //     storing them.
 //   - a panic in the handler, or a completion that fails (other than
 //     fenced, below): rolled back and released as [ReleaseFailed]; a panic
@@ -187,16 +210,18 @@ func (e Event) String() string {
 // and 422 [ProblemKeyMismatch] after a [ReleaseFailed] failure: a new
 // operation would leave the failed request's work behind, or do it twice.
 //
-// When the completion fails with [ErrFenced], the request was taken over by
-// a retry after the lock timeout while it was still running; its writes are
-// rolled back and it gets 409 [ProblemKeyInUse], so only the retry's work
-// counts.
+// A renewal that finds the key taken over (the renewals did not reach the
+// store for a whole lock timeout) cancels the handler's context with cause
+// [ErrLeaseLost], so the handler may stop early. When the completion fails
+// with [ErrFenced], the request was taken over by a retry while it was
+// still running; its writes are rolled back and it gets 409
+// [ProblemKeyInUse], so only the retry's work counts.
 //
 // The outcome is decided by the status alone, also when the client has gone
 // away: a handler that finished its work is completed (store calls use
 // [context.WithoutCancel]), so the retry gets the replay. Every keyed
 // response echoes the key header as it was received.
-func Idempotency(store Store, opts IdempotencyOptions) func(http.Handler) http.Handler {
+func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m := &middleware{store: store, opts: opts}
 	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
 	m.lockTimeout = durationOpt(opts.LockTimeout, DefaultLockTimeout)
@@ -247,7 +272,7 @@ func durationOpt(d, def time.Duration) time.Duration {
 
 type middleware struct {
 	store       Store
-	opts        IdempotencyOptions
+	opts        Options
 	keyHeader   string
 	lockTimeout time.Duration
 	retention   time.Duration
@@ -280,7 +305,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	if !ok {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
-			"Authenticate with an Authorization: Bearer <token> header; idempotency keys are scoped by client.")
+			"Authenticate first: idempotency keys are scoped by client.")
 		return
 	}
 	values := r.Header.Values(m.keyHeader)
@@ -306,6 +331,17 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	// From here on every response carries the key back.
 	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
 	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+	if !ValidText(clientID) {
+		log.Error("idempotency: the client id is not valid UTF-8 text; check Options.ClientID")
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server could not identify the client. Retry later.")
+		return
+	}
+	if !ValidText(r.URL.Path) {
+		m.event(EventRejected)
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest,
+			"The request path is not valid UTF-8 text, or holds a NUL character. Fix the path; the key was not used.")
+		return
+	}
 
 	body, err := m.readBody(w, r)
 	if err != nil {
@@ -315,7 +351,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				"The request body is larger than %d bytes. Send a smaller body.", mbe.Limit))
 			return
 		}
-		log.Info("idempotency: reading the body failed", "err", err)
+		log.Debug("idempotency: reading the body failed", "err", err)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
@@ -358,7 +394,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		case Claimed, TookOver:
 			if res.Outcome == TookOver {
 				m.event(EventTookOver)
-				log.Warn("idempotency: took over a stale key", "operation", res.Claim.OperationID, "token", res.Claim.Token)
+				log.Warn("idempotency: took over a key whose owner stopped renewing its lease", "operation", res.Claim.OperationID, "token", res.Claim.Token)
 			} else {
 				m.event(EventClaimed)
 			}
@@ -386,15 +422,15 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		}
 		if rec.FingerprintVersion != req.FingerprintVersion || !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
 			m.event(EventMismatch)
-			log.Info("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
+			log.Debug("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
 			detail := fmt.Sprintf(
-				"This %s was already used with another request (%s %s with a different body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
+				"This %s was already used with another request (%s %s, with a different query or body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
 				m.keyHeader, rec.Method, rec.Path)
 			if rec.Status == StatusReleased {
 				// Released as failed (see ReleaseFailed): its request may
 				// have done work that only its own retry finishes.
 				detail = fmt.Sprintf(
-					"The request first sent with this %s (%s %s with a different body) failed after it may have taken effect, and only that request can finish it. Resend exactly that request with this key, or use a new key for a new operation.",
+					"The request first sent with this %s (%s %s, with a different query or body) failed after it may have taken effect, and only that request can finish it. Resend exactly that request with this key, or use a new key for a new operation.",
 					m.keyHeader, rec.Method, rec.Path)
 			}
 			writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, detail)
@@ -456,7 +492,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			"The operation could not be started. Retry with the same key.")
 		return
 	}
-	st := &run{tx: tx, claim: claim}
+	ctx, cancel := context.WithCancelCause(NewContext(r.Context(), claim, tx))
+	defer cancel(nil)
+	stopRenewing := m.renew(ctx, claim, cancel, log)
 	rec := newRecorder()
 	returned := false
 	defer func() {
@@ -464,17 +502,19 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			return
 		}
 		// The handler panicked (or called runtime.Goexit).
+		stopRenewing()
 		p := recover()
 		if p != http.ErrAbortHandler {
 			log.Error("idempotency: handler panicked", "panic", p)
 		}
-		m.abandon(detached, st, ReleaseFailed, log)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
 		if p != nil {
 			panic(p)
 		}
 	}()
-	next.ServeHTTP(rec, r.WithContext(context.WithValue(r.Context(), runKey, st)))
+	next.ServeHTTP(rec, r.WithContext(ctx))
 	returned = true
+	stopRenewing()
 
 	status := rec.result()
 	if !m.storable(status) {
@@ -482,26 +522,75 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		if status >= 500 {
 			kind = ReleaseFailed
 		}
-		m.abandon(detached, st, kind, log)
+		m.abandon(detached, tx, claim, kind, log)
 		writeRecorded(w, rec)
 		return
 	}
 	switch err := tx.Complete(detached, rec.stored(m.keyHeader)); {
 	case err == nil:
 		m.event(EventCompleted)
-		log.Info("idempotency: outcome stored", "status", status, "operation", claim.OperationID)
+		log.Debug("idempotency: outcome stored", "status", status, "operation", claim.OperationID)
 		writeRecorded(w, rec)
 	case errors.Is(err, ErrFenced):
 		m.event(EventFenced)
 		log.Warn("idempotency: completion fenced: the request was taken over; its writes were rolled back", "operation", claim.OperationID)
 		w.Header().Set("Retry-After", m.retryAfter)
 		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
-			"This request ran longer than the lock timeout and a retry with the same %s took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
+			"This request lost its hold on the %s (it could not renew it in time) and a retry with the same key took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
 	default:
 		log.Error("idempotency: completion failed", "err", err)
-		m.abandon(detached, st, ReleaseFailed, log)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
-			"The outcome could not be saved. Retry with the same key.")
+			"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+	}
+}
+
+// renew renews the claim's lease every third of the lock timeout until the
+// returned stop is called; stop waits for a renewal under way to end. A
+// renewal that finds the key taken over cancels the handler's context with
+// [ErrLeaseLost] and stops renewing. A renewal that fails otherwise (the
+// store unreachable) is logged and tried again at the next tick: the lease
+// runs out only when no renewal reaches the store for a whole lock timeout.
+func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) (stop func()) {
+	if m.lockTimeout <= 0 {
+		return func() {}
+	}
+	// The renewals outlive the client (like the completion) but not the
+	// handler: stop cancels this context.
+	rctx, stopCtx := context.WithCancel(context.WithoutCancel(ctx))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		t := time.NewTicker(m.lockTimeout / 3)
+		defer t.Stop()
+		for {
+			select {
+			case <-rctx.Done():
+				return
+			case <-t.C:
+			}
+			switch err := m.store.Renew(rctx, c); {
+			case err == nil:
+				m.event(EventRenewed)
+			case errors.Is(err, ErrFenced):
+				if rctx.Err() != nil {
+					return // stopped meanwhile: the request finished
+				}
+				m.event(EventLeaseLost)
+				log.Warn("idempotency: lease lost: the key was taken over while its request ran; cancelling the handler",
+					"operation", c.OperationID)
+				cancel(ErrLeaseLost)
+				return
+			case rctx.Err() != nil:
+				return
+			default:
+				log.Error("idempotency: renewing the lease failed; retrying at the next tick", "err", err, "operation", c.OperationID)
+			}
+		}
+	}()
+	return func() {
+		stopCtx()
+		<-done
 	}
 }
 
@@ -524,18 +613,12 @@ func (m *middleware) storable(status int) bool {
 }
 
 // abandon rolls back the unit of work and releases the key, keeping its
-// operation for the retry (see [Store.Release]). A simulated crash releases
-// nothing, as a real one could not.
-func (m *middleware) abandon(ctx context.Context, st *run, kind ReleaseKind, log *slog.Logger) {
-	if err := st.tx.Rollback(ctx); err != nil {
+// operation for the retry (see [Store.Release]).
+func (m *middleware) abandon(ctx context.Context, tx Tx, c Claim, kind ReleaseKind, log *slog.Logger) {
+	if err := tx.Rollback(ctx); err != nil {
 		log.Error("idempotency: rollback failed", "err", err)
 	}
-	if st.crashed.Load() {
-		log.Warn("idempotency: simulated crash; the key stays started until the lock timeout",
-			"operation", st.claim.OperationID, "lock_timeout", m.lockTimeout)
-		return
-	}
-	m.release(ctx, st.claim, kind, log)
+	m.release(ctx, c, kind, log)
 }
 
 func (m *middleware) release(ctx context.Context, c Claim, kind ReleaseKind, log *slog.Logger) {
@@ -543,8 +626,8 @@ func (m *middleware) release(ctx context.Context, c Claim, kind ReleaseKind, log
 	case err == nil:
 		m.event(EventReleased)
 	case errors.Is(err, ErrFenced):
-		log.Info("idempotency: key no longer owned (taken over or completed); nothing to release")
+		log.Debug("idempotency: key no longer owned (taken over or completed); nothing to release")
 	default:
-		log.Error("idempotency: release failed; the key stays started until the lock timeout", "err", err)
+		log.Error("idempotency: release failed; the key stays started until its lease runs out", "err", err)
 	}
 }
