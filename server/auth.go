@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // ParseAPIKeys parses the -api-keys flag: comma-separated token:client_id
@@ -44,8 +46,10 @@ func redact(s string) string {
 
 // BearerAuth returns middleware that authenticates requests with an
 // Authorization: Bearer <token> header, tokens mapping to client ids, and
-// stores the client id in the request context ([WithClientID]). A request
-// without a known token gets 401 [ProblemUnauthorized] with a
+// stores the client id in the request context ([idempotency.WithClientID]),
+// where the middleware's default [idempotency.Options.ClientID] finds it. A
+// request without a known token gets 401 [idempotency.ProblemUnauthorized]
+// with a
 // WWW-Authenticate challenge. The tokens map must not change afterwards; the
 // middleware is safe for concurrent use.
 func BearerAuth(tokens map[string]string) func(http.Handler) http.Handler {
@@ -54,11 +58,11 @@ func BearerAuth(tokens map[string]string) func(http.Handler) http.Handler {
 			client, ok := lookupToken(tokens, r.Header.Get("Authorization"))
 			if !ok {
 				w.Header().Set("WWW-Authenticate", `Bearer realm="idem"`)
-				writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
+				writeProblem(w, r, idempotency.ProblemUnauthorized, http.StatusUnauthorized,
 					"Send a valid API key as Authorization: Bearer <token>.")
 				return
 			}
-			next.ServeHTTP(w, r.WithContext(WithClientID(r.Context(), client)))
+			next.ServeHTTP(w, r.WithContext(idempotency.WithClientID(r.Context(), client)))
 		})
 	}
 }

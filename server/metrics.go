@@ -6,6 +6,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // Metrics holds the Prometheus counters of one server on a registry of its
@@ -13,7 +15,7 @@ import (
 // counters are:
 //
 //	idem_keys_claimed_total        keys claimed by a first request (or after expiry or release)
-//	idem_keys_taken_over_total     stale started keys taken over after the lock timeout
+//	idem_keys_taken_over_total     started keys taken over once their lease ran out
 //	idem_keys_completed_total      outcomes stored with their business writes
 //	idem_replays_total             stored outcomes replayed to a retry
 //	idem_conflicts_total           409s: the key's first request was still running
@@ -21,6 +23,8 @@ import (
 //	idem_keys_released_total       keys freed after an outcome that is not stored
 //	idem_completions_fenced_total  completions rolled back because of a takeover
 //	idem_requests_rejected_total   keyed requests refused before the claim (400, 401, 413)
+//	idem_leases_renewed_total      leases of running requests renewed
+//	idem_leases_lost_total         running requests whose key was taken over
 //	idem_keys_purged_total         expired keys deleted by the purge job
 //	idem_processor_charges_total   charges of the fake card processor, by result
 //	idem_db_round_trips_total      round trips to PostgreSQL, by kind (with [Config.DBRoundTrips])
@@ -29,28 +33,30 @@ import (
 // concurrent use.
 type Metrics struct {
 	registry *prometheus.Registry
-	events   map[Event]prometheus.Counter
+	events   map[idempotency.Event]prometheus.Counter
 	purged   prometheus.Counter
 	charges  *prometheus.CounterVec
 }
 
 // NewMetrics returns counters registered on a new registry.
 func NewMetrics() *Metrics {
-	m := &Metrics{registry: prometheus.NewRegistry(), events: make(map[Event]prometheus.Counter)}
+	m := &Metrics{registry: prometheus.NewRegistry(), events: make(map[idempotency.Event]prometheus.Counter)}
 	counter := func(name, help string) prometheus.Counter {
 		c := prometheus.NewCounter(prometheus.CounterOpts{Namespace: "idem", Name: name, Help: help})
 		m.registry.MustRegister(c)
 		return c
 	}
-	m.events[EventClaimed] = counter("keys_claimed_total", "Idempotency keys claimed by a first request, or after expiry or release.")
-	m.events[EventTookOver] = counter("keys_taken_over_total", "Stale started idempotency keys taken over after the lock timeout.")
-	m.events[EventCompleted] = counter("keys_completed_total", "Outcomes stored together with their business writes.")
-	m.events[EventReplayed] = counter("replays_total", "Stored outcomes replayed to a retry.")
-	m.events[EventConflict] = counter("conflicts_total", "Requests answered 409 because the key's first request was still running.")
-	m.events[EventMismatch] = counter("mismatches_total", "Requests answered 422 because the key was used with another request.")
-	m.events[EventReleased] = counter("keys_released_total", "Keys released after an outcome that is not stored.")
-	m.events[EventFenced] = counter("completions_fenced_total", "Completions rolled back because the request was taken over.")
-	m.events[EventRejected] = counter("requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413).")
+	m.events[idempotency.EventClaimed] = counter("keys_claimed_total", "Idempotency keys claimed by a first request, or after expiry or release.")
+	m.events[idempotency.EventTookOver] = counter("keys_taken_over_total", "Started idempotency keys taken over once their lease ran out.")
+	m.events[idempotency.EventCompleted] = counter("keys_completed_total", "Outcomes stored together with their business writes.")
+	m.events[idempotency.EventReplayed] = counter("replays_total", "Stored outcomes replayed to a retry.")
+	m.events[idempotency.EventConflict] = counter("conflicts_total", "Requests answered 409 because the key's first request was still running.")
+	m.events[idempotency.EventMismatch] = counter("mismatches_total", "Requests answered 422 because the key was used with another request.")
+	m.events[idempotency.EventReleased] = counter("keys_released_total", "Keys released after an outcome that is not stored.")
+	m.events[idempotency.EventFenced] = counter("completions_fenced_total", "Completions rolled back because the request was taken over.")
+	m.events[idempotency.EventRejected] = counter("requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413).")
+	m.events[idempotency.EventRenewed] = counter("leases_renewed_total", "Leases of running requests renewed.")
+	m.events[idempotency.EventLeaseLost] = counter("leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
 	m.purged = counter("keys_purged_total", "Expired idempotency keys deleted by the purge job.")
 	m.charges = prometheus.NewCounterVec(prometheus.CounterOpts{
 		Namespace: "idem", Name: "processor_charges_total",
@@ -62,8 +68,8 @@ func NewMetrics() *Metrics {
 	return m
 }
 
-// Observe counts one event; it fits [IdempotencyOptions.OnEvent].
-func (m *Metrics) Observe(e Event) {
+// Observe counts one event; it fits [idempotency.Options.OnEvent].
+func (m *Metrics) Observe(e idempotency.Event) {
 	if c, ok := m.events[e]; ok {
 		c.Inc()
 	}

@@ -12,6 +12,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 // schemaFiles holds the migrations, one file per version, named
@@ -23,15 +25,20 @@ var schemaFiles embed.FS
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
 // second is a hash of the schema being migrated, so migrations of different
 // schemas (one per test, say) do not wait for each other.
-const migrateLockClass = 0x1de3
+const migrateLockClass = 0x1de3 // pgstore.Migrate uses another
 
-// Migrate brings the database of pool up to the schema embedded in the
-// binary, in the first schema of the connection's search_path. It runs in
-// one transaction under a transaction-level advisory lock and records each
-// version it applies in the idem_schema_migrations table, so it is safe to
-// call at every start, twice, and from many processes at once: one applies
-// what is missing, the others wait for it and find nothing to do.
+// Migrate brings the database of pool up to what the reference server
+// needs, in the first schema of the connection's search_path: the key table
+// ([pgstore.Migrate]), then the server's own tables, payments and charges,
+// from the schema embedded in the binary. It runs in one transaction under a
+// transaction-level advisory lock and records each version it applies in
+// the idem_server_migrations table, so it is safe to call at every start,
+// twice, and from many processes at once: one applies what is missing, the
+// others wait for it and find nothing to do.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	if err := pgstore.Migrate(ctx, pool); err != nil {
+		return err
+	}
 	migrations, err := loadMigrations()
 	if err != nil {
 		return err
@@ -40,14 +47,14 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {
 			return err
 		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS idem_schema_migrations (
+		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS idem_server_migrations (
 			version    integer     PRIMARY KEY,
 			name       text        NOT NULL,
 			applied_at timestamptz NOT NULL DEFAULT now()
 		)`); err != nil {
 			return err
 		}
-		rows, _ := tx.Query(ctx, `SELECT version FROM idem_schema_migrations`)
+		rows, _ := tx.Query(ctx, `SELECT version FROM idem_server_migrations`)
 		applied, err := pgx.CollectRows(rows, pgx.RowTo[int])
 		if err != nil {
 			return err
@@ -59,7 +66,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 			if _, err := tx.Exec(ctx, m.sql); err != nil {
 				return fmt.Errorf("%s: %w", m.name, err)
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)`, m.version, m.name); err != nil {
+			if _, err := tx.Exec(ctx, `INSERT INTO idem_server_migrations (version, name) VALUES ($1, $2)`, m.version, m.name); err != nil {
 				return err
 			}
 		}

@@ -19,24 +19,28 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // payments is the reference payments API:
 //
-//	POST /v1/payments       create a payment (behind [Idempotency])
+//	POST /v1/payments       create a payment (behind [idempotency.Middleware])
 //	GET  /v1/payments/{id}  read one of the client's payments
 type payments struct {
 	store     PaymentStore
 	processor *processorClient
 	log       *slog.Logger
-	// chargeTimeout bounds the processor call, which runs detached from
+	// processorTimeout bounds the processor call, which runs detached from
 	// the client's cancellation.
-	chargeTimeout time.Duration
-	// afterCharge is [Config.AfterCharge].
+	processorTimeout time.Duration
+	// afterCharge is [Config.AfterCharge]; crashes is the key store that
+	// simulates its crashes.
 	afterCharge func(context.Context) error
-	// inserter stores the payments of createUnkeyed; nil unless
-	// [Config.NoIdempotency].
-	inserter PaymentInserter
+	crashes     *crashingStore
+	// storeServerErrors is [Config.StoreServerErrors]: what a 5xx tells
+	// the client about retrying depends on it.
+	storeServerErrors bool
 }
 
 // paymentResource is the JSON form of a payment.
@@ -93,12 +97,11 @@ func paymentID(clientID, operationID string) string {
 }
 
 func (a *payments) create(w http.ResponseWriter, r *http.Request) {
-	clientID, _ := ClientIDFromContext(r.Context())
-	claim, ok1 := ClaimFromContext(r.Context())
-	tx, ok2 := TxFromContext(r.Context())
-	if !ok1 || !ok2 {
+	clientID, _ := idempotency.ClientIDFromContext(r.Context())
+	claim, ok := idempotency.ClaimFromContext(r.Context())
+	if !ok {
 		a.log.Error("payments: POST /v1/payments served without the idempotency middleware")
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server is misconfigured.")
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError, "The server is misconfigured.")
 		return
 	}
 	// Step 4 of the design asks a request that takes over a stale key to
@@ -108,46 +111,28 @@ func (a *payments) create(w http.ResponseWriter, r *http.Request) {
 	// that may have happened, is asked for again under the same downstream
 	// key, which the processor answers with the existing charge. The same
 	// holds for a retry after a failure: every failure below releases the
-	// key with its operation (see Store.Release), so the retry runs at once
-	// and is charged at most once.
+	// key with its operation (see idempotency.Store.Release), so the retry
+	// runs at once and is charged at most once.
 	a.pay(w, r, order{
 		clientID:  clientID,
 		key:       claim.Key,
 		operation: claim.OperationID,
-		hint:      "Retry with the same Idempotency-Key",
 		log:       a.log.With("client", clientID, "key", claim.Key, "operation", claim.OperationID),
-		store: func(ctx context.Context, p Payment) error {
-			// Staged, not yet committed: the middleware commits it with
-			// the key's outcome and logs "idempotency: outcome stored"
-			// once it has.
-			return a.store.CreatePayment(ctx, tx, p)
-		},
 	})
 }
 
 // createUnkeyed serves POST /v1/payments without the idempotency layer
 // ([Config.NoIdempotency]): every request is a new operation, under a
-// random ID, whose payment is inserted on its own. It does the same work
-// as create otherwise (the same charge, the same insert), so that the two
-// can be compared.
+// random ID. It does the same work as create otherwise (the same charge,
+// the same insert in a transaction of its own), so that the two can be
+// compared.
 func (a *payments) createUnkeyed(w http.ResponseWriter, r *http.Request) {
-	clientID, _ := ClientIDFromContext(r.Context())
+	clientID, _ := idempotency.ClientIDFromContext(r.Context())
 	operation := uuid.NewString()
-	log := a.log.With("client", clientID, "operation", operation)
 	a.pay(w, r, order{
 		clientID:  clientID,
 		operation: operation,
-		hint:      "This server runs without idempotency keys: a retry is a new payment",
-		log:       log,
-		store: func(ctx context.Context, p Payment) error {
-			if err := a.inserter.InsertPayment(ctx, p); err != nil {
-				return err
-			}
-			// The one log line per payment the keyed route writes too
-			// ("idempotency: outcome stored"), so that both do the same.
-			log.Info("payments: payment stored without an idempotency key", "payment", p.ID, "charge", p.ChargeID)
-			return nil
-		},
+		log:       a.log.With("client", clientID, "operation", operation),
 	})
 }
 
@@ -156,11 +141,21 @@ type order struct {
 	clientID  string
 	key       string // the Idempotency-Key; "" without the idempotency layer
 	operation string // the operation ID the charge key and payment ID derive from
-	hint      string // how to retry, for the problem details
 	log       *slog.Logger
-	// store writes the payment: staged on the key's unit of work, or
-	// inserted on its own.
-	store func(ctx context.Context, p Payment) error
+}
+
+// retryHint tells the client of a failed order what a retry does, for the
+// problem details of a 5xx: without keys a retry is a new payment; with
+// stored server errors the retry gets this answer again; otherwise the
+// same request with the same key runs again, and is charged at most once.
+func (a *payments) retryHint(o order) string {
+	switch {
+	case o.key == "":
+		return "This server runs without idempotency keys: a retry is a new payment"
+	case a.storeServerErrors:
+		return "This answer is stored with the Idempotency-Key and every retry with it gets it again; a new attempt needs a new key"
+	}
+	return "Retry exactly the same request with the same Idempotency-Key: it runs again under the same operation, and is charged at most once"
 }
 
 // pay validates the body, charges the processor under the order's
@@ -172,16 +167,16 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 		if o.key == "" {
 			detail = "Fix the listed fields and retry; nothing was stored."
 		}
-		p := NewProblem(ProblemInvalidRequest, status, detail)
+		p := idempotency.NewProblem(idempotency.ProblemInvalidRequest, status, detail)
 		p.Errors = errs
-		WriteProblem(w, r, p)
+		idempotency.WriteProblem(w, r, p)
 		return
 	}
 	log := o.log
 
 	// The money movement is not abandoned when the client hangs up: once
 	// begun, it runs to its end and is stored, so the retry gets the replay.
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.chargeTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.processorTimeout)
 	defer cancel()
 	charge, err := a.processor.charge(ctx, chargeKey(o.clientID, o.operation), in.Amount, in.Currency)
 	switch {
@@ -189,7 +184,7 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	case errors.Is(err, errProcessorDeclined):
 		log.Warn("payments: processor refused the charge", "err", err)
 		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
-			"The card processor is unavailable; nothing was charged. "+o.hint+".")
+			"The card processor is unavailable; nothing was charged. "+a.retryHint(o)+".")
 		return
 	case errors.Is(err, errProcessorConflict):
 		log.Error("payments: processor holds another charge for this operation")
@@ -201,17 +196,14 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 		// key with its operation, so the client's retry asks again under
 		// the same downstream key and gets the charge if there was one.
 		log.Error("payments: charge outcome unknown", "err", err)
-		detail := "The card processor did not answer. Retry with the same Idempotency-Key; you will not be charged twice."
-		if o.key == "" {
-			detail = "The card processor did not answer; the charge may have been made. " + o.hint + "."
-		}
-		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway, detail)
+		writeProblem(w, r, ProblemProcessorUnavailable, http.StatusBadGateway,
+			"The card processor did not answer; the charge may have been made. "+a.retryHint(o)+".")
 		return
 	}
 	if a.afterCharge != nil {
 		if err := a.afterCharge(ctx); err != nil {
 			log.Warn("payments: injected crash after the charge", "charge", charge.ID, "err", err)
-			simulateCrash(r.Context())
+			a.crashes.crash(r.Context())
 			panic(http.ErrAbortHandler)
 		}
 	}
@@ -226,27 +218,26 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 		ChargeID:       charge.ID,
 		CreatedAt:      time.Now().UTC().Truncate(time.Microsecond),
 	}
-	if err := o.store(ctx, p); err != nil {
+	// Inside the key's unit of work: it commits with the stored outcome.
+	if err := a.store.CreatePayment(ctx, p); err != nil {
 		log.Error("payments: storing the payment failed", "err", err)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be stored. "+o.hint+".")
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError,
+			"The payment could not be stored. "+a.retryHint(o)+".")
 		return
-	}
-	if o.key != "" {
-		log.Debug("payments: payment staged", "payment", p.ID, "charge", charge.ID, "amount", p.Amount, "currency", p.Currency)
 	}
 	w.Header().Set("Location", "/v1/payments/"+p.ID)
 	writeJSON(w, http.StatusCreated, resource(p))
 }
 
 func (a *payments) get(w http.ResponseWriter, r *http.Request) {
-	clientID, _ := ClientIDFromContext(r.Context())
+	clientID, _ := idempotency.ClientIDFromContext(r.Context())
 	p, err := a.store.GetPayment(r.Context(), clientID, r.PathValue("id"))
 	switch {
 	case errors.Is(err, ErrNotFound):
 		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "No payment with this id belongs to your account. Check the id in the Location of the payment you created.")
 	case err != nil:
 		a.log.Error("payments: reading a payment failed", "client", clientID, "err", err)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The payment could not be read. Retry later.")
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError, "The payment could not be read. Retry later.")
 	default:
 		writeJSON(w, http.StatusOK, resource(p))
 	}
@@ -268,10 +259,10 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 
 // parsePayment reads and validates a payment body, JSON or form-encoded.
 // It returns the status and the field errors of an invalid one.
-func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
+func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError) {
 	var buf bytes.Buffer
 	if _, err := buf.ReadFrom(r.Body); err != nil {
-		return paymentInput{}, http.StatusBadRequest, []FieldError{{"body", "could not be read"}}
+		return paymentInput{}, http.StatusBadRequest, []idempotency.FieldError{{"body", "could not be read"}}
 	}
 	mt := "application/json"
 	if ct := r.Header.Get("Content-Type"); ct != "" {
@@ -281,7 +272,7 @@ func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
 		}
 	}
 	var fields map[string]string
-	var errs []FieldError
+	var errs []idempotency.FieldError
 	switch mt {
 	case "application/json":
 		fields, errs = jsonFields(buf.Bytes())
@@ -289,7 +280,7 @@ func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
 		fields, errs = formFields(buf.String())
 	default:
 		return paymentInput{}, http.StatusUnsupportedMediaType,
-			[]FieldError{{"Content-Type", fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
+			[]idempotency.FieldError{{"Content-Type", fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
 	}
 	if errs != nil {
 		return paymentInput{}, http.StatusBadRequest, errs
@@ -298,25 +289,25 @@ func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
 	amount, ok := fields["amount"]
 	switch n, err := strconv.ParseInt(amount, 10, 64); {
 	case !ok:
-		errs = append(errs, FieldError{"amount", "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, idempotency.FieldError{"amount", "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	case err != nil || n <= 0:
-		errs = append(errs, FieldError{"amount", "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, idempotency.FieldError{"amount", "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	default:
 		in.Amount = n
 	}
 	if in.Currency = fields["currency"]; !currencyRE.MatchString(in.Currency) {
-		errs = append(errs, FieldError{"currency", "must be a three-letter ISO 4217 code in lowercase, such as usd"})
+		errs = append(errs, idempotency.FieldError{"currency", "must be a three-letter ISO 4217 code in lowercase, such as usd"})
 	}
 	if in.Customer = fields["customer"]; in.Customer == "" || len(in.Customer) > 255 {
-		errs = append(errs, FieldError{"customer", "is required: the customer's id, such as cus_123 (at most 255 characters)"})
+		errs = append(errs, idempotency.FieldError{"customer", "is required: the customer's id, such as cus_123 (at most 255 characters)"})
 	}
 	for name := range fields {
 		if name != "amount" && name != "currency" && name != "customer" {
-			errs = append(errs, FieldError{name, "is not a payment field (amount, currency, customer)"})
+			errs = append(errs, idempotency.FieldError{name, "is not a payment field (amount, currency, customer)"})
 		}
 	}
 	if errs != nil {
-		slices.SortFunc(errs, func(a, b FieldError) int { return strings.Compare(a.Field, b.Field) })
+		slices.SortFunc(errs, func(a, b idempotency.FieldError) int { return strings.Compare(a.Field, b.Field) })
 		return paymentInput{}, http.StatusBadRequest, errs
 	}
 	return in, 0, nil
@@ -324,15 +315,15 @@ func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
 
 // jsonFields flattens a JSON payment object to strings: numbers as written,
 // strings as they are. Other types are errors.
-func jsonFields(body []byte) (map[string]string, []FieldError) {
+func jsonFields(body []byte) (map[string]string, []idempotency.FieldError) {
 	var raw map[string]json.RawMessage
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	if err := dec.Decode(&raw); err != nil || raw == nil {
-		return nil, []FieldError{{"body", "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
+		return nil, []idempotency.FieldError{{"body", "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
 	}
 	fields := make(map[string]string, len(raw))
-	var errs []FieldError
+	var errs []idempotency.FieldError
 	for name, v := range raw {
 		var s string
 		var n json.Number
@@ -342,25 +333,25 @@ func jsonFields(body []byte) (map[string]string, []FieldError) {
 		case name != "amount" && json.Unmarshal(v, &s) == nil:
 			fields[name] = s
 		case name == "amount":
-			errs = append(errs, FieldError{name, "must be a JSON number: a positive integer"})
+			errs = append(errs, idempotency.FieldError{name, "must be a JSON number: a positive integer"})
 		default:
-			errs = append(errs, FieldError{name, "must be a JSON string"})
+			errs = append(errs, idempotency.FieldError{name, "must be a JSON string"})
 		}
 	}
 	return fields, errs
 }
 
 // formFields reads a form-encoded payment; each field may appear once.
-func formFields(body string) (map[string]string, []FieldError) {
+func formFields(body string) (map[string]string, []idempotency.FieldError) {
 	values, err := url.ParseQuery(body)
 	if err != nil {
-		return nil, []FieldError{{"body", "is not valid application/x-www-form-urlencoded"}}
+		return nil, []idempotency.FieldError{{"body", "is not valid application/x-www-form-urlencoded"}}
 	}
 	fields := make(map[string]string, len(values))
-	var errs []FieldError
+	var errs []idempotency.FieldError
 	for name, vs := range values {
 		if len(vs) != 1 {
-			errs = append(errs, FieldError{name, "must be given once"})
+			errs = append(errs, idempotency.FieldError{name, "must be given once"})
 			continue
 		}
 		fields[name] = vs[0]

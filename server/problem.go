@@ -1,119 +1,43 @@
 package server
 
 import (
-	"encoding/json"
 	"net/http"
-	"strconv"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
-// Problem type URIs. Every error response of the middleware and of the
-// reference API is an RFC 9457 problem whose "type" is one of these, one per
-// case, so clients can switch on it; the URIs are stable and are never
-// reused for another case. Each names a page documenting the case.
+// Problem type URIs of the reference API's own errors, beside those of
+// [idempotency.Middleware] (idempotency.Problem…), which it uses too. Each is
+// stable and names a page documenting the case.
 const (
-	// ProblemKeyMissing (400): a POST or PATCH came without an
-	// Idempotency-Key header.
-	ProblemKeyMissing = "https://idemkit.dev/problems/idempotency-key-missing"
-	// ProblemKeyInvalid (400): the Idempotency-Key header is sent on more than
-	// one line, is empty, is longer than 255 characters, has characters
-	// outside visible ASCII, or is not a valid structured-field string.
-	ProblemKeyInvalid = "https://idemkit.dev/problems/idempotency-key-invalid"
-	// ProblemKeyInUse (409): a request with the same key is still running,
-	// or this request was taken over by a retry after the lock timeout.
-	ProblemKeyInUse = "https://idemkit.dev/problems/idempotency-key-in-use"
-	// ProblemKeyMismatch (422): the key was used before with a different
-	// request (method, path or body).
-	ProblemKeyMismatch = "https://idemkit.dev/problems/idempotency-key-mismatch"
-	// ProblemInvalidRequest (400): the body is malformed or fails
-	// validation. Nothing is stored; the key stays free.
-	ProblemInvalidRequest = "https://idemkit.dev/problems/invalid-request"
-	// ProblemUnauthorized (401): no valid bearer token.
-	ProblemUnauthorized = "https://idemkit.dev/problems/unauthorized"
 	// ProblemNotFound (404): no such resource for this client.
 	ProblemNotFound = "https://idemkit.dev/problems/not-found"
 	// ProblemMethodNotAllowed (405): the resource does not support the method.
 	ProblemMethodNotAllowed = "https://idemkit.dev/problems/method-not-allowed"
-	// ProblemTooLarge (413): the body is over the size limit.
-	ProblemTooLarge = "https://idemkit.dev/problems/request-too-large"
 	// ProblemProcessorUnavailable (502): the card processor refused the
-	// charge or could not be reached. Retry with the same key: the retry
-	// runs under the same operation, so it is charged at most once.
+	// charge or could not be reached. The retry of the same request with
+	// the same key runs under the same operation, so it is charged at most
+	// once.
 	ProblemProcessorUnavailable = "https://idemkit.dev/problems/processor-unavailable"
 	// ProblemProcessorConflict (409): the card processor holds a charge for
 	// this operation with another amount or currency.
 	ProblemProcessorConflict = "https://idemkit.dev/problems/processor-conflict"
-	// ProblemInternal (500): an unexpected server error. Unless the server
-	// stores server errors, the key is released and a retry runs again.
-	ProblemInternal = "https://idemkit.dev/problems/internal"
 )
 
-// problemTitles holds the fixed, human-readable title of each type.
+// problemTitles holds the fixed title of each of the server's own types.
 var problemTitles = map[string]string{
-	ProblemKeyMissing:           "Idempotency-Key header is missing",
-	ProblemKeyInvalid:           "Idempotency-Key header is invalid",
-	ProblemKeyInUse:             "A request with this Idempotency-Key is in progress",
-	ProblemKeyMismatch:          "Idempotency-Key was used with a different request",
-	ProblemInvalidRequest:       "The request is invalid",
-	ProblemUnauthorized:         "Authentication required",
 	ProblemNotFound:             "Not found",
 	ProblemMethodNotAllowed:     "Method not allowed",
-	ProblemTooLarge:             "Request body too large",
 	ProblemProcessorUnavailable: "Card processor unavailable",
 	ProblemProcessorConflict:    "Card processor holds a different charge",
-	ProblemInternal:             "Internal server error",
 }
 
-// Problem is an RFC 9457 problem details object, as written with the media
-// type application/problem+json.
-type Problem struct {
-	Type   string `json:"type"`
-	Title  string `json:"title"`
-	Status int    `json:"status"`
-	Detail string `json:"detail,omitempty"`
-	// Instance is the request path the problem occurred on.
-	Instance string `json:"instance,omitempty"`
-	// Errors lists the invalid fields of a [ProblemInvalidRequest].
-	Errors []FieldError `json:"errors,omitempty"`
-}
-
-// FieldError names one invalid field of a request body.
-type FieldError struct {
-	Field  string `json:"field"`
-	Detail string `json:"detail"`
-}
-
-// NewProblem returns the problem of the given type URI (one of the Problem…
-// constants) with its standard title, status and the given detail, which
-// should tell the developer what to do.
-func NewProblem(typ string, status int, detail string) *Problem {
-	title, ok := problemTitles[typ]
-	if !ok {
-		title = http.StatusText(status)
-	}
-	return &Problem{Type: typ, Title: title, Status: status, Detail: detail}
-}
-
-// WriteProblem writes p as an application/problem+json response with status
-// p.Status, filling in Instance from r when it is empty. Headers already set
-// on w (Retry-After, Idempotency-Key) are kept.
-func WriteProblem(w http.ResponseWriter, r *http.Request, p *Problem) {
-	if p.Instance == "" && r != nil {
-		p.Instance = r.URL.Path
-	}
-	body, err := json.Marshal(p)
-	if err != nil { // a Problem always marshals
-		panic(err)
-	}
-	body = append(body, '\n')
-	h := w.Header()
-	h.Set("Content-Type", "application/problem+json")
-	h.Set("Content-Length", strconv.Itoa(len(body)))
-	h.Set("Cache-Control", "no-store")
-	w.WriteHeader(p.Status)
-	w.Write(body)
-}
-
-// writeProblem writes a problem of type typ.
+// writeProblem writes a problem of type typ, of this package or of package
+// idempotency, with its standard title.
 func writeProblem(w http.ResponseWriter, r *http.Request, typ string, status int, detail string) {
-	WriteProblem(w, r, NewProblem(typ, status, detail))
+	p := idempotency.NewProblem(typ, status, detail)
+	if title, ok := problemTitles[typ]; ok {
+		p.Title = title
+	}
+	idempotency.WriteProblem(w, r, p)
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/keyheader"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // Processor is a fake card processor: an http.Handler serving
@@ -113,13 +114,13 @@ func (p *Processor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	key, err := keyheader.Parse(r.Header.Values("Idempotency-Key"))
 	if err != nil {
 		p.observe("rejected")
-		writeProblem(w, r, ProblemKeyInvalid, http.StatusBadRequest, "Send each charge with a valid Idempotency-Key: "+err.Error()+".")
+		writeProblem(w, r, idempotency.ProblemKeyInvalid, http.StatusBadRequest, "Send each charge with a valid Idempotency-Key: "+err.Error()+".")
 		return
 	}
 	var req chargeRequest
 	if err := json.NewDecoder(io.LimitReader(r.Body, 1<<16)).Decode(&req); err != nil || req.Amount <= 0 || req.Currency == "" {
 		p.observe("rejected")
-		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, `Send {"amount": <positive integer>, "currency": "<iso code>"}.`)
+		writeProblem(w, r, idempotency.ProblemInvalidRequest, http.StatusBadRequest, `Send {"amount": <positive integer>, "currency": "<iso code>"}.`)
 		return
 	}
 	if p.Delay > 0 {
@@ -148,12 +149,12 @@ func (p *Processor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if err != nil {
 		p.observe("failed")
 		log.Error("processor: storing the charge failed", "key", key, "err", err)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The charge could not be stored. Retry with the same key.")
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError, "The charge could not be stored. Retry with the same key.")
 		return
 	}
 	if charge.Amount != req.Amount || charge.Currency != req.Currency {
 		p.observe("mismatch")
-		writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, fmt.Sprintf(
+		writeProblem(w, r, idempotency.ProblemKeyMismatch, http.StatusUnprocessableEntity, fmt.Sprintf(
 			"Charge %s was created with this key for another amount or currency. Use a new key for a new charge.", charge.ID))
 		return
 	}

@@ -24,7 +24,7 @@ func apiURL() string {
 		return *url
 	}
 	srv, err := server.New(server.Config{
-		Store:   server.NewMemoryStore(),
+		Storage: server.NewMemoryStorage().Storage(),
 		APIKeys: map[string]string{"sk_test_demo": "demo"},
 		Logger:  slog.New(slog.DiscardHandler),
 	})

@@ -271,7 +271,7 @@ func tell(ctx context.Context, sc scenario, b backend, verbose bool, res *result
 	}
 	defer e.base.CloseIdleConnections()
 	cfg := server.Config{
-		Store:       st.store,
+		Storage:     st.store,
 		APIKeys:     map[string]string{token: clientID},
 		Logger:      logger,
 		AfterCharge: e.runAfterCharge,

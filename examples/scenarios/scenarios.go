@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // scenarios are the stories of the article, in the order they are told.
@@ -296,7 +297,7 @@ func missingKey(ctx context.Context, e *env) error {
 	var problem idem.Problem
 	mt, _, _ := mime.ParseMediaType(ct)
 	e.expect(resp.StatusCode == http.StatusBadRequest, "status %d", resp.StatusCode)
-	e.expect(mt == "application/problem+json" && json.Unmarshal(raw, &problem) == nil && problem.Type == server.ProblemKeyMissing,
+	e.expect(mt == "application/problem+json" && json.Unmarshal(raw, &problem) == nil && problem.Type == idempotency.ProblemKeyMissing,
 		"problem+json of type idempotency-key-missing")
 	return e.expectStored(ctx, cus, 0, 0)
 }

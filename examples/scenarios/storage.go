@@ -26,7 +26,7 @@ type backend struct {
 // storage is what one scenario's server keeps its keys, payments and
 // charges in, and how the scenario counts them afterwards.
 type storage struct {
-	store  server.Store // also a server.PaymentStore and server.ChargeStore
+	store  server.Storage
 	ledger ledger
 	close  func() error // nil: nothing to release
 }
@@ -46,14 +46,14 @@ func memoryBackend() backend {
 	return backend{
 		name: "memory store",
 		open: func(context.Context, string) (*storage, error) {
-			s := server.NewMemoryStore()
-			return &storage{store: s, ledger: memLedger{s}}, nil
+			s := server.NewMemoryStorage()
+			return &storage{store: s.Storage(), ledger: memLedger{s}}, nil
 		},
 	}
 }
 
-// memLedger counts what a server.MemoryStore committed.
-type memLedger struct{ s *server.MemoryStore }
+// memLedger counts what a server.MemoryStorage committed.
+type memLedger struct{ s *server.MemoryStorage }
 
 // Payments implements ledger.
 func (l memLedger) Payments(_ context.Context, customer string) (int, error) {
@@ -138,7 +138,7 @@ func postgresBackend(ctx context.Context, url string) (backend, *pgxpool.Pool, e
 			return nil, errors.Join(err, drop())
 		}
 		return &storage{
-			store:  server.NewPostgresStore(pool),
+			store:  server.NewPostgresStorage(pool).Storage(),
 			ledger: pgLedger{pool},
 			close: func() error {
 				pool.Close()

@@ -1,4 +1,4 @@
-package server_test
+package pgstore_test
 
 import (
 	"context"

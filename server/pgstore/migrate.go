@@ -1,107 +1,198 @@
-package server
+package pgstore
 
 import (
 	"context"
-	"embed"
+	_ "embed"
 	"fmt"
-	"io/fs"
-	"path"
+	"maps"
 	"slices"
-	"strconv"
 	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// schemaFiles holds the migrations, one file per version, named
-// NNN_description.sql and applied in version order.
-//
-//go:embed schema/*.sql
-var schemaFiles embed.FS
+var (
+	//go:embed schema/keys.sql
+	keysSQL string
+	//go:embed schema/upgrade_legacy.sql
+	upgradeLegacySQL string
+)
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
 // second is a hash of the schema being migrated, so migrations of different
 // schemas (one per test, say) do not wait for each other.
-const migrateLockClass = 0x1de3
+const migrateLockClass = 0x1de4
 
-// Migrate brings the database of pool up to the schema embedded in the
-// binary, in the first schema of the connection's search_path. It runs in
-// one transaction under a transaction-level advisory lock and records each
-// version it applies in the idem_schema_migrations table, so it is safe to
-// call at every start, twice, and from many processes at once: one applies
-// what is missing, the others wait for it and find nothing to do.
+// schemaVersion is the version of the key table this package writes.
+const schemaVersion = 1
+
+// columns is the key table of schemaVersion: each column and its type as
+// information_schema.columns.data_type names it.
+var columns = map[string]string{
+	"client_id":             "text",
+	"idempotency_key":       "text",
+	"request_method":        "text",
+	"request_path":          "text",
+	"request_hash":          "bytea",
+	"fingerprint_version":   "integer",
+	"status":                "text",
+	"operation_id":          "uuid",
+	"lock_token":            "bigint",
+	"release_rejected":      "boolean",
+	"response_status":       "integer",
+	"response_content_type": "text",
+	"response_headers":      "jsonb",
+	"response_body":         "bytea",
+	"created_at":            "timestamp with time zone",
+	"locked_at":             "timestamp with time zone",
+	"lease_us":              "bigint",
+	"retention_us":          "bigint",
+	"expires_at":            "timestamp with time zone",
+}
+
+// legacyAdded are the columns that the upgrade of a key table of the
+// reference server before this package (upgrade_legacy.sql) adds.
+var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expires_at"}
+
+// Migrate creates the key table of [Store], or brings it up to the version
+// this package writes, in the first schema of the search_path of pool's
+// connections. It touches nothing else: it creates the sequence
+// idempotency_lock_tokens, the table idempotency_keys with its index
+// idempotency_keys_expires_idx, and the table idempotency_migrations, where
+// it records the version it applied. The business tables of the service are
+// the service's to create.
+//
+// It runs in one transaction under a transaction-level advisory lock, so it
+// is safe to call at every start, twice, and from many processes at once:
+// one applies what is missing, the others wait for it and find nothing to
+// do. A table named idempotency_keys that it did not create is an error
+// naming the columns that differ, never silently used, unless it is the key
+// table of an idem-server from before this package, which it upgrades in
+// place (see schema/upgrade_legacy.sql).
+//
+// The key table, for operators: one row per (client_id, idempotency_key),
+// the primary key. status is started, completed or released; a started row
+// is owned by lock_token, whose lease of lease_us microseconds was renewed
+// at locked_at; a completed row holds the response replayed to retries
+// (response_status, response_content_type, response_headers as a JSON
+// object, response_body byte for byte). expires_at is when the key starts
+// counting as absent: retention_us after its request finished, or, while
+// started, retention_us after its lease runs out; NULL means never. The
+// purge ([Store.Purge]) deletes rows whose expires_at has passed, through
+// idempotency_keys_expires_idx, in bounded batches; it never deletes a row
+// whose lease is being renewed.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	migrations, err := loadMigrations()
-	if err != nil {
-		return err
-	}
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {
 			return err
 		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS idem_schema_migrations (
+		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS idempotency_migrations (
 			version    integer     PRIMARY KEY,
-			name       text        NOT NULL,
 			applied_at timestamptz NOT NULL DEFAULT now()
 		)`); err != nil {
 			return err
 		}
-		rows, _ := tx.Query(ctx, `SELECT version FROM idem_schema_migrations`)
-		applied, err := pgx.CollectRows(rows, pgx.RowTo[int])
+		var applied int
+		if err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM idempotency_migrations`).Scan(&applied); err != nil {
+			return err
+		}
+		switch {
+		case applied > schemaVersion:
+			return fmt.Errorf("the key table is at version %d, newer than this package's %d: upgrade the binary", applied, schemaVersion)
+		case applied == schemaVersion:
+			return nil
+		}
+		found, err := tableColumns(ctx, tx)
 		if err != nil {
 			return err
 		}
-		for _, m := range migrations {
-			if slices.Contains(applied, m.version) {
-				continue
+		switch {
+		case len(found) == 0:
+			if _, err := tx.Exec(ctx, keysSQL); err != nil {
+				return fmt.Errorf("creating the key table: %w", err)
 			}
-			if _, err := tx.Exec(ctx, m.sql); err != nil {
-				return fmt.Errorf("%s: %w", m.name, err)
+		case isLegacy(found):
+			if _, err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
+				return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)`, m.version, m.name); err != nil {
-				return err
+		default:
+			if diff := shapeDiff(found); diff != "" {
+				return fmt.Errorf("a table idempotency_keys that this package did not create is in the way (%s): rename it, or migrate into another schema", diff)
 			}
+			// The shape of this version, without its record (a restored
+			// dump, say): adopted as it is.
 		}
-		return nil
+		_, err = tx.Exec(ctx, `INSERT INTO idempotency_migrations (version) VALUES ($1)`, schemaVersion)
+		return err
 	})
 	if err != nil {
-		return fmt.Errorf("server: migrate: %w", err)
+		return fmt.Errorf("pgstore: migrate: %w", err)
 	}
 	return nil
 }
 
-// migration is one embedded schema file.
-type migration struct {
-	version int
-	name    string
-	sql     string
+// tableColumns returns the columns of idempotency_keys in the current
+// schema and their types; none when there is no such table.
+func tableColumns(ctx context.Context, tx pgx.Tx) (map[string]string, error) {
+	rows, _ := tx.Query(ctx, `
+		SELECT column_name::text, data_type::text FROM information_schema.columns
+		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys'`)
+	found := make(map[string]string)
+	var name, typ string
+	_, err := pgx.ForEachRow(rows, []any{&name, &typ}, func() error {
+		found[name] = typ
+		return nil
+	})
+	return found, err
 }
 
-// loadMigrations reads the embedded files in version order.
-func loadMigrations() ([]migration, error) {
-	entries, err := fs.ReadDir(schemaFiles, "schema")
-	if err != nil {
-		return nil, fmt.Errorf("server: migrate: %w", err)
+// isLegacy reports whether found is the key table of an idem-server from
+// before this package: this version's columns but those the upgrade adds
+// (release_rejected may be there already, from its schema version 3).
+func isLegacy(found map[string]string) bool {
+	if _, ok := found["lease_us"]; ok {
+		return false
 	}
-	var out []migration
-	for _, e := range entries {
-		num, _, ok := strings.Cut(e.Name(), "_")
-		v, err := strconv.Atoi(num)
-		if !ok || err != nil || v <= 0 {
-			return nil, fmt.Errorf("server: migrate: schema file %s is not named NNN_description.sql", e.Name())
-		}
-		sql, err := schemaFiles.ReadFile(path.Join("schema", e.Name()))
-		if err != nil {
-			return nil, fmt.Errorf("server: migrate: %w", err)
-		}
-		out = append(out, migration{version: v, name: e.Name(), sql: string(sql)})
+	want, found := maps.Clone(columns), maps.Clone(found)
+	for _, c := range legacyAdded {
+		delete(want, c)
 	}
-	slices.SortFunc(out, func(a, b migration) int { return a.version - b.version })
-	for i := 1; i < len(out); i++ {
-		if out[i].version == out[i-1].version {
-			return nil, fmt.Errorf("server: migrate: %s and %s have the same version", out[i-1].name, out[i].name)
+	delete(found, "release_rejected")
+	for c, typ := range want {
+		if found[c] != typ {
+			return false
 		}
 	}
-	return out, nil
+	return len(found) == len(want)
+}
+
+// shapeDiff describes how found differs from this version's columns, or
+// returns "" when it does not.
+func shapeDiff(found map[string]string) string {
+	var missing, other, extra []string
+	for _, c := range slices.Sorted(maps.Keys(columns)) {
+		switch typ, ok := found[c]; {
+		case !ok:
+			missing = append(missing, c)
+		case typ != columns[c]:
+			other = append(other, fmt.Sprintf("%s is %s, not %s", c, typ, columns[c]))
+		}
+	}
+	for _, c := range slices.Sorted(maps.Keys(found)) {
+		if _, ok := columns[c]; !ok {
+			extra = append(extra, c)
+		}
+	}
+	var parts []string
+	if len(missing) > 0 {
+		parts = append(parts, "missing columns: "+strings.Join(missing, ", "))
+	}
+	if len(other) > 0 {
+		parts = append(parts, strings.Join(other, "; "))
+	}
+	if len(extra) > 0 {
+		parts = append(parts, "unknown columns: "+strings.Join(extra, ", "))
+	}
+	return strings.Join(parts, "; ")
 }

@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 func testClaimNewKey(t *testing.T, b Backend) {
-	res := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
+	res := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed)
 	if res.Claim.Token == 0 {
 		t.Errorf("claim token is 0, want a fencing token")
 	}
@@ -25,13 +25,13 @@ func testClaimNewKey(t *testing.T, b Backend) {
 
 func testClaimStartedKey(t *testing.T, b Backend) {
 	req := request("cli_a", "key-1", "a")
-	claim(t, b.Store, req, server.Claimed)
-	rec := claim(t, b.Store, req, server.Exists).Record
-	if rec.Status != server.StatusStarted || rec.Response != nil {
+	claim(t, b.Store, req, idempotency.Claimed)
+	rec := claim(t, b.Store, req, idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted || rec.Response != nil {
 		t.Errorf("record status %q, response %+v; want started without a response", rec.Status, rec.Response)
 	}
-	if rec.ClientID != "cli_a" || rec.Key != "key-1" || rec.Method != "POST" || rec.Path != "/v1/payments" {
-		t.Errorf("record names %s %s %s %s, want cli_a key-1 POST /v1/payments", rec.ClientID, rec.Key, rec.Method, rec.Path)
+	if rec.ClientID != "cli_a" || rec.Key != "key-1" || rec.Method != "POST" || rec.Path != "/v1/orders" {
+		t.Errorf("record names %s %s %s %s, want cli_a key-1 POST /v1/orders", rec.ClientID, rec.Key, rec.Method, rec.Path)
 	}
 	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) || rec.FingerprintVersion != 1 {
 		t.Errorf("record fingerprint %x v%d, want %x v1", rec.Fingerprint, rec.FingerprintVersion, req.Fingerprint)
@@ -43,20 +43,20 @@ func testClaimStartedKey(t *testing.T, b Backend) {
 
 func testCompleteStoresResponse(t *testing.T, b Backend) {
 	req := request("cli_a", "key-1", "a")
-	c := claim(t, b.Store, req, server.Claimed).Claim
+	c := claim(t, b.Store, req, idempotency.Claimed).Claim
 	// Odd whitespace, key order and bytes that are not UTF-8: the replay
 	// must give back exactly these bytes.
-	want := server.StoredResponse{
+	want := idempotency.StoredResponse{
 		Status:      201,
 		ContentType: "application/json; charset=utf-8",
-		Header:      map[string]string{"Location": "/v1/payments/pay_1", "X-Request-Id": "req_1"},
+		Header:      map[string]string{"Location": "/v1/orders/ord_1", "X-Request-Id": "req_1"},
 		Body:        []byte("{\"z\": 1,\n  \"a\":[ 2 ,1], \"bin\": \"\xff\x00\"}\n"),
 	}
 	if err := complete(t, b, c, want); err != nil {
 		t.Fatalf("Complete: %v", err)
 	}
-	rec := claim(t, b.Store, req, server.Exists).Record
-	if rec.Status != server.StatusCompleted || rec.Response == nil {
+	rec := claim(t, b.Store, req, idempotency.Exists).Record
+	if rec.Status != idempotency.StatusCompleted || rec.Response == nil {
 		t.Fatalf("record status %q, response %+v; want completed with the response", rec.Status, rec.Response)
 	}
 	got := rec.Response
@@ -72,31 +72,31 @@ func testCompleteStoresResponse(t *testing.T, b Backend) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.Complete(context.Background(), want); !errors.Is(err, server.ErrFenced) {
+	if err := tx.Complete(context.Background(), want); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("Complete of an already completed key: %v, want ErrFenced", err)
 	}
 
 	// A response without headers or body replays as such.
-	c2 := claim(t, b.Store, request("cli_a", "key-2", "a"), server.Claimed).Claim
-	if err := complete(t, b, c2, server.StoredResponse{Status: 204}); err != nil {
+	c2 := claim(t, b.Store, request("cli_a", "key-2", "a"), idempotency.Claimed).Claim
+	if err := complete(t, b, c2, idempotency.StoredResponse{Status: 204}); err != nil {
 		t.Fatal(err)
 	}
-	got = claim(t, b.Store, request("cli_a", "key-2", "a"), server.Exists).Record.Response
+	got = claim(t, b.Store, request("cli_a", "key-2", "a"), idempotency.Exists).Record.Response
 	if got == nil || got.Status != 204 || got.ContentType != "" || len(got.Header) != 0 || len(got.Body) != 0 {
 		t.Errorf("stored empty response %+v, want 204 with nothing else", got)
 	}
 }
 
 func testFingerprintMismatch(t *testing.T, b Backend) {
-	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
+	claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed)
 	other := request("cli_a", "key-1", "b")
-	rec := claim(t, b.Store, other, server.Exists).Record
+	rec := claim(t, b.Store, other, idempotency.Exists).Record
 	if bytes.Equal(rec.Fingerprint, other.Fingerprint) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("record fingerprint %x, want the first request's %x", rec.Fingerprint, fingerprint("a"))
 	}
 	v2 := request("cli_a", "key-1", "a")
 	v2.FingerprintVersion = 2
-	if rec := claim(t, b.Store, v2, server.Exists).Record; rec.FingerprintVersion != 1 {
+	if rec := claim(t, b.Store, v2, idempotency.Exists).Record; rec.FingerprintVersion != 1 {
 		t.Errorf("record fingerprint version %d, want the stored 1", rec.FingerprintVersion)
 	}
 }
@@ -116,12 +116,12 @@ func race(n int, f func(i int)) {
 }
 
 // raceClaims runs n claims of req at once and counts their outcomes.
-func raceClaims(t *testing.T, s server.Store, n int, req server.ClaimRequest) (map[server.Outcome]int, []server.ClaimResult) {
+func raceClaims(t *testing.T, s idempotency.Store, n int, req idempotency.ClaimRequest) (map[idempotency.Outcome]int, []idempotency.ClaimResult) {
 	t.Helper()
-	results := make([]server.ClaimResult, n)
+	results := make([]idempotency.ClaimResult, n)
 	errs := make([]error, n)
 	race(n, func(i int) { results[i], errs[i] = s.Claim(context.Background(), req) })
-	counts := map[server.Outcome]int{}
+	counts := map[idempotency.Outcome]int{}
 	for i, err := range errs {
 		if err != nil {
 			t.Fatalf("concurrent Claim: %v", err)
@@ -134,41 +134,41 @@ func raceClaims(t *testing.T, s server.Store, n int, req server.ClaimRequest) (m
 func testConcurrentClaims(t *testing.T, b Backend) {
 	const n = 50
 	counts, results := raceClaims(t, b.Store, n, request("cli_a", "key-1", "a"))
-	if counts[server.Claimed] != 1 || counts[server.Exists] != n-1 {
+	if counts[idempotency.Claimed] != 1 || counts[idempotency.Exists] != n-1 {
 		t.Fatalf("%d concurrent claims of one key: %d Claimed, %d Exists, %d TookOver; want 1, %d, 0",
-			n, counts[server.Claimed], counts[server.Exists], counts[server.TookOver], n-1)
+			n, counts[idempotency.Claimed], counts[idempotency.Exists], counts[idempotency.TookOver], n-1)
 	}
 	for _, r := range results {
-		if r.Outcome == server.Exists && r.Record.Status != server.StatusStarted {
+		if r.Outcome == idempotency.Exists && r.Record.Status != idempotency.StatusStarted {
 			t.Errorf("a losing claim saw status %q, want started", r.Record.Status)
 		}
 	}
 }
 
 func testKeysScopedByClient(t *testing.T, b Backend) {
-	a := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
-	bc := claim(t, b.Store, request("cli_b", "key-1", "b"), server.Claimed).Claim
+	a := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed).Claim
+	bc := claim(t, b.Store, request("cli_b", "key-1", "b"), idempotency.Claimed).Claim
 	if a.Token == bc.Token || a.OperationID == bc.OperationID {
 		t.Errorf("two clients' claims share token or operation: %+v and %+v", a, bc)
 	}
-	if err := complete(t, b, a, created("pay_a")); err != nil {
+	if err := complete(t, b, a, created("ord_a")); err != nil {
 		t.Fatal(err)
 	}
-	rec := claim(t, b.Store, request("cli_b", "key-1", "b"), server.Exists).Record
-	if rec.ClientID != "cli_b" || rec.Status != server.StatusStarted || rec.Response != nil {
+	rec := claim(t, b.Store, request("cli_b", "key-1", "b"), idempotency.Exists).Record
+	if rec.ClientID != "cli_b" || rec.Status != idempotency.StatusStarted || rec.Response != nil {
 		t.Errorf("client b sees %+v, want its own started key", rec)
 	}
-	rec = claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
-	if rec.ClientID != "cli_a" || rec.Status != server.StatusCompleted {
+	rec = claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Exists).Record
+	if rec.ClientID != "cli_a" || rec.Status != idempotency.StatusCompleted {
 		t.Errorf("client a sees %+v, want its own completed key", rec)
 	}
 }
 
 // stale claims req and waits until the claim's lock is older than the
 // suite's lock timeout.
-func stale(t *testing.T, b Backend, req server.ClaimRequest) server.Claim {
+func stale(t *testing.T, b Backend, req idempotency.ClaimRequest) idempotency.Claim {
 	t.Helper()
-	c := claim(t, b.Store, req, server.Claimed).Claim
+	c := claim(t, b.Store, req, idempotency.Claimed).Claim
 	time.Sleep(pause)
 	return c
 }
@@ -176,7 +176,7 @@ func stale(t *testing.T, b Backend, req server.ClaimRequest) server.Claim {
 func testTakeover(t *testing.T, b Backend) {
 	req := withLockTimeout(request("cli_a", "key-1", "a"))
 	first := stale(t, b, req)
-	second := claim(t, b.Store, req, server.TookOver).Claim
+	second := claim(t, b.Store, req, idempotency.TookOver).Claim
 	if second.Token == first.Token {
 		t.Errorf("takeover kept token %d, want a new one", first.Token)
 	}
@@ -184,7 +184,7 @@ func testTakeover(t *testing.T, b Backend) {
 		t.Errorf("takeover changed the operation %q to %q, want it kept", first.OperationID, second.OperationID)
 	}
 	// The lock is fresh again: the next request waits.
-	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted {
+	if rec := claim(t, b.Store, req, idempotency.Exists).Record; rec.Status != idempotency.StatusStarted {
 		t.Errorf("after takeover: status %q, want started", rec.Status)
 	}
 }
@@ -202,20 +202,20 @@ func testTakeoverRace(t *testing.T, b Backend) {
 		start := time.Now()
 		counts, results := raceClaims(t, b.Store, n, req)
 		took := time.Since(start)
-		if counts[server.TookOver] > 1 && took >= lockTimeout {
+		if counts[idempotency.TookOver] > 1 && took >= lockTimeout {
 			if attempt < attempts {
 				t.Logf("attempt %d: %d takeovers in a race that lasted %v, longer than the lock timeout (%v); running it again",
-					attempt, counts[server.TookOver], took, lockTimeout)
+					attempt, counts[idempotency.TookOver], took, lockTimeout)
 				continue
 			}
 			t.Fatalf("%d attempts, each lasting longer than the lock timeout (%v): the race cannot be judged on this machine", attempts, lockTimeout)
 		}
-		if counts[server.TookOver] != 1 || counts[server.Exists] != n-1 {
+		if counts[idempotency.TookOver] != 1 || counts[idempotency.Exists] != n-1 {
 			t.Fatalf("%d racing takers in %v: %d TookOver, %d Exists, %d Claimed; want 1, %d, 0",
-				n, took, counts[server.TookOver], counts[server.Exists], counts[server.Claimed], n-1)
+				n, took, counts[idempotency.TookOver], counts[idempotency.Exists], counts[idempotency.Claimed], n-1)
 		}
 		for _, r := range results {
-			if r.Outcome == server.TookOver && r.Claim.OperationID != first.OperationID {
+			if r.Outcome == idempotency.TookOver && r.Claim.OperationID != first.OperationID {
 				t.Errorf("winner's operation %q, want the first claim's %q", r.Claim.OperationID, first.OperationID)
 			}
 		}
@@ -225,15 +225,15 @@ func testTakeoverRace(t *testing.T, b Backend) {
 
 func testTakeoverRefusedForOtherFingerprint(t *testing.T, b Backend) {
 	first := stale(t, b, withLockTimeout(request("cli_a", "key-1", "a")))
-	rec := claim(t, b.Store, withLockTimeout(request("cli_a", "key-1", "b")), server.Exists).Record
-	if rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+	rec := claim(t, b.Store, withLockTimeout(request("cli_a", "key-1", "b")), idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("record %+v, want the first request's started key", rec)
 	}
 	v2 := withLockTimeout(request("cli_a", "key-1", "a"))
 	v2.FingerprintVersion = 2
-	claim(t, b.Store, v2, server.Exists)
+	claim(t, b.Store, v2, idempotency.Exists)
 	// The original still owns the key.
-	if err := complete(t, b, first, created("pay_1")); err != nil {
+	if err := complete(t, b, first, created("ord_1")); err != nil {
 		t.Errorf("original's Complete after refused takeovers: %v", err)
 	}
 }
@@ -241,7 +241,7 @@ func testTakeoverRefusedForOtherFingerprint(t *testing.T, b Backend) {
 func testNoTakeoverWithoutLockTimeout(t *testing.T, b Backend) {
 	req := request("cli_a", "key-1", "a") // LockTimeout 0: never
 	stale(t, b, req)
-	claim(t, b.Store, req, server.Exists)
+	claim(t, b.Store, req, idempotency.Exists)
 }
 
 // testReleaseThenClaim releases a key, as failed and as rejected, and
@@ -249,76 +249,78 @@ func testNoTakeoverWithoutLockTimeout(t *testing.T, b Backend) {
 // time) under a new token, at once, although the request sets a lock
 // timeout.
 func testReleaseThenClaim(t *testing.T, b Backend) {
-	for _, kind := range []server.ReleaseKind{server.ReleaseFailed, server.ReleaseRejected} {
+	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
 		t.Run(kind.String(), func(t *testing.T) { releaseThenClaim(t, b, kind) })
 	}
 }
 
-func releaseThenClaim(t *testing.T, b Backend, kind server.ReleaseKind) {
+func releaseThenClaim(t *testing.T, b Backend, kind idempotency.ReleaseKind) {
 	ctx := context.Background()
 	req := withLockTimeout(request("cli_a", "key-"+kind.String(), "a"))
-	first := claim(t, b.Store, req, server.Claimed).Claim
-	createdAt := claim(t, b.Store, req, server.Exists).Record.CreatedAt
+	first := claim(t, b.Store, req, idempotency.Claimed).Claim
+	createdAt := claim(t, b.Store, req, idempotency.Exists).Record.CreatedAt
 	if err := b.Store.Release(ctx, first, kind); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
-	second := claim(t, b.Store, req, server.Claimed).Claim
+	second := claim(t, b.Store, req, idempotency.Claimed).Claim
 	if second.Token == first.Token {
 		t.Errorf("claim after release reused token %d", first.Token)
 	}
 	if second.OperationID != first.OperationID {
 		t.Errorf("claim after release: operation %q, want the released %q", second.OperationID, first.OperationID)
 	}
-	rec := claim(t, b.Store, req, server.Exists).Record // the new owner holds it
-	if rec.Status != server.StatusStarted || !rec.CreatedAt.Equal(createdAt) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+	rec := claim(t, b.Store, req, idempotency.Exists).Record // the new owner holds it
+	if rec.Status != idempotency.StatusStarted || !rec.CreatedAt.Equal(createdAt) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("resumed key: status %q, created %v, fingerprint %x; want started, created %v, the request's",
 			rec.Status, rec.CreatedAt, rec.Fingerprint, createdAt)
 	}
 	// The released claim owns nothing any more.
-	if err := b.Store.Release(ctx, first, kind); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, first, kind); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("second Release of the first claim: %v, want ErrFenced", err)
 	}
-	if err := complete(t, b, first, created("pay_1_"+kind.String()), payment(first, "pay_1_"+kind.String())); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Renew(ctx, first); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Renew of the released claim: %v, want ErrFenced", err)
+	}
+	if err := complete(t, b, first, created("ord_1"), "w_released"); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("Complete of the released claim: %v, want ErrFenced", err)
 	}
-	mustNotFindPayment(t, b, "cli_a", "pay_1_"+kind.String())
-	pay := "pay_2_" + kind.String()
-	if err := complete(t, b, second, created(pay), payment(second, pay)); err != nil {
+	mustBeWritten(t, b, "w_released", false)
+	if err := complete(t, b, second, created("ord_2"), "w_resumed"); err != nil {
 		t.Fatalf("Complete of the resumed claim: %v", err)
 	}
-	mustGetPayment(t, b, "cli_a", payment(second, pay))
+	mustBeWritten(t, b, "w_resumed", true)
 }
 
 // testReleaseThenClaimOther releases a key as rejected and claims it with
 // another request: a new operation replaces the released one.
 func testReleaseThenClaimOther(t *testing.T, b Backend) {
 	ctx := context.Background()
-	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
-	before := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
-	if err := b.Store.Release(ctx, first, server.ReleaseRejected); err != nil {
+	first := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed).Claim
+	before := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Exists).Record
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseRejected); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	other := request("cli_a", "key-1", "b")
-	second := claim(t, b.Store, other, server.Claimed).Claim
+	second := claim(t, b.Store, other, idempotency.Claimed).Claim
 	if second.OperationID == first.OperationID || second.Token == first.Token {
 		t.Errorf("another request after release: claim %+v, want a new operation and token than %+v", second, first)
 	}
-	rec := claim(t, b.Store, other, server.Exists).Record
-	if rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("b")) || rec.CreatedAt.Before(before.CreatedAt) {
+	rec := claim(t, b.Store, other, idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("b")) || rec.CreatedAt.Before(before.CreatedAt) {
 		t.Errorf("replaced key: status %q, fingerprint %x, created %v; want started, the new request's, not before %v",
 			rec.Status, rec.Fingerprint, rec.CreatedAt, before.CreatedAt)
 	}
 	// The first request is now the mismatch.
-	if rec := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
+	if rec := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
 		t.Errorf("the first request sees fingerprint %x, want the new request's", rec.Fingerprint)
 	}
-	if err := b.Store.Release(ctx, first, server.ReleaseRejected); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseRejected); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("Release of the replaced claim: %v, want ErrFenced", err)
 	}
-	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
+	if err := complete(t, b, second, created("ord_2"), "w_new"); err != nil {
 		t.Fatalf("Complete of the new operation: %v", err)
 	}
-	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
+	mustBeWritten(t, b, "w_new", true)
 }
 
 // testFailedReleaseRefusesOther releases a key as failed and claims it with
@@ -329,30 +331,30 @@ func testReleaseThenClaimOther(t *testing.T, b Backend) {
 // mismatch of a started key.
 func testFailedReleaseRefusesOther(t *testing.T, b Backend) {
 	ctx := context.Background()
-	first := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
-	before := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists).Record
-	if err := b.Store.Release(ctx, first, server.ReleaseFailed); err != nil {
+	first := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed).Claim
+	before := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Exists).Record
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseFailed); err != nil {
 		t.Fatalf("Release: %v", err)
 	}
 	other := request("cli_a", "key-1", "b")
 	for range 2 { // refusing changes nothing: the second answer is the same
-		rec := claim(t, b.Store, other, server.Exists).Record
-		if rec.Status != server.StatusReleased || !bytes.Equal(rec.Fingerprint, fingerprint("a")) ||
+		rec := claim(t, b.Store, other, idempotency.Exists).Record
+		if rec.Status != idempotency.StatusReleased || !bytes.Equal(rec.Fingerprint, fingerprint("a")) ||
 			rec.FingerprintVersion != 1 || !rec.CreatedAt.Equal(before.CreatedAt) || rec.Response != nil {
 			t.Fatalf("another request on a key released as failed: record %+v, want the released key of request a, created %v", rec, before.CreatedAt)
 		}
 	}
-	second := claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed).Claim
+	second := claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Claimed).Claim
 	if second.OperationID != first.OperationID {
 		t.Errorf("the released request after a refused other: operation %q, want the released %q", second.OperationID, first.OperationID)
 	}
-	if rec := claim(t, b.Store, other, server.Exists).Record; rec.Status != server.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
+	if rec := claim(t, b.Store, other, idempotency.Exists).Record; rec.Status != idempotency.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("the other request after the resume: status %q, fingerprint %x; want started, request a's", rec.Status, rec.Fingerprint)
 	}
-	if err := complete(t, b, second, created("pay_1"), payment(second, "pay_1")); err != nil {
+	if err := complete(t, b, second, created("ord_1"), "w_resumed"); err != nil {
 		t.Fatalf("Complete of the resumed operation: %v", err)
 	}
-	mustGetPayment(t, b, "cli_a", payment(second, "pay_1"))
+	mustBeWritten(t, b, "w_resumed", true)
 }
 
 // testReleasedOtherVersion claims a released key (as failed and as
@@ -360,19 +362,19 @@ func testFailedReleaseRefusesOther(t *testing.T, b Backend) {
 // cannot compare, so it answers Exists with the released record, and the
 // claim in the stored version resumes it.
 func testReleasedOtherVersion(t *testing.T, b Backend) {
-	for _, kind := range []server.ReleaseKind{server.ReleaseFailed, server.ReleaseRejected} {
+	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
 		key := "key-" + kind.String()
-		first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+		first := claim(t, b.Store, request("cli_a", key, "a"), idempotency.Claimed).Claim
 		if err := b.Store.Release(context.Background(), first, kind); err != nil {
 			t.Fatalf("Release: %v", err)
 		}
 		v2 := request("cli_a", key, "a")
 		v2.FingerprintVersion = 2
-		rec := claim(t, b.Store, v2, server.Exists).Record
-		if rec.Status != server.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
+		rec := claim(t, b.Store, v2, idempotency.Exists).Record
+		if rec.Status != idempotency.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
 			t.Errorf("%s: record %+v, want the released key of version 1", kind, rec)
 		}
-		if c := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim; c.OperationID != first.OperationID {
+		if c := claim(t, b.Store, request("cli_a", key, "a"), idempotency.Claimed).Claim; c.OperationID != first.OperationID {
 			t.Errorf("%s: claim in the stored version: operation %q, want %q", kind, c.OperationID, first.OperationID)
 		}
 	}
@@ -386,10 +388,10 @@ func testReleasedOtherVersion(t *testing.T, b Backend) {
 // the other request never does. The losers see the key started, or, for
 // the other request of a failed release, still released.
 func testReleasedClaimRace(t *testing.T, b Backend) {
-	for _, kind := range []server.ReleaseKind{server.ReleaseRejected, server.ReleaseFailed} {
+	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseRejected, idempotency.ReleaseFailed} {
 		for _, mixed := range []bool{false, true} {
 			key := fmt.Sprintf("key-%s-mixed-%v", kind, mixed)
-			first := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
+			first := claim(t, b.Store, request("cli_a", key, "a"), idempotency.Claimed).Claim
 			if err := b.Store.Release(context.Background(), first, kind); err != nil {
 				t.Fatalf("Release: %v", err)
 			}
@@ -400,7 +402,7 @@ func testReleasedClaimRace(t *testing.T, b Backend) {
 				}
 				return "a"
 			}
-			results := make([]server.ClaimResult, n)
+			results := make([]idempotency.ClaimResult, n)
 			errs := make([]error, n)
 			race(n, func(i int) { results[i], errs[i] = b.Store.Claim(context.Background(), request("cli_a", key, body(i))) })
 			winners := 0
@@ -409,22 +411,22 @@ func testReleasedClaimRace(t *testing.T, b Backend) {
 					t.Fatalf("concurrent Claim: %v", errs[i])
 				}
 				switch r.Outcome {
-				case server.Claimed:
+				case idempotency.Claimed:
 					winners++
-					if kind == server.ReleaseFailed && body(i) != "a" {
+					if kind == idempotency.ReleaseFailed && body(i) != "a" {
 						t.Errorf("%s: another request claimed a key released as failed", key)
 					}
 					if same := r.Claim.OperationID == first.OperationID; same != (body(i) == "a") {
 						t.Errorf("%s: winner with request %q got operation %q (released: %q)", key, body(i), r.Claim.OperationID, first.OperationID)
 					}
-				case server.Exists:
-					ok := r.Record.Status == server.StatusStarted ||
-						kind == server.ReleaseFailed && body(i) != "a" && r.Record.Status == server.StatusReleased
+				case idempotency.Exists:
+					ok := r.Record.Status == idempotency.StatusStarted ||
+						kind == idempotency.ReleaseFailed && body(i) != "a" && r.Record.Status == idempotency.StatusReleased
 					if !ok {
 						t.Errorf("%s: a losing claim with request %q saw status %q", key, body(i), r.Record.Status)
 					}
 				default:
-					t.Errorf("%s: a claim of a released key returned %s", key, outcome(r.Outcome))
+					t.Errorf("%s: a claim of a released key returned %s", key, r.Outcome)
 				}
 			}
 			if winners != 1 {
@@ -438,162 +440,21 @@ func testReleaseFenced(t *testing.T, b Backend) {
 	ctx := context.Background()
 	req := withLockTimeout(request("cli_a", "key-1", "a"))
 	first := stale(t, b, req)
-	second := claim(t, b.Store, req, server.TookOver).Claim
-	if err := b.Store.Release(ctx, first, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
+	second := claim(t, b.Store, req, idempotency.TookOver).Claim
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("Release by the taken-over claim: %v, want ErrFenced", err)
 	}
-	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted {
+	if rec := claim(t, b.Store, req, idempotency.Exists).Record; rec.Status != idempotency.StatusStarted {
 		t.Errorf("after a fenced release: status %q, want started", rec.Status)
 	}
-	if err := complete(t, b, second, created("pay_1")); err != nil {
+	if err := complete(t, b, second, created("ord_1")); err != nil {
 		t.Fatal(err)
 	}
-	if err := b.Store.Release(ctx, second, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
+	if err := b.Store.Release(ctx, second, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("Release of a completed key: %v, want ErrFenced", err)
 	}
-	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusCompleted {
+	if rec := claim(t, b.Store, req, idempotency.Exists).Record; rec.Status != idempotency.StatusCompleted {
 		t.Errorf("after Release of a completed key: status %q, want completed", rec.Status)
 	}
 }
 
-func testRetentionCompleted(t *testing.T, b Backend) {
-	req := withRetention(request("cli_a", "key-1", "a"))
-	first := claim(t, b.Store, req, server.Claimed).Claim
-	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); err != nil {
-		t.Fatal(err)
-	}
-	// Still live within retention, and forever with no retention.
-	claim(t, b.Store, req, server.Exists)
-	time.Sleep(pause)
-	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists)
-
-	// Expired: the key is absent although nothing purged it, and a new
-	// operation starts.
-	second := claim(t, b.Store, req, server.Claimed).Claim
-	if second.OperationID == first.OperationID || second.Token == first.Token {
-		t.Errorf("claim after expiry %+v reuses the first claim's operation or token %+v", second, first)
-	}
-	if rec := claim(t, b.Store, req, server.Exists).Record; rec.Status != server.StatusStarted || rec.Response != nil {
-		t.Errorf("renewed key: %+v, want started without the old response", rec)
-	}
-	// The new operation may create its own payment with the same key.
-	if err := complete(t, b, second, created("pay_2"), payment(second, "pay_2")); err != nil {
-		t.Errorf("Complete of the new operation: %v", err)
-	}
-	mustGetPayment(t, b, "cli_a", payment(first, "pay_1"))
-	mustGetPayment(t, b, "cli_a", payment(second, "pay_2"))
-}
-
-func testRetentionStarted(t *testing.T, b Backend) {
-	req := withRetention(withLockTimeout(request("cli_a", "key-1", "a")))
-	first := stale(t, b, req)
-	// Expired beats everything, a different fingerprint included.
-	other := withRetention(withLockTimeout(request("cli_a", "key-1", "b")))
-	second := claim(t, b.Store, other, server.Claimed).Claim
-	if second.OperationID == first.OperationID {
-		t.Errorf("expired key kept its operation %q", first.OperationID)
-	}
-	if rec := claim(t, b.Store, other, server.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
-		t.Errorf("renewed key has fingerprint %x, want the new request's", rec.Fingerprint)
-	}
-	if err := complete(t, b, first, created("pay_1"), payment(first, "pay_1")); !errors.Is(err, server.ErrFenced) {
-		t.Errorf("Complete of the expired claim: %v, want ErrFenced", err)
-	}
-	mustNotFindPayment(t, b, "cli_a", "pay_1")
-}
-
-// testRetentionReleased checks that a released key expires like any other:
-// after retention, even the same request is a new operation.
-func testRetentionReleased(t *testing.T, b Backend) {
-	req := withRetention(request("cli_a", "key-1", "a"))
-	first := claim(t, b.Store, req, server.Claimed).Claim
-	if err := b.Store.Release(context.Background(), first, server.ReleaseFailed); err != nil {
-		t.Fatalf("Release: %v", err)
-	}
-	time.Sleep(pause)
-	if second := claim(t, b.Store, req, server.Claimed).Claim; second.OperationID == first.OperationID {
-		t.Errorf("expired released key kept its operation %q", first.OperationID)
-	}
-}
-
-// testPurgeReleased checks that Purge deletes released keys by their age,
-// and leaves the young ones, which keep their operation.
-func testPurgeReleased(t *testing.T, b Backend) {
-	ctx := context.Background()
-	release := func(client, key string) server.Claim {
-		t.Helper()
-		c := claim(t, b.Store, request(client, key, "a"), server.Claimed).Claim
-		if err := b.Store.Release(ctx, c, server.ReleaseFailed); err != nil {
-			t.Fatalf("Release(%s): %v", key, err)
-		}
-		return c
-	}
-	old := []server.Claim{release("cli_a", "old-0"), release("cli_a", "old-1")}
-	time.Sleep(2 * pause)
-	young := release("cli_a", "young")
-	if n, err := b.Store.Purge(ctx, pause, 10); err != nil || n != int64(len(old)) {
-		t.Fatalf("Purge(%v, 10) = %d, %v; want %d", pause, n, err, len(old))
-	}
-	for _, c := range old {
-		if got := claim(t, b.Store, request("cli_a", c.Key, "a"), server.Claimed).Claim; got.OperationID == c.OperationID {
-			t.Errorf("purged key %s kept its operation", c.Key)
-		}
-	}
-	if got := claim(t, b.Store, request("cli_a", "young", "a"), server.Claimed).Claim; got.OperationID != young.OperationID {
-		t.Errorf("young released key: operation %q, want %q (not purged)", got.OperationID, young.OperationID)
-	}
-}
-
-func testPurge(t *testing.T, b Backend) {
-	ctx := context.Background()
-	old := []string{"old-0", "old-1", "old-2", "old-3", "old-4"}
-	for i, key := range old {
-		c := claim(t, b.Store, request("cli_a", key, "a"), server.Claimed).Claim
-		if i%2 == 0 {
-			if err := complete(t, b, c, created(key)); err != nil {
-				t.Fatal(err)
-			}
-		}
-	}
-	time.Sleep(2 * pause)
-	fresh := []string{"new-0", "new-1"}
-	for _, key := range fresh {
-		claim(t, b.Store, request("cli_b", key, "a"), server.Claimed)
-	}
-
-	purge := func(want int64) {
-		t.Helper()
-		n, err := b.Store.Purge(ctx, pause, 3)
-		if err != nil || n != want {
-			t.Fatalf("Purge(%v, 3) = %d, %v; want %d", pause, n, err, want)
-		}
-	}
-	purge(3) // the three oldest, no more than the limit
-	for _, key := range old[:3] {
-		claim(t, b.Store, request("cli_a", key, "a"), server.Claimed) // gone
-	}
-	claim(t, b.Store, request("cli_a", old[3], "a"), server.Exists)
-	purge(2)
-	purge(0)
-	for _, key := range fresh {
-		claim(t, b.Store, request("cli_b", key, "a"), server.Exists)
-	}
-	if n, err := b.Store.Purge(ctx, time.Hour, 100); err != nil || n != 0 {
-		t.Errorf("Purge(1h, 100) = %d, %v; want 0", n, err)
-	}
-}
-
-func testPurgeNothing(t *testing.T, b Backend) {
-	ctx := context.Background()
-	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Claimed)
-	time.Sleep(pause)
-	for _, tt := range []struct {
-		retention time.Duration
-		limit     int
-	}{{0, 10}, {-time.Second, 10}, {time.Millisecond, 0}, {time.Millisecond, -1}} {
-		if n, err := b.Store.Purge(ctx, tt.retention, tt.limit); err != nil || n != 0 {
-			t.Errorf("Purge(%v, %d) = %d, %v; want 0, nil", tt.retention, tt.limit, n, err)
-		}
-	}
-	claim(t, b.Store, request("cli_a", "key-1", "a"), server.Exists)
-}

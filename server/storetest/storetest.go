@@ -1,18 +1,27 @@
-// Package storetest is the conformance suite of the stores of package
-// server: every implementation of [server.Store], [server.PaymentStore] and
-// [server.ChargeStore] runs it from its own tests, so the in-memory store
-// and the PostgreSQL store keep one behaviour:
+// Package storetest is the conformance suite of [idempotency.Store]: every
+// implementation runs it from its own tests, so the in-memory store, the
+// PostgreSQL store and any store of one's own keep one behaviour. A store
+// passes it with the business writes of its units of work, which a
+// [Backend] makes and reads back:
 //
 //	func TestConformance(t *testing.T) {
 //		storetest.Exercise(t, func(t *testing.T) storetest.Backend {
-//			s := server.NewMemoryStore()
-//			return storetest.Backend{Store: s, Payments: s, Charges: s}
+//			s := mystore.New(...)
+//			return storetest.Backend{
+//				Store:   s,
+//				Write:   func(ctx context.Context, name string) error { ... },
+//				Written: func(ctx context.Context, name string) (bool, error) { ... },
+//			}
 //		})
 //	}
 //
 // The suite waits past short lock timeouts and retention periods with
 // time.Sleep, asserting only the order of events, never how long anything
-// took. Run it with -race.
+// took. A check that needs an event to come before a timeout (a key still
+// live, a lease renewed in time) measures, on the test's clock, an upper
+// bound of the time the store saw; when the machine stalled past the
+// timeout, the check cannot be judged and runs again on a new key. Run it
+// with -race.
 package storetest
 
 import (
@@ -23,123 +32,156 @@ import (
 	"testing"
 	"time"
 
-	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
-// Backend is one store under test, seen through the three interfaces it
-// implements. The fields usually hold the same value. When Payments is
-// also a [server.PaymentInserter], the suite checks InsertPayment too.
+// Backend is one store under test, with the business writes of its units
+// of work.
 type Backend struct {
-	Store    server.Store
-	Payments server.PaymentStore
-	Charges  server.ChargeStore
+	// Store is the store under test.
+	Store idempotency.Store
+	// Write makes a business write named name inside the unit of work
+	// found in ctx, which the suite builds with [idempotency.NewContext]
+	// from a claim and the [idempotency.Tx] that Store.Begin returned for
+	// it, as [idempotency.Middleware] does for a handler. The write must
+	// become visible (see Written) when the unit of work completes, and
+	// never otherwise. It fails, writing nothing, when ctx holds no unit of
+	// work of Store, or one already completed or rolled back; a write whose name is already committed fails (a
+	// unique violation), now or at the latest when the unit of work
+	// completes. Names are short ASCII strings.
+	Write func(ctx context.Context, name string) error
+	// Written reports whether the write named name is committed, as seen
+	// from outside any unit of work.
+	Written func(ctx context.Context, name string) (bool, error)
 }
 
-// Exercise runs the conformance suite. newStore is called once per subtest
-// and must return an empty store of its own (a fresh schema, say), cleaned
-// up by t.Cleanup. The subtests run in parallel.
-func Exercise(t *testing.T, newStore func(t *testing.T) Backend) {
+// Exercise runs the conformance suite. newBackend is called once per
+// subtest and must return an empty store of its own (a fresh schema, say),
+// cleaned up by t.Cleanup. The subtests run in parallel.
+func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 	tests := []struct {
 		name string
 		run  func(t *testing.T, b Backend)
 	}{
+		// Claims.
 		{"ClaimNewKey", testClaimNewKey},
 		{"ClaimStartedKey", testClaimStartedKey},
 		{"CompleteStoresResponse", testCompleteStoresResponse},
 		{"FingerprintMismatch", testFingerprintMismatch},
 		{"ConcurrentClaims", testConcurrentClaims},
 		{"KeysScopedByClient", testKeysScopedByClient},
+		// Leases, takeovers and fencing.
 		{"TakeoverAfterLockTimeout", testTakeover},
 		{"TakeoverRace", testTakeoverRace},
 		{"TakeoverRefusedForOtherFingerprint", testTakeoverRefusedForOtherFingerprint},
 		{"NoTakeoverWithoutLockTimeout", testNoTakeoverWithoutLockTimeout},
+		{"LeaseStoredWithKey", testLeaseStoredWithKey},
+		{"RenewExtendsLease", testRenewExtendsLease},
+		{"RenewFenced", testRenewFenced},
 		{"FencedCompletionRollsBack", testFencedCompletion},
 		{"FencedAfterTakerCompleted", testFencedAfterTakerCompleted},
+		// Releases.
 		{"ReleaseThenClaimKeepsOperation", testReleaseThenClaim},
 		{"ReleaseThenClaimOtherRequest", testReleaseThenClaimOther},
 		{"FailedReleaseRefusesOtherRequest", testFailedReleaseRefusesOther},
 		{"ReleasedKeyOtherFingerprintVersion", testReleasedOtherVersion},
 		{"ReleasedKeyClaimRace", testReleasedClaimRace},
 		{"ReleaseFenced", testReleaseFenced},
+		// Retention and purge.
 		{"RetentionExpiresCompletedKey", testRetentionCompleted},
-		{"RetentionExpiresStartedKey", testRetentionStarted},
+		{"RetentionCountsFromCompletion", testRetentionFromCompletion},
+		{"RetentionExpiresAbandonedStartedKey", testRetentionStarted},
 		{"RetentionExpiresReleasedKey", testRetentionReleased},
+		{"RetentionSparesResumedKey", testRetentionResumed},
+		{"RetentionSparesRenewedKey", testRetentionRenewed},
+		{"RetentionStoredWithKey", testRetentionStoredWithKey},
 		{"Purge", testPurge},
 		{"PurgeReleased", testPurgeReleased},
+		{"PurgeSparesRunningKeys", testPurgeSparesRunning},
 		{"PurgeNothing", testPurgeNothing},
-		{"PaymentVisibleAfterComplete", testPaymentVisibility},
-		{"RollbackDropsPayment", testRollbackDropsPayment},
-		{"DuplicatePayment", testDuplicatePayment},
-		{"CreatePaymentRejectsForeignTx", testForeignTx},
-		{"InsertPayment", testInsertPayment},
-		{"CreateChargeOnce", testCreateChargeOnce},
-		{"CreateChargeConcurrent", testCreateChargeConcurrent},
+		// Units of work.
+		{"WritesVisibleAfterComplete", testWritesVisibleAfterComplete},
+		{"RollbackDropsWrites", testRollbackDropsWrites},
+		{"FailedWriteFailsCompletion", testFailedWrite},
+		{"WriteOutsideUnitOfWork", testWriteOutsideUnitOfWork},
+		// Text a store cannot keep.
+		{"ClaimRefusesInvalidText", testClaimInvalidText},
+		{"ClaimKeepsUnicodeText", testClaimUnicodeText},
+		{"CompleteRefusesInvalidText", testCompleteInvalidText},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			tt.run(t, newStore(t))
+			tt.run(t, newBackend(t))
 		})
 	}
 }
 
 // Timing of the suite: lockTimeout and retention are short, and the tests
 // sleep for pause, comfortably longer, to make a key stale or expired. Keys
-// claimed after the pause must be used well within lockTimeout.
+// claimed after the pause must be used well within lockTimeout. long is a
+// lease or retention no test outlives.
 const (
 	lockTimeout = 200 * time.Millisecond
 	retention   = 200 * time.Millisecond
 	pause       = 300 * time.Millisecond
+	long        = time.Hour
 )
 
 // fingerprint returns a distinct fingerprint for each body.
 func fingerprint(body string) []byte {
-	sum := sha256.Sum256([]byte("POST /v1/payments " + body))
+	sum := sha256.Sum256([]byte("POST /v1/orders " + body))
 	return sum[:]
 }
 
 // request returns a claim request of client for key with the fingerprint of
 // body, no lock timeout and no retention.
-func request(client, key, body string) server.ClaimRequest {
-	return server.ClaimRequest{
+func request(client, key, body string) idempotency.ClaimRequest {
+	return idempotency.ClaimRequest{
 		ClientID:           client,
 		Key:                key,
 		Method:             "POST",
-		Path:               "/v1/payments",
+		Path:               "/v1/orders",
 		Fingerprint:        fingerprint(body),
 		FingerprintVersion: 1,
 	}
 }
 
 // withLockTimeout returns req with the suite's lock timeout.
-func withLockTimeout(req server.ClaimRequest) server.ClaimRequest {
+func withLockTimeout(req idempotency.ClaimRequest) idempotency.ClaimRequest {
 	req.LockTimeout = lockTimeout
 	return req
 }
 
 // withRetention returns req with the suite's retention.
-func withRetention(req server.ClaimRequest) server.ClaimRequest {
+func withRetention(req idempotency.ClaimRequest) idempotency.ClaimRequest {
 	req.Retention = retention
 	return req
 }
 
+// with returns req with the given lease and retention.
+func with(req idempotency.ClaimRequest, lease, keep time.Duration) idempotency.ClaimRequest {
+	req.LockTimeout, req.Retention = lease, keep
+	return req
+}
+
 // claim calls Claim and checks its outcome.
-func claim(t *testing.T, s server.Store, req server.ClaimRequest, want server.Outcome) server.ClaimResult {
+func claim(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest, want idempotency.Outcome) idempotency.ClaimResult {
 	t.Helper()
 	res, err := s.Claim(context.Background(), req)
 	if err != nil {
 		t.Fatalf("Claim(%s, %s): %v", req.ClientID, req.Key, err)
 	}
 	if res.Outcome != want {
-		t.Fatalf("Claim(%s, %s) = %s (record %+v), want %s", req.ClientID, req.Key, outcome(res.Outcome), res.Record, outcome(want))
+		t.Fatalf("Claim(%s, %s) = %s (record %+v), want %s", req.ClientID, req.Key, res.Outcome, res.Record, want)
 	}
 	switch want {
-	case server.Claimed, server.TookOver:
+	case idempotency.Claimed, idempotency.TookOver:
 		c := res.Claim
 		if c.ClientID != req.ClientID || c.Key != req.Key || c.OperationID == "" {
 			t.Fatalf("Claim(%s, %s) returned claim %+v: want the client, the key and an operation ID", req.ClientID, req.Key, c)
 		}
-	case server.Exists:
+	case idempotency.Exists:
 		if res.Record == nil {
 			t.Fatalf("Claim(%s, %s) = Exists with a nil record", req.ClientID, req.Key)
 		}
@@ -147,31 +189,25 @@ func claim(t *testing.T, s server.Store, req server.ClaimRequest, want server.Ou
 	return res
 }
 
-// outcome names an outcome for messages.
-func outcome(o server.Outcome) string {
-	switch o {
-	case server.Claimed:
-		return "Claimed"
-	case server.TookOver:
-		return "TookOver"
-	case server.Exists:
-		return "Exists"
-	}
-	return fmt.Sprintf("Outcome(%d)", int(o))
+// status claims req, which must find its key, and returns the key's status.
+func status(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest) idempotency.Status {
+	t.Helper()
+	return claim(t, s, req, idempotency.Exists).Record.Status
 }
 
-// complete runs one unit of work of c: it creates payments, then completes
-// with resp, and returns Complete's error.
-func complete(t *testing.T, b Backend, c server.Claim, resp server.StoredResponse, payments ...server.Payment) error {
+// complete runs one unit of work of c: it makes the named writes, then
+// completes with resp, and returns Complete's error.
+func complete(t *testing.T, b Backend, c idempotency.Claim, resp idempotency.StoredResponse, writes ...string) error {
 	t.Helper()
 	ctx := context.Background()
 	tx, err := b.Store.Begin(ctx, c)
 	if err != nil {
 		t.Fatalf("Begin: %v", err)
 	}
-	for _, p := range payments {
-		if err := b.Payments.CreatePayment(ctx, tx, p); err != nil {
-			t.Fatalf("CreatePayment(%s): %v", p.ID, err)
+	wctx := idempotency.NewContext(ctx, c, tx)
+	for _, name := range writes {
+		if err := b.Write(wctx, name); err != nil {
+			t.Fatalf("Write(%s): %v", name, err)
 		}
 	}
 	err = tx.Complete(ctx, resp)
@@ -181,52 +217,79 @@ func complete(t *testing.T, b Backend, c server.Claim, resp server.StoredRespons
 	return err
 }
 
+// begin opens a unit of work of c and returns it with its context.
+func begin(t *testing.T, b Backend, c idempotency.Claim) (idempotency.Tx, context.Context) {
+	t.Helper()
+	tx, err := b.Store.Begin(context.Background(), c)
+	if err != nil {
+		t.Fatalf("Begin: %v", err)
+	}
+	return tx, idempotency.NewContext(context.Background(), c, tx)
+}
+
 // created is a response worth storing.
-func created(id string) server.StoredResponse {
-	return server.StoredResponse{
+func created(id string) idempotency.StoredResponse {
+	return idempotency.StoredResponse{
 		Status:      201,
 		ContentType: "application/json",
-		Header:      map[string]string{"Location": "/v1/payments/" + id},
+		Header:      map[string]string{"Location": "/v1/orders/" + id},
 		Body:        []byte(`{"id":"` + id + `"}`),
 	}
 }
 
-// payment returns a payment of claim c.
-func payment(c server.Claim, id string) server.Payment {
-	return server.Payment{
-		ID:             id,
-		ClientID:       c.ClientID,
-		Customer:       "cus_123",
-		Amount:         4200,
-		Currency:       "usd",
-		IdempotencyKey: c.Key,
-		OperationID:    c.OperationID,
-		ChargeID:       "ch_" + id,
-		CreatedAt:      time.Date(2026, 3, 4, 5, 6, 7, 891011000, time.UTC),
-	}
-}
-
-// mustGetPayment checks that client sees want.
-func mustGetPayment(t *testing.T, b Backend, client string, want server.Payment) {
+// mustBeWritten checks whether the write named name is committed.
+func mustBeWritten(t *testing.T, b Backend, name string, want bool) {
 	t.Helper()
-	got, err := b.Payments.GetPayment(context.Background(), client, want.ID)
+	got, err := b.Written(context.Background(), name)
 	if err != nil {
-		t.Fatalf("GetPayment(%s, %s): %v", client, want.ID, err)
+		t.Fatalf("Written(%s): %v", name, err)
 	}
-	if !got.CreatedAt.Equal(want.CreatedAt) {
-		t.Errorf("GetPayment(%s, %s).CreatedAt = %v, want %v", client, want.ID, got.CreatedAt, want.CreatedAt)
-	}
-	got.CreatedAt = want.CreatedAt
 	if got != want {
-		t.Errorf("GetPayment(%s, %s) = %+v, want %+v", client, want.ID, got, want)
+		t.Errorf("Written(%s) = %v, want %v", name, got, want)
 	}
 }
 
-// mustNotFindPayment checks that client does not see payment id.
-func mustNotFindPayment(t *testing.T, b Backend, client, id string) {
+// purge calls Purge and checks how many keys it deleted.
+func purge(t *testing.T, s idempotency.Store, limit int, want int64) {
 	t.Helper()
-	got, err := b.Payments.GetPayment(context.Background(), client, id)
-	if !errors.Is(err, server.ErrNotFound) {
-		t.Errorf("GetPayment(%s, %s) = %+v, %v; want ErrNotFound", client, id, got, err)
+	n, err := s.Purge(context.Background(), limit)
+	if err != nil || n != want {
+		t.Fatalf("Purge(%d) = %d, %v; want %d", limit, n, err, want)
 	}
+}
+
+// mustFence checks that err is ErrFenced.
+func mustFence(t *testing.T, what string, err error) {
+	t.Helper()
+	if !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("%s: %v, want ErrFenced", what, err)
+	}
+}
+
+// attempts is how many keys a check that cannot be judged on a stalled
+// machine tries before it gives up.
+const attempts = 5
+
+// judged runs check on a new key each time until it returns true: check
+// returns false when the machine stalled past one of the suite's timeouts,
+// so that its result proves nothing either way (see [before]).
+func judged(t *testing.T, check func(key string) bool) {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		if check(fmt.Sprintf("key-%d", attempt)) {
+			return
+		}
+		if attempt == attempts {
+			t.Fatalf("%d attempts, each stalled past the suite's timeouts: the check cannot be judged on this machine", attempts)
+		}
+		t.Logf("attempt %d stalled past the suite's timeouts; running it again on a new key", attempt)
+	}
+}
+
+// before reports whether less than d passed since start. Taken before a
+// store call that stamps a time and after a later check, it bounds from
+// above the time the store saw between the two: when it reports true, the
+// store saw less than d.
+func before(start time.Time, d time.Duration) bool {
+	return time.Since(start) < d
 }

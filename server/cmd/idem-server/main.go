@@ -63,6 +63,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 func main() {
@@ -89,7 +90,6 @@ type options struct {
 	dbMaxConnsSet        bool // -db-max-conns was given
 	asyncClaims          bool
 	batchClaims          bool
-	batchCompletions     bool
 	apiKeys              string
 	retention            time.Duration
 	lockTimeout          time.Duration
@@ -125,19 +125,17 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"Safe here because nothing durable depends on a claim before a synchronous commit to the same database (the fake processor's charge, the completion) "+
 			"flushes the WAL behind it; a claim lost in a crash is claimed again by the retry (needs -database-url and the built-in processor)")
 	fs.BoolVar(&o.batchClaims, "batch-claims", false,
-		"claim the new keys of concurrent requests together, in one statement and one commit (see PostgresStore.BatchClaims); needs -database-url")
-	fs.BoolVar(&o.batchCompletions, "batch-completions", false,
-		"complete the keys of concurrent requests together, with their payments, in one statement and one commit (see PostgresStore.BatchCompletions); needs -database-url")
+		"claim the new keys of concurrent requests together, in one statement and one commit (see pgstore.Store.BatchClaims); needs -database-url")
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
-	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
+	fs.DurationVar(&o.retention, "retention", idempotency.DefaultRetention,
 		"how long a key is kept; older keys count as absent and the purge job deletes them")
-	fs.DurationVar(&o.lockTimeout, "lock-timeout", server.DefaultLockTimeout,
+	fs.DurationVar(&o.lockTimeout, "lock-timeout", idempotency.DefaultLockTimeout,
 		"a started key older than this may be taken over by a retry")
-	fs.DurationVar(&o.purgeInterval, "purge-interval", server.DefaultPurgeInterval, "how often the purge job runs")
-	fs.IntVar(&o.purgeBatch, "purge-batch", server.DefaultPurgeBatch,
+	fs.DurationVar(&o.purgeInterval, "purge-interval", idempotency.DefaultPurgeInterval, "how often the purge job runs")
+	fs.IntVar(&o.purgeBatch, "purge-batch", idempotency.DefaultPurgeBatch,
 		"most expired keys deleted by one purge statement; smaller batches are shorter bursts of work for the requests running meanwhile")
-	fs.Float64Var(&o.purgeDutyCycle, "purge-duty-cycle", server.DefaultPurgeDutyCycle,
+	fs.Float64Var(&o.purgeDutyCycle, "purge-duty-cycle", idempotency.DefaultPurgeDutyCycle,
 		"share of its time, in (0, 1], the purge job spends deleting while it works through a backlog: "+
 			"after a batch that took d it pauses d×(1-share)/share; 1: no pause. Retention stays exact: an expired key counts as absent before it is deleted")
 	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor")
@@ -149,7 +147,7 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"store and replay 5xx answers (Stripe's behaviour); default: a 5xx releases the key so a retry runs again")
 	fs.DurationVar(&o.waitForCompletion, "wait-for-completion", 0,
 		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once")
-	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes, "largest request body; larger ones get 413")
+	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", idempotency.DefaultMaxBodyBytes, "largest request body; larger ones get 413")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long a graceful stop waits for in-flight requests")
 	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
@@ -180,21 +178,17 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-purge-duty-cycle %v: want a share in (0, 1]", o.purgeDutyCycle)
 	case o.dbMaxConns < 1 || o.dbMaxConns > math.MaxInt32:
 		return o, fmt.Errorf("-db-max-conns %d: want at least 1", o.dbMaxConns)
-	case o.databaseURL == "" && (o.batchClaims || o.batchCompletions):
-		return o, errors.New("-batch-claims and -batch-completions need -database-url: the in-memory store has no statements to batch")
+	case o.databaseURL == "" && o.batchClaims:
+		return o, errors.New("-batch-claims needs -database-url: the in-memory store has no statements to batch")
 	case o.databaseURL == "" && o.asyncClaims:
 		return o, errors.New("-async-claims needs -database-url: the in-memory store has no commit to make asynchronous")
 	case o.asyncClaims && o.processorURL != "":
-		// See PostgresStore.AsyncClaims: a claim lost in a crash would give
+		// See pgstore.Store.AsyncClaims: a claim lost in a crash would give
 		// the retry a new operation ID, and so a second charge, unless the
 		// charge itself commits through this database after the claim.
 		return o, errors.New("-async-claims needs the built-in fake processor, whose charges commit through the same database; with -processor-url a claim lost in a crash could charge twice")
 	case o.databaseURL == "" && o.dbMaxConnsSet:
 		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
-	case o.processorDelay >= o.lockTimeout:
-		// A charge is bounded by the lock timeout (after it, a retry may
-		// take the key over), so such a processor could never succeed.
-		return o, errors.New("-processor-delay must be shorter than -lock-timeout: every charge would time out")
 	}
 	return o, nil
 }
@@ -209,39 +203,38 @@ func cmpOr(s, def string) string {
 // openStore returns the store the options ask for: in memory without a
 // database URL, else a PostgresStore on a new pool, migrated, which the
 // caller closes. The pool's connections report to trips, if not nil.
-func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.DBRoundTrips) (server.Store, *pgxpool.Pool, error) {
+func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.DBRoundTrips) (server.Storage, *pgxpool.Pool, error) {
 	if o.databaseURL == "" {
 		log.Warn("no database URL: using the in-memory store; keys and payments are lost on exit (set -database-url or DATABASE_URL for PostgreSQL)")
-		return server.NewMemoryStore(), nil, nil
+		return server.NewMemoryStorage().Storage(), nil, nil
 	}
 	cfg, err := poolConfig(o)
 	if err != nil {
-		return nil, nil, fmt.Errorf("database: %w", err)
+		return server.Storage{}, nil, fmt.Errorf("database: %w", err)
 	}
 	if trips != nil {
 		cfg.ConnConfig.Tracer = trips
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
-		return nil, nil, fmt.Errorf("database: %w", err)
+		return server.Storage{}, nil, fmt.Errorf("database: %w", err)
 	}
 	if err := pool.Ping(ctx); err != nil {
 		pool.Close()
-		return nil, nil, fmt.Errorf("database: %w", err)
+		return server.Storage{}, nil, fmt.Errorf("database: %w", err)
 	}
 	if err := server.Migrate(ctx, pool); err != nil {
 		pool.Close()
-		return nil, nil, fmt.Errorf("database: migrating: %w", err)
+		return server.Storage{}, nil, fmt.Errorf("database: migrating: %w", err)
 	}
-	store := server.NewPostgresStore(pool)
-	store.AsyncClaims = o.asyncClaims
-	store.BatchClaims = o.batchClaims
-	store.BatchCompletions = o.batchCompletions
+	storage := server.NewPostgresStorage(pool)
+	keys := storage.Keys()
+	keys.AsyncClaims = o.asyncClaims
+	keys.BatchClaims = o.batchClaims
 	cc := cfg.ConnConfig
 	log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User,
-		"max_conns", cfg.MaxConns, "async_claims", store.AsyncClaims, "batch_claims", store.BatchClaims,
-		"batch_completions", store.BatchCompletions)
-	return store, pool, nil
+		"max_conns", cfg.MaxConns, "async_claims", keys.AsyncClaims, "batch_claims", keys.BatchClaims)
+	return storage.Storage(), pool, nil
 }
 
 // poolConfig parses the DSN and sizes the pool: -db-max-conns, unless the
@@ -312,7 +305,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	}
 
 	trips := new(server.DBRoundTrips)
-	store, pool, err := openStore(ctx, o, log, trips)
+	storage, pool, err := openStore(ctx, o, log, trips)
 	if err != nil {
 		return err
 	}
@@ -323,7 +316,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	}
 
 	srv, err := server.New(server.Config{
-		Store:                store,
+		Storage:              storage,
 		APIKeys:              keys,
 		Retention:            o.retention,
 		LockTimeout:          o.lockTimeout,

@@ -1,0 +1,28 @@
+// Package pgstore is the PostgreSQL store of package idempotency, on pgx v5:
+// the idempotency keys live in a table of their own, next to the service's
+// tables, and a handler's writes commit in the same transaction as its key's
+// stored outcome.
+//
+//	if err := pgstore.Migrate(ctx, pool); err != nil { ... } // the key table only
+//	keyed := idempotency.Middleware(pgstore.New(pool), idempotency.Options{ClientID: clientOf})
+//	mux.Handle("POST /orders", keyed(http.HandlerFunc(createOrder)))
+//
+// and in the handler:
+//
+//	tx, _ := pgstore.TxFromContext(r.Context())
+//	_, err := tx.Exec(r.Context(), `INSERT INTO orders (id, item) VALUES ($1, $2)`, id, item)
+//
+// The order row and the key's outcome then commit together, in one commit
+// sent with the key's completion: a retry gets the stored response and finds
+// the row, and a request whose outcome is not stored (a 400, a 5xx, a panic,
+// a request taken over while it ran) leaves no row. The transaction begins on
+// its first statement, so a handler that calls a slow downstream system first
+// holds no connection meanwhile.
+//
+// Round trips: a first execution costs the claim (one statement, committed
+// on its own so that a duplicate sees the key at once), then the handler's
+// own transaction as it would cost without the middleware (BEGIN, its
+// statements), whose COMMIT carries the key's completion in the same round
+// trip; a replay costs one, the claim. See [Store] for what happens
+// when a connection breaks, and [Migrate] for the table.
+package pgstore

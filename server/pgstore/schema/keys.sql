@@ -1,0 +1,43 @@
+-- The key table of package pgstore (version 1), created by pgstore.Migrate
+-- in the first schema of the search_path, and recorded there in
+-- idempotency_migrations. pgstore owns these three objects and no other:
+-- the sequence, the table and its index.
+
+-- Fencing tokens. Every claim and every takeover of a key takes the next
+-- value, so a token names one ownership of one key and is never reused; a
+-- renewal, completion or release whose token is no longer on the row is
+-- fenced.
+CREATE SEQUENCE IF NOT EXISTS idempotency_lock_tokens AS bigint;
+
+CREATE TABLE idempotency_keys (
+    client_id             text        NOT NULL,  -- keys are scoped by the authenticated client
+    idempotency_key       text        NOT NULL,
+    request_method        text        NOT NULL,
+    request_path          text        NOT NULL,
+    request_hash          bytea       NOT NULL,  -- SHA-256 of the canonical request
+    fingerprint_version   integer     NOT NULL,  -- version of the canonical form request_hash was made with
+    status                text        NOT NULL,  -- started | completed | released
+    operation_id          uuid        NOT NULL,  -- the logical operation; kept across takeovers and resumptions
+    lock_token            bigint      NOT NULL,  -- fencing token of the current (or last) owner
+    release_rejected      boolean     NOT NULL DEFAULT false,  -- released: any request may claim it (true) or only the same one
+    response_status       integer,
+    response_content_type text,
+    response_headers      jsonb,                 -- the other replayed headers (Location), as a JSON object
+    -- bytea, not jsonb: a replay must be the first response byte for byte.
+    response_body         bytea,
+    created_at            timestamptz NOT NULL DEFAULT now(),  -- when the operation began
+    locked_at             timestamptz NOT NULL DEFAULT now(),  -- the last claim or renewal of the lease
+    lease_us              bigint      NOT NULL,  -- the owner's lease in microseconds; 0: never runs out
+    retention_us          bigint      NOT NULL,  -- kept this long after finishing; 0: forever
+    expires_at            timestamptz,           -- counts as absent after this; NULL: never
+    CONSTRAINT idempotency_keys_pkey PRIMARY KEY (client_id, idempotency_key),
+    CONSTRAINT idempotency_keys_key_check CHECK (octet_length(idempotency_key) BETWEEN 1 AND 255),
+    CONSTRAINT idempotency_keys_status_check CHECK (status IN ('started', 'completed', 'released')),
+    CONSTRAINT idempotency_keys_response_check CHECK ((status = 'completed') = (response_status IS NOT NULL)),
+    CONSTRAINT idempotency_keys_response_status_check CHECK (response_status BETWEEN 100 AND 599),
+    CONSTRAINT idempotency_keys_lease_check CHECK (lease_us >= 0 AND retention_us >= 0)
+);
+
+-- The purge walks this index, from the key that expired first, in bounded
+-- batches; keys that never expire (NULL) are not in it.
+CREATE INDEX idempotency_keys_expires_idx ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL;

@@ -1,0 +1,135 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/server/pgstore"
+)
+
+// PostgresStorage is the PostgreSQL [Storage] on the tables of [Migrate]:
+// the keys in a [pgstore.Store], the payments written through
+// [pgstore.TxFromContext] as any service writes its rows, and the charges.
+// It is safe for concurrent use by many goroutines and many processes.
+type PostgresStorage struct {
+	pool *pgxpool.Pool
+	keys *pgstore.Store
+}
+
+// NewPostgresStorage returns the storage on pool, whose search_path must
+// reach the tables created by [Migrate].
+func NewPostgresStorage(pool *pgxpool.Pool) *PostgresStorage {
+	return &PostgresStorage{pool: pool, keys: pgstore.New(pool)}
+}
+
+// Storage returns the three stores of s.
+func (s *PostgresStorage) Storage() Storage {
+	return Storage{Keys: s.keys, Payments: s, Charges: s}
+}
+
+// Keys returns the key store, to set its options before first use.
+func (s *PostgresStorage) Keys() *pgstore.Store { return s.keys }
+
+// insertPaymentSQL inserts one payment. A payment without CreatedAt gets
+// the current time.
+const insertPaymentSQL = `
+INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
+    idempotency_key, operation_id, charge_id, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, nullif($7, '')::uuid, nullif($8, ''), coalesce($9, now()))`
+
+// CreatePayment implements [PaymentStore]: inside a request that owns its
+// key, in the request's transaction ([pgstore.TxFromContext]); anywhere
+// else in a transaction of its own, the same BEGIN, INSERT and COMMIT a
+// service without the middleware would send.
+func (s *PostgresStorage) CreatePayment(ctx context.Context, p Payment) error {
+	if err := checkPaymentText(p); err != nil {
+		return err
+	}
+	created := pgtype.Timestamptz{Time: p.CreatedAt, Valid: !p.CreatedAt.IsZero()}
+	insert := func(tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, insertPaymentSQL, p.ID, p.ClientID, p.Customer, p.Amount, p.Currency,
+			p.IdempotencyKey, p.OperationID, p.ChargeID, created)
+		return err
+	}
+	var err error
+	if tx, ok := pgstore.TxFromContext(ctx); ok {
+		err = insert(tx)
+	} else {
+		err = pgx.BeginFunc(ctx, s.pool, insert)
+	}
+	return interpretError(err)
+}
+
+// GetPayment implements [PaymentStore].
+func (s *PostgresStorage) GetPayment(ctx context.Context, clientID, id string) (Payment, error) {
+	var p Payment
+	err := s.pool.QueryRow(ctx, `
+		SELECT payment_id, client_id, customer_id, amount, currency, idempotency_key,
+			operation_id::text, coalesce(charge_id, ''), created_at
+		FROM payments
+		WHERE payment_id = $1 AND client_id = $2`, id, clientID).
+		Scan(&p.ID, &p.ClientID, &p.Customer, &p.Amount, &p.Currency, &p.IdempotencyKey,
+			&p.OperationID, &p.ChargeID, &p.CreatedAt)
+	if err != nil {
+		return Payment{}, interpretError(err)
+	}
+	return p, nil
+}
+
+// createChargeSQL inserts a charge or returns the one stored under its key;
+// it returns no row when it lost a race, and is run again. An empty charge
+// ID gets a generated one, an unset time the current one.
+const createChargeSQL = `
+WITH inserted AS (
+    INSERT INTO charges (charge_id, idempotency_key, amount, currency, created_at)
+    VALUES (coalesce(nullif($1, ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), $2, $3, $4, coalesce($5, now()))
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING charge_id, idempotency_key, amount, currency, created_at
+)
+SELECT charge_id, idempotency_key, amount, currency, created_at, true FROM inserted
+UNION ALL
+SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM charges
+WHERE idempotency_key = $2 AND NOT EXISTS (SELECT FROM inserted)`
+
+// maxRaces bounds how often CreateCharge runs its statement again after
+// losing a race.
+const maxRaces = 10
+
+// CreateCharge implements [ChargeStore] in one statement.
+func (s *PostgresStorage) CreateCharge(ctx context.Context, c Charge) (stored Charge, created bool, err error) {
+	createdAt := pgtype.Timestamptz{Time: c.CreatedAt, Valid: !c.CreatedAt.IsZero()}
+	for range maxRaces {
+		err = s.pool.QueryRow(ctx, createChargeSQL, c.ID, c.IdempotencyKey, c.Amount, c.Currency, createdAt).
+			Scan(&stored.ID, &stored.IdempotencyKey, &stored.Amount, &stored.Currency, &stored.CreatedAt, &created)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			break
+		}
+	}
+	if err != nil {
+		return Charge{}, false, interpretError(err)
+	}
+	return stored, created, nil
+}
+
+// interpretError translates the errors of pgx the server knows, by
+// SQLSTATE and constraint name: [ErrNotFound] for no row,
+// [ErrDuplicatePayment] for a payment's unique violation.
+func interpretError(err error) error {
+	var pgErr *pgconn.PgError
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, pgx.ErrNoRows):
+		return ErrNotFound
+	case errors.As(err, &pgErr) && pgErr.Code == "23505" &&
+		(pgErr.ConstraintName == "payments_pkey" || pgErr.ConstraintName == "payments_client_operation_key"):
+		return fmt.Errorf("%w: %w", ErrDuplicatePayment, err)
+	}
+	return fmt.Errorf("server: postgres: %w", err)
+}
