@@ -115,7 +115,7 @@ func PoolWith(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
 func unavailable(t testing.TB, err error) {
 	t.Helper()
 	msg := fmt.Sprintf("pgtest: no PostgreSQL for this test: %v; set %s to a database URL", err, EnvURL)
-	if ci, _ := strconv.ParseBool(os.Getenv("CI")); ci {
+	if CI() {
 		t.Fatal(msg + " (CI=true: database tests must run, not skip)")
 	}
 	t.Skip(msg)
@@ -173,4 +173,39 @@ func dropSchema(ctx context.Context, conn, schema string) error {
 		return fmt.Errorf("drop schema %s: %w", schema, err)
 	}
 	return nil
+}
+
+// MainPool is Pool for code that has no test to hand, such as the
+// runnable examples of a package, which a TestMain sets up: a pool on a
+// fresh schema, and a cleanup that closes it and drops the schema. The
+// error says why no database could be had; under CI=true the caller must
+// fail with it, elsewhere it may skip.
+func MainPool(name string) (*pgxpool.Pool, func(), error) {
+	base, err := discover()
+	if err != nil {
+		return nil, nil, fmt.Errorf("pgtest: no PostgreSQL: %v; set %s to a database URL", err, EnvURL)
+	}
+	ctx := context.Background()
+	schema := schemaName(name)
+	if err := execOnce(ctx, base, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
+		return nil, nil, fmt.Errorf("pgtest: create schema %s: %w", schema, err)
+	}
+	pool, err := pgxpool.New(ctx, withSearchPath(base, schema))
+	if err != nil {
+		_ = dropSchema(ctx, base, schema)
+		return nil, nil, fmt.Errorf("pgtest: open pool: %w", err)
+	}
+	return pool, func() {
+		pool.Close()
+		ctx, cancel := context.WithTimeout(ctx, cleanupTimeout)
+		defer cancel()
+		_ = dropSchema(ctx, base, schema)
+	}, nil
+}
+
+// CI reports whether the tests run under CI (CI=true), where a database
+// test must fail, never skip, without PostgreSQL.
+func CI() bool {
+	ci, _ := strconv.ParseBool(os.Getenv("CI"))
+	return ci
 }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"net/http/httptest"
 	"slices"
 	"strings"
 	"sync"
@@ -15,32 +14,9 @@ import (
 	"time"
 )
 
-// mwServer serves h behind Idempotency on store, with every request
-// authenticated as client "c" unless opts.ClientID says otherwise.
-func mwServer(t *testing.T, store Store, opts IdempotencyOptions, h http.HandlerFunc) *testServer {
-	t.Helper()
-	if opts.Logger == nil {
-		opts.Logger = testLogger(t)
-	}
-	var handler http.Handler = Idempotency(store, opts)(h)
-	if opts.ClientID == nil {
-		inner := handler
-		handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			inner.ServeHTTP(w, r.WithContext(WithClientID(r.Context(), "c")))
-		})
-	}
-	hs := httptest.NewServer(handler)
-	client := &http.Client{Transport: &http.Transport{}}
-	t.Cleanup(func() {
-		client.CloseIdleConnections()
-		hs.Close()
-	})
-	return &testServer{URL: hs.URL, client: client}
-}
-
-// TestIdempotencyStatusPolicy checks which handler statuses are stored
+// TestMiddlewareStatusPolicy checks which handler statuses are stored
 // (replayed to the retry) and which release the key (the retry runs again).
-func TestIdempotencyStatusPolicy(t *testing.T) {
+func TestMiddlewareStatusPolicy(t *testing.T) {
 	for _, storeServerErrors := range []bool{false, true} {
 		for _, tt := range []struct {
 			status int
@@ -53,7 +29,7 @@ func TestIdempotencyStatusPolicy(t *testing.T) {
 		} {
 			t.Run(fmt.Sprintf("%d/store5xx=%v", tt.status, storeServerErrors), func(t *testing.T) {
 				var calls atomic.Int32
-				ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{StoreServerErrors: storeServerErrors},
+				ts := mwServer(t, NewMemoryStore(), Options{StoreServerErrors: storeServerErrors},
 					func(w http.ResponseWriter, r *http.Request) {
 						n := calls.Add(1)
 						w.WriteHeader(tt.status)
@@ -77,26 +53,26 @@ func TestIdempotencyStatusPolicy(t *testing.T) {
 	}
 }
 
-func TestIdempotencyPassesOtherMethods(t *testing.T) {
+func TestMiddlewarePassesOtherMethods(t *testing.T) {
 	for _, method := range []string{"GET", "HEAD", "PUT", "DELETE", "OPTIONS"} {
 		var sawTx bool
-		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{ClientID: func(*http.Request) (string, bool) { return "", false }},
+		ts := mwServer(t, NewMemoryStore(), Options{ClientID: func(*http.Request) (string, bool) { return "", false }},
 			func(w http.ResponseWriter, r *http.Request) {
 				_, sawTx = TxFromContext(r.Context())
 				w.WriteHeader(http.StatusTeapot)
 			})
-		r := ts.mustSend(t, call{method: method, token: "-"})
+		r := ts.mustSend(t, call{method: method})
 		if r.status != http.StatusTeapot || sawTx || r.header.Get("Idempotency-Key") != "" {
 			t.Errorf("%s: %d tx=%v, want the handler's 418 untouched", method, r.status, sawTx)
 		}
 	}
 }
 
-// TestIdempotencyReplayHeaders checks what a replay carries: the stored
+// TestMiddlewareReplayHeaders checks what a replay carries: the stored
 // status, content type, headers and body, not cookies.
-func TestIdempotencyReplayHeaders(t *testing.T) {
+func TestMiddlewareReplayHeaders(t *testing.T) {
 	var calls atomic.Int32
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
 		claim, ok := ClaimFromContext(r.Context())
 		if !ok || claim.ClientID != "c" || claim.Key != "k" || claim.OperationID == "" {
@@ -132,10 +108,10 @@ func TestIdempotencyReplayHeaders(t *testing.T) {
 	}
 }
 
-// TestIdempotencyOtherRequestSameKey checks that the method, path, query and
+// TestMiddlewareOtherRequestSameKey checks that the method, path, query and
 // body are all part of the request a key belongs to.
-func TestIdempotencyOtherRequestSameKey(t *testing.T) {
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+func TestMiddlewareOtherRequestSameKey(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	if r := ts.mustSend(t, keyed("k", `{"a": 1}`)); r.status != http.StatusCreated {
@@ -155,8 +131,8 @@ func TestIdempotencyOtherRequestSameKey(t *testing.T) {
 	}
 }
 
-func TestIdempotencyEmptyResponseSniffed(t *testing.T) {
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+func TestMiddlewareEmptyResponseSniffed(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/html" {
 			io.WriteString(w, "<html>hi</html>")
 		}
@@ -171,12 +147,12 @@ func TestIdempotencyEmptyResponseSniffed(t *testing.T) {
 	}
 }
 
-// TestIdempotencyPanic checks that a panicking handler's key is released:
+// TestMiddlewarePanic checks that a panicking handler's key is released:
 // the retry runs again at once, under the same operation.
-func TestIdempotencyPanic(t *testing.T) {
+func TestMiddlewarePanic(t *testing.T) {
 	var mu sync.Mutex
 	var ops []string
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		c, _ := ClaimFromContext(r.Context())
 		mu.Lock()
 		ops = append(ops, c.OperationID)
@@ -200,11 +176,11 @@ func TestIdempotencyPanic(t *testing.T) {
 	}
 }
 
-// TestIdempotencyReleaseKeepsOperation checks what a released key gives the
+// TestMiddlewareReleaseKeepsOperation checks what a released key gives the
 // next request: the retry of the same request runs at once (no 409) under
 // the same operation, so work keyed by it downstream is found; a corrected
 // request is a new operation.
-func TestIdempotencyReleaseKeepsOperation(t *testing.T) {
+func TestMiddlewareReleaseKeepsOperation(t *testing.T) {
 	var mu sync.Mutex
 	charged := map[string]int{} // a downstream system keyed by the operation
 	var ops []string
@@ -213,7 +189,7 @@ func TestIdempotencyReleaseKeepsOperation(t *testing.T) {
 		defer mu.Unlock()
 		return slices.Clone(ops), len(charged)
 	}
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		c, _ := ClaimFromContext(r.Context())
 		body, _ := io.ReadAll(r.Body)
 		mu.Lock()
@@ -259,12 +235,12 @@ func TestIdempotencyReleaseKeepsOperation(t *testing.T) {
 	}
 }
 
-// TestIdempotencyClientGone checks that a handler that finishes after its
+// TestMiddlewareClientGone checks that a handler that finishes after its
 // client went away is completed, so the retry gets the replay.
-func TestIdempotencyClientGone(t *testing.T) {
+func TestMiddlewareClientGone(t *testing.T) {
 	entered, finish := make(chan struct{}), make(chan struct{})
 	var calls atomic.Int32
-	ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
 		if calls.Add(1) == 1 {
 			close(entered)
 			<-finish
@@ -301,10 +277,10 @@ func TestIdempotencyClientGone(t *testing.T) {
 	}
 }
 
-func TestIdempotencyOptions(t *testing.T) {
+func TestOptions(t *testing.T) {
 	ok := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }
 	t.Run("KeyHeader", func(t *testing.T) {
-		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{KeyHeader: "x-request-key"}, ok)
+		ts := mwServer(t, NewMemoryStore(), Options{KeyHeader: "x-request-key"}, ok)
 		r := ts.mustSend(t, keyed("k", "{}"))
 		if r.status != http.StatusBadRequest || !strings.Contains(r.problem(t).Detail, "X-Request-Key") {
 			t.Errorf("without the custom header: %d %s", r.status, r.body)
@@ -321,7 +297,7 @@ func TestIdempotencyOptions(t *testing.T) {
 		}
 	})
 	t.Run("ClientID", func(t *testing.T) {
-		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{ClientID: func(r *http.Request) (string, bool) {
+		ts := mwServer(t, NewMemoryStore(), Options{ClientID: func(r *http.Request) (string, bool) {
 			id := r.Header.Get("X-Tenant")
 			return id, id != ""
 		}}, ok)
@@ -332,7 +308,7 @@ func TestIdempotencyOptions(t *testing.T) {
 	})
 	t.Run("RetryAfter", func(t *testing.T) {
 		store := NewMemoryStore()
-		ts := mwServer(t, store, IdempotencyOptions{RetryAfter: 1500 * time.Millisecond}, ok)
+		ts := mwServer(t, store, Options{RetryAfter: 1500 * time.Millisecond}, ok)
 		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
 		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
 		r := ts.mustSend(t, keyed("k", "{}"))
@@ -342,16 +318,23 @@ func TestIdempotencyOptions(t *testing.T) {
 	})
 	t.Run("NoLockTimeout", func(t *testing.T) {
 		store, clock := newClockedMemoryStore()
-		ts := mwServer(t, store, IdempotencyOptions{LockTimeout: -1}, ok)
+		rec := &recordingStore{Store: store}
+		ts := mwServer(t, rec, Options{LockTimeout: -1}, ok)
 		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
 		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
 		clock.Advance(time.Hour)
 		if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusConflict {
 			t.Errorf("stale key without lock timeout: %d, want 409", r.status)
 		}
+		if r := ts.mustSend(t, keyed("k2", "{}")); r.status != http.StatusCreated {
+			t.Errorf("new key: %d, want 201", r.status)
+		}
+		if got := rec.requests(); len(got) != 2 || got[1].LockTimeout != 0 {
+			t.Errorf("claims %+v, want the second with no lease (LockTimeout 0)", got)
+		}
 	})
 	t.Run("UnlimitedBody", func(t *testing.T) {
-		ts := mwServer(t, NewMemoryStore(), IdempotencyOptions{MaxBodyBytes: -1}, ok)
+		ts := mwServer(t, NewMemoryStore(), Options{MaxBodyBytes: -1}, ok)
 		big := `{"x": "` + strings.Repeat("y", 2<<20) + `"}`
 		if r := ts.mustSend(t, keyed("k", big)); r.status != http.StatusCreated {
 			t.Errorf("2 MiB body without a limit: %d", r.status)
@@ -389,11 +372,11 @@ type failingTx struct{ Tx }
 
 func (failingTx) Complete(context.Context, StoredResponse) error { return errBroken }
 
-func TestIdempotencyStoreErrors(t *testing.T) {
+func TestMiddlewareStoreErrors(t *testing.T) {
 	for _, fail := range []string{"claim", "begin", "complete"} {
 		t.Run(fail, func(t *testing.T) {
 			store := &failingStore{MemoryStore: NewMemoryStore(), fail: fail}
-			ts := mwServer(t, store, IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+			ts := mwServer(t, store, Options{}, func(w http.ResponseWriter, r *http.Request) {
 				w.WriteHeader(http.StatusCreated)
 			})
 			r := ts.mustSend(t, keyed("k", "{}"))
@@ -420,7 +403,6 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 	if _, ok := ClientIDFromContext(ctx); ok {
 		t.Error("ClientIDFromContext found a client")
 	}
-	simulateCrash(ctx) // does nothing
 	if got := EventTookOver.String(); got != "took_over" {
 		t.Errorf("EventTookOver = %q", got)
 	}
@@ -429,12 +411,12 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 	}
 }
 
-// TestIdempotencyUnknownFingerprintVersion checks that a record stored with
+// TestMiddlewareUnknownFingerprintVersion checks that a record stored with
 // a fingerprint version this server does not know is never replayed to a
 // request it cannot compare with.
-func TestIdempotencyUnknownFingerprintVersion(t *testing.T) {
+func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
 	store := NewMemoryStore()
-	ts := mwServer(t, store, IdempotencyOptions{}, func(w http.ResponseWriter, r *http.Request) {
+	ts := mwServer(t, store, Options{}, func(w http.ResponseWriter, r *http.Request) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",

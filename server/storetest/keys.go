@@ -457,4 +457,3 @@ func testReleaseFenced(t *testing.T, b Backend) {
 		t.Errorf("after Release of a completed key: status %q, want completed", rec.Status)
 	}
 }
-

@@ -1,0 +1,87 @@
+// Package idempotency is the server side of the Idempotency-Key contract
+// for net/http: a middleware any service puts in front of its own POST and
+// PATCH handlers, over a [Store] of keys that commits the handler's writes
+// together with the key's stored outcome.
+//
+//	keyed := idempotency.Middleware(store, idempotency.Options{ClientID: clientOf})
+//	mux.Handle("POST /orders", keyed(http.HandlerFunc(createOrder)))
+//
+// The store is a [MemoryStore] for tests and demos, or pgstore.New(pool) on
+// PostgreSQL (package github.com/idemkit/idem/server/pgstore), whose
+// pgstore.TxFromContext gives the handler the transaction its writes commit
+// in. Inside the handler, [ClaimFromContext] carries the
+// [Claim.OperationID] to derive downstream idempotency keys from. Package
+// storetest is the conformance suite any other Store passes.
+//
+// The package imports no database driver and no metrics library: events go
+// to [Options.OnEvent], logs to [Options.Logger].
+//
+// # The contract
+//
+// It follows the IETF draft draft-ietf-httpapi-idempotency-key-header, with
+// Stripe's API where the draft is silent. A key is a bare token or an
+// RFC 9651 sf-string of 1 to 255 visible ASCII characters, scoped by the
+// authenticated client ([Options.ClientID]). A request's [Fingerprint]
+// (SHA-256 of its method, path, query and canonical body) is stored with
+// the key.
+//
+//	first request with the key         runs; its outcome is stored
+//	retry after it finished            the stored status, headers and body, with Idempotent-Replayed: true
+//	retry while it runs                409 with Retry-After (or a bounded wait, then the replay)
+//	same key, another request          422
+//	no key, or an invalid one          400
+//	body over the limit                413
+//
+// Error bodies are RFC 9457 problem details with a stable type URI per case
+// (the Problem… constants).
+//
+// # What is stored
+//
+// 2xx, 3xx and definitive 4xx answers are stored and replayed. 400 and the
+// other 4xx that mean "nothing was done" (401, 403, 404, 405, 408, 409, 413,
+// 415, 425, 429) release the key, so the client can correct the request and
+// retry with the same key. 5xx answers, panics and failed completions
+// release the key too by default, so the retry runs again at once;
+// [Options.StoreServerErrors] stores and replays 5xx answers
+// instead, as Stripe does. See [Middleware] for the details.
+//
+// A released key is not deleted: it keeps its [Claim.OperationID]
+// ([Store.Release]). The retry of the same request resumes the operation
+// under it, so a request that failed after an irreversible downstream call
+// keyed by the OperationID (a card charge) is not charged twice. After a
+// 4xx that means "nothing was done", a different request with the key,
+// such as the corrected one after a 400, is a new operation; after a 5xx,
+// a panic or a failed completion, it gets 422, since the failed request
+// may have taken effect and only its own retry finishes it
+// ([ReleaseKind]).
+//
+// # Crashes and slow requests
+//
+// The key is claimed in its own statement before any work, so a duplicate
+// sees it at once. The business writes and the key's completion commit in
+// one transaction. While the handler runs, the middleware renews the
+// claim's lease every third of the lock timeout (10s by default), so a slow
+// request keeps its key however long it takes, and its duplicates get 409.
+// A started key whose owner stopped renewing it for a whole lock timeout
+// (it crashed, or was cut off from the store) is taken over by the next
+// request with the same fingerprint, under a new fencing token and the same
+// OperationID: the crashed request's downstream work, keyed by the
+// OperationID, is found rather than done again, and a request that was only
+// cut off finds its completion fenced ([ErrFenced]) and rolled back, so it
+// never commits twice; its context is cancelled with [ErrLeaseLost] as soon
+// as a renewal learns of the takeover.
+//
+// # Retention
+//
+// Keys are kept for 24 hours by default after their request finished
+// (completed or released), a retention stored with each key, so the
+// replica that finished a key decides when it expires, whatever the
+// settings of the replica that reads it later. An expired key counts as
+// absent at once, whatever the purge timing, so reusing it starts a new
+// operation. A key whose request is running never expires; one whose owner
+// died expires its retention after its lease ran out. [Purger] deletes
+// expired keys, released ones included, in bounded batches every minute,
+// pausing between batches in proportion to how long each took, so that a
+// large backlog does not slow the requests down.
+//
+package idempotency
