@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -227,4 +228,25 @@ func TestOrderService(t *testing.T) {
 		assert.Equal(t, "true", again.Header.Get("Idempotent-Replayed"))
 		assert.Equal(t, 1, orders(t, "pen"))
 	})
+}
+
+// TestImports checks the import graph a service pays for: the library
+// packages pull in neither the metrics library nor the reference server,
+// and the middleware no database driver.
+func TestImports(t *testing.T) {
+	goBin, err := exec.LookPath("go")
+	require.NoError(t, err, "the go command is needed to list the imports")
+	for _, tc := range []struct {
+		pkg       string
+		forbidden []string
+	}{
+		{"github.com/idemkit/idem/server/idempotency", []string{"github.com/jackc/pgx", "github.com/prometheus/", "github.com/idemkit/idem/server\n"}},
+		{"github.com/idemkit/idem/server/pgstore", []string{"github.com/prometheus/", "github.com/idemkit/idem/server\n"}},
+	} {
+		out, err := exec.Command(goBin, "list", "-deps", tc.pkg).CombinedOutput()
+		require.NoError(t, err, "go list -deps %s: %s", tc.pkg, out)
+		for _, f := range tc.forbidden {
+			assert.NotContains(t, string(out), f, "%s imports %s", tc.pkg, strings.TrimSpace(f))
+		}
+	}
 }

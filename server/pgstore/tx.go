@@ -68,27 +68,79 @@ type unit struct {
 
 // begin returns the handler's transaction, beginning it on first use.
 func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
+	tx, _, err := u.beginWith(ctx, nil)
+	return tx, err
+}
+
+// beginWith is begin that, when it begins the transaction, sends first in
+// the same round trip as the BEGIN (pgx's Batch.BeginTx), reads its result
+// with read and reports sent. With first nil, or once the transaction has
+// begun, it sends nothing: the caller runs its statement on the returned
+// transaction. A first statement that fails leaves the transaction begun
+// and aborted, as any failed statement does.
+func (u *unit) beginWith(ctx context.Context, first *firstStatement) (tx pgx.Tx, sent bool, err error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	switch {
 	case u.done:
-		return nil, errTxDone
+		return nil, false, errTxDone
 	case u.tx != nil || u.err != nil:
-		return u.tx, u.err
+		return u.tx, false, u.err
 	}
 	conn, err := u.store.pool.Acquire(ctx)
 	if err != nil {
 		u.err = interpretError(err)
-		return nil, u.err
+		return nil, false, u.err
 	}
-	tx, err := conn.Begin(ctx)
-	if err != nil {
+	if first == nil {
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			conn.Release()
+			u.err = interpretError(err)
+			return nil, false, u.err
+		}
+		u.conn, u.tx = conn, tx
+		return tx, false, nil
+	}
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	b.Queue(first.sql, first.args...)
+	br := conn.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil { // the BEGIN
+		br.Close()
 		conn.Release()
 		u.err = interpretError(err)
-		return nil, u.err
+		return nil, false, u.err
+	}
+	serr := first.read(br)
+	cerr := br.Close()
+	tx = br.Tx()
+	if conn.Conn().IsClosed() || conn.Conn().PgConn().TxStatus() == 'I' {
+		// The transaction did not survive the batch (its connection
+		// broke): nothing of it can commit.
+		conn.Release()
+		u.err = interpretError(cmpErr(serr, cerr, errors.New("the transaction ended")))
+		return nil, true, u.err
 	}
 	u.conn, u.tx = conn, tx
-	return tx, nil
+	return tx, true, cmpErr(serr, cerr)
+}
+
+// firstStatement is a handler's first statement, sent with the BEGIN.
+type firstStatement struct {
+	sql  string
+	args []any
+	read func(br pgx.BatchResults) error // reads its result from the batch
+}
+
+// cmpErr returns the first error that is not nil.
+func cmpErr(errs ...error) error {
+	for _, err := range errs {
+		if err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // errTxDone is returned when a finished unit of work is used again.
@@ -292,10 +344,16 @@ func (t *handlerTx) Prepare(ctx context.Context, name, sql string) (*pgconn.Stat
 	return tx.Prepare(ctx, name, sql)
 }
 
+// Exec runs sql; the first statement of the transaction travels with its
+// BEGIN, in one round trip.
 func (t *handlerTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	tx, err := t.u.begin(ctx)
-	if err != nil {
-		return pgconn.CommandTag{}, err
+	var tag pgconn.CommandTag
+	tx, sent, err := t.u.beginWith(ctx, &firstStatement{sql, args, func(br pgx.BatchResults) (err error) {
+		tag, err = br.Exec()
+		return err
+	}})
+	if sent || err != nil {
+		return tag, err
 	}
 	return tx.Exec(ctx, sql, args...)
 }
@@ -308,12 +366,28 @@ func (t *handlerTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 	return tx.Query(ctx, sql, args...)
 }
 
+// QueryRow runs sql when its row is scanned; the first statement of the
+// transaction travels with its BEGIN, in one round trip.
 func (t *handlerTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	tx, err := t.u.begin(ctx)
-	if err != nil {
-		return errRow{err}
+	return firstRow{t.u, ctx, sql, args}
+}
+
+// firstRow is the row of QueryRow, run when it is scanned.
+type firstRow struct {
+	u    *unit
+	ctx  context.Context
+	sql  string
+	args []any
+}
+
+func (r firstRow) Scan(dest ...any) error {
+	tx, sent, err := r.u.beginWith(r.ctx, &firstStatement{r.sql, r.args, func(br pgx.BatchResults) error {
+		return br.QueryRow().Scan(dest...)
+	}})
+	if sent || err != nil {
+		return err
 	}
-	return tx.QueryRow(ctx, sql, args...)
+	return tx.QueryRow(r.ctx, r.sql, r.args...).Scan(dest...)
 }
 
 // Conn returns the transaction's connection, beginning it; nil if it
@@ -325,8 +399,3 @@ func (t *handlerTx) Conn() *pgx.Conn {
 	}
 	return tx.Conn()
 }
-
-// errRow is a pgx.Row whose Scan returns err.
-type errRow struct{ err error }
-
-func (r errRow) Scan(...any) error { return r.err }
