@@ -24,6 +24,7 @@ const (
 	streamProxy = iota + 1
 	streamKills
 	streamTerminations
+	streamRestarts
 	streamClients // + client number
 )
 
@@ -41,6 +42,7 @@ type chaos struct {
 
 	mu                 sync.Mutex
 	kills              int
+	restarts           int
 	terminationRounds  int
 	backendsTerminated int
 	errs               []error // failures of the fault goroutines
@@ -52,6 +54,7 @@ type report struct {
 	schema      string
 	proxy       faultproxy.Stats
 	kills       int
+	restarts    int
 	termRounds  int
 	terminated  int
 	stats       *stats
@@ -109,6 +112,10 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	accts := accounts(cfg.accounts)
 	for i := range cfg.replicas {
 		app := fmt.Sprintf("idem-chaos-%s-r%d", runID, i)
+		delay := cfg.processorDelay
+		if i == 0 && cfg.slowDelay > 0 {
+			delay = cfg.slowDelay // slow but alive: leases renewed, never taken over
+		}
 		c.fleet.replicas = append(c.fleet.replicas, &replica{
 			n:       i,
 			appName: app,
@@ -117,10 +124,13 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 				"-database-url", db.serverURL(app),
 				"-api-keys", apiKeysFlag(accts),
 				"-lock-timeout", cfg.lockTimeout.String(),
-				"-processor-delay", cfg.processorDelay.String(),
+				"-retention", cfg.retention.String(),
+				"-purge-interval", "1s",
+				"-processor-delay", delay.String(),
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
 				"-shutdown-timeout", (stopTimeout - 5*time.Second).String(),
 				"-log-format", "json",
+				"-log-level", "debug", // the outcomes stored, counted in the report
 			}, cfg.serverArgs...),
 			logPath: filepath.Join(logsDir, fmt.Sprintf("replica-%d.log", i)),
 			onLog:   c.fleet.countLog,
@@ -162,6 +172,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	var faults sync.WaitGroup
 	faults.Go(func() { c.killer(ctx, newOps, rng(cfg.seed, streamKills)) })
 	faults.Go(func() { c.terminator(newOps, rng(cfg.seed, streamTerminations)) })
+	faults.Go(func() { c.restarter(ctx, newOps, rng(cfg.seed, streamRestarts)) })
 	var workers sync.WaitGroup
 	for w := range cfg.clients {
 		r := rng(cfg.seed, streamClients+uint64(w))
@@ -206,7 +217,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	c.proxy.Close()
 	rep.proxy = c.proxy.Stats()
 	rep.stopProblem = c.fleet.stopAll(stopTimeout)
-	rep.kills, rep.termRounds, rep.terminated = c.kills, c.terminationRounds, c.backendsTerminated
+	rep.kills, rep.restarts, rep.termRounds, rep.terminated = c.kills, c.restarts, c.terminationRounds, c.backendsTerminated
 	rep.serverLogs = c.fleet.logCounts()
 
 	lctx, cancel := context.WithTimeout(ctx, time.Minute)
@@ -240,19 +251,54 @@ func (c *chaos) killer(ctx, faults context.Context, rng *mrand.Rand) {
 		c.count(func() { c.kills++ })
 		c.event("kill -9 replica %d (pid %d); down for %s", i, pid, down.Round(time.Millisecond))
 		sleep(ctx, down)
-		addr, err := r.start(ctx)
-		for try := 1; err != nil && try < 3 && ctx.Err() == nil; try++ {
-			c.event("replica %d failed to start (%v); trying again", i, err)
-			sleep(ctx, time.Second)
-			addr, err = r.start(ctx)
-		}
-		c.fleet.mu.Unlock()
-		if err != nil {
-			c.count(func() { c.errs = append(c.errs, fmt.Errorf("restarting replica %d: %w", i, err)) })
+		if !c.startAgain(ctx, i, r) {
 			return
 		}
-		c.proxy.SetTarget(i, addr)
-		c.event("replica %d back (pid %d, %s)", i, r.pid(), addr)
+	}
+}
+
+// startAgain starts replica i, stopped or killed under c.fleet.mu, again
+// (three tries), releases c.fleet.mu and points the proxy at it. It
+// reports whether the replica is back; when it is not, the run has failed.
+func (c *chaos) startAgain(ctx context.Context, i int, r *replica) bool {
+	addr, err := r.start(ctx)
+	for try := 1; err != nil && try < 3 && ctx.Err() == nil; try++ {
+		c.event("replica %d failed to start (%v); trying again", i, err)
+		sleep(ctx, time.Second)
+		addr, err = r.start(ctx)
+	}
+	c.fleet.mu.Unlock()
+	if err != nil {
+		c.count(func() { c.errs = append(c.errs, fmt.Errorf("restarting replica %d: %w", i, err)) })
+		return false
+	}
+	c.proxy.SetTarget(i, addr)
+	c.event("replica %d back (pid %d, %s)", i, r.pid(), addr)
+	return true
+}
+
+// restarter restarts the replicas gracefully, one at a time in turn, at
+// cfg.restarts random times while faults runs, as a rolling deploy does:
+// SIGTERM, the replica stops accepting connections (the proxy fails over
+// to the others) and drains its requests, each of which completes or
+// releases its key, then it starts again.
+func (c *chaos) restarter(ctx, faults context.Context, rng *mrand.Rand) {
+	for k, at := range schedule(rng, c.cfg.restarts, c.cfg.duration) {
+		if !sleep(faults, time.Until(c.start.Add(at))) {
+			return
+		}
+		i := k % len(c.fleet.replicas)
+		c.fleet.mu.Lock()
+		r := c.fleet.replicas[i]
+		c.event("graceful restart of replica %d (pid %d): SIGTERM, draining", i, r.pid())
+		stopErr := r.stop(stopTimeout)
+		c.count(func() { c.restarts++ })
+		if stopErr != nil {
+			c.count(func() { c.errs = append(c.errs, fmt.Errorf("graceful stop of replica %d: %w", i, stopErr)) })
+		}
+		if !c.startAgain(ctx, i, r) {
+			return
+		}
 	}
 }
 

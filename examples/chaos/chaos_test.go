@@ -27,16 +27,17 @@ func TestChaos(t *testing.T) {
 		t.Skip("the chaos test runs for about 30s; skipped with -short")
 	}
 	t.Run("default", func(t *testing.T) { testChaos(t, "") })
-	// The servers' batched claims and completions (PostgresStore.BatchClaims,
-	// BatchCompletions), with asynchronous claims, through the same faults.
-	t.Run("batched", func(t *testing.T) { testChaos(t, "-batch-claims -batch-completions -async-claims") })
+	// The servers' batched claims (pgstore.Store.BatchClaims), with
+	// asynchronous claims, through the same faults.
+	t.Run("batched", func(t *testing.T) { testChaos(t, "-batch-claims -async-claims") })
 }
 
 func testChaos(t *testing.T, serverArgs string) {
 	dbURL := pgtest.URL(t) // fails under CI=true when there is no database
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
-		"-replicas", "2", "-clients", "6", "-kills", "1", "-pg-terminations", "3",
+		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
+		"-invalid-text", "0.1",
 		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
@@ -62,8 +63,12 @@ func testChaos(t *testing.T, serverArgs string) {
 		t.Errorf("%d of %d operations succeeded; want all of at least one", v.succeeded, v.operations)
 	}
 	// The faults were injected.
-	if rep.kills != 1 || rep.termRounds != 3 {
-		t.Errorf("%d kills and %d termination rounds, want 1 and 3", rep.kills, rep.termRounds)
+	if rep.kills != 1 || rep.restarts != 1 || rep.termRounds != 3 {
+		t.Errorf("%d kills, %d graceful restarts and %d termination rounds, want 1, 1 and 3", rep.kills, rep.restarts, rep.termRounds)
+	}
+	if v.invalid == 0 || v.acceptedInvalid != 0 || v.orphanCharges != 0 {
+		t.Errorf("%d operations sent invalid text first, %d accepted; %d charges without a payment; want some, 0 and 0",
+			v.invalid, v.acceptedInvalid, v.orphanCharges)
 	}
 	if rep.proxy.Connections == 0 || rep.proxy.Connections == rep.proxy.Faults[faultproxy.Pass] {
 		t.Errorf("proxy stats %+v: want connections, some of them faulted", rep.proxy)

@@ -67,6 +67,11 @@ type op struct {
 	chargeID  string
 	replayed  bool   // the success was a replay of an earlier attempt's outcome
 	last      string // the last unknown outcome or the definitive error
+
+	// invalid: the first request carries a NUL in the customer, until it
+	// is refused with 400 (rejected); then the corrected request is sent
+	// with the same key. acceptedInvalid: a server took it.
+	invalid, rejected, acceptedInvalid bool
 }
 
 func newOp(n int, a account) *op {
@@ -246,6 +251,7 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 		case newOps.Err() == nil:
 			o = newOp(int(c.seq.Add(1)), c.accounts[acct])
 			o.start = now
+			o.invalid = rng.Float64() < c.cfg.invalidRate
 			c.pending.Add(1)
 			c.mu.Lock()
 			c.ops = append(c.ops, o)
@@ -276,9 +282,25 @@ func (c *clients) call(ctx context.Context, acct int, o *op) {
 		Charge string `json:"charge"`
 	}
 	body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
+	sentInvalid := o.invalid && !o.rejected
+	if sentInvalid {
+		body["customer"] = o.customer + "\x00" // encoded as \u0000
+	}
 	resp, err := c.api[acct].Post(idem.WithKey(ctx, o.key), "/v1/payments", body, &out)
 	res := classify(err)
+	var apiErr *idem.APIError
 	switch {
+	case sentInvalid && errors.As(err, &apiErr) && apiErr.StatusCode == http.StatusBadRequest:
+		// Refused before anything was done: correct it and send it again
+		// at once, with the same key.
+		o.rejected = true
+		res = outcome{pending, "invalid text refused (400); corrected"}
+		c.stats.call(res)
+		o.last = res.reason
+		c.call(ctx, acct, o)
+		return
+	case sentInvalid && res.state == succeeded:
+		o.acceptedInvalid = true
 	case res.state == succeeded && out.ID == "":
 		res = outcome{pending, "2xx without a payment id"}
 	case res.state == pending && ctx.Err() != nil:

@@ -75,7 +75,11 @@ type config struct {
 	lockTimeout    time.Duration
 	attemptTimeout time.Duration
 	processorDelay time.Duration
+	slowDelay      time.Duration // the processor delay of replica 0; 0: as the others
 	processorFails float64
+	retention      time.Duration // the servers' -retention
+	invalidRate    float64       // share of operations whose first request holds invalid text
+	restarts       int           // rolling graceful restarts (SIGTERM, drain, start)
 	mix            faultproxy.Mix
 	keepSchema     bool
 	logsDir        string   // where the replicas' logs are kept; empty: a temporary directory
@@ -99,11 +103,20 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	fs.IntVar(&c.accounts, "accounts", 2, "API keys the clients are spread over (keys are scoped by API client)")
 	fs.IntVar(&c.kills, "kills", -1, "server processes killed with SIGKILL and restarted; -1: one per 5s of -duration")
+	fs.IntVar(&c.restarts, "restarts", -1,
+		"rolling graceful restarts, as in a deploy: one replica at a time gets SIGTERM, drains its requests, stops and starts again; -1: one per 10s of -duration")
 	fs.IntVar(&c.terminations, "pg-terminations", -1,
 		"rounds of pg_terminate_backend on one replica's PostgreSQL backends; -1: one per 3s of -duration")
 	fs.DurationVar(&c.lockTimeout, "lock-timeout", 2*time.Second, "the servers' -lock-timeout: when a started key may be taken over")
 	fs.DurationVar(&c.attemptTimeout, "attempt-timeout", time.Second, "the clients' per-attempt timeout (idem.RetryPolicy.AttemptTimeout)")
 	fs.DurationVar(&c.processorDelay, "processor-delay", 20*time.Millisecond, "the servers' -processor-delay: latency of the fake card processor")
+	fs.DurationVar(&c.slowDelay, "slow-processor-delay", 4*time.Second,
+		"the -processor-delay of replica 0, longer than -lock-timeout: its requests are slow but alive, renew their lease, and must not be taken over; 0: as the others")
+	fs.DurationVar(&c.retention, "retention", 10*time.Second,
+		"the servers' -retention (with -purge-interval 1s): operations outlive it while their keys are released and resumed, and must still be charged once; "+
+			"it must exceed the longest gap between two calls of one operation")
+	fs.Float64Var(&c.invalidRate, "invalid-text", 0.05,
+		"share of operations whose first request carries a NUL in a text field: it must get 400 before any charge, and the corrected request with the same key must succeed")
 	fs.Float64Var(&c.processorFails, "processor-failure-rate", 0.02, "the servers' -processor-failure-rate: share of charges answered 503")
 	fs.Float64Var(&c.mix.Reset, "reset", 0.04, "share of proxied connections reset before the request reaches a server")
 	fs.Float64Var(&c.mix.Drop, "drop", 0.04, "share of proxied connections whose answer is dropped after the server sent it")
@@ -123,6 +136,9 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	if c.terminations < 0 {
 		c.terminations = max(1, int(c.duration/(3*time.Second)))
 	}
+	if c.restarts < 0 {
+		c.restarts = max(1, int(c.duration/(10*time.Second)))
+	}
 	switch {
 	case fs.NArg() > 0:
 		return c, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -138,8 +154,12 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		return c, errors.New("-accounts must be in [1, -clients]")
 	case c.lockTimeout <= 0 || c.attemptTimeout <= 0:
 		return c, errors.New("-lock-timeout and -attempt-timeout must be positive")
-	case c.processorDelay < 0 || c.processorFails < 0 || c.processorFails > 1:
-		return c, errors.New("-processor-delay must not be negative, -processor-failure-rate must be in [0, 1]")
+	case c.processorDelay < 0 || c.slowDelay < 0 || c.processorFails < 0 || c.processorFails > 1:
+		return c, errors.New("-processor-delay and -slow-processor-delay must not be negative, -processor-failure-rate must be in [0, 1]")
+	case c.retention <= 0:
+		return c, errors.New("-retention must be positive")
+	case c.invalidRate < 0 || c.invalidRate > 1:
+		return c, errors.New("-invalid-text must be in [0, 1]")
 	}
 	if err := c.mix.Valid(); err != nil {
 		return c, err

@@ -18,8 +18,10 @@ func printHeader(w io.Writer, cfg config, schema, dbURL string) {
 	fmt.Fprintf(w, "  %d idem-server replicas sharing %s (schema %s), lock timeout %s\n", cfg.replicas, dbURL, schema, cfg.lockTimeout)
 	fmt.Fprintf(w, "  %d clients over %d API keys, through a fault proxy; attempt timeout %s; an unknown outcome is asked again later with the same key\n",
 		cfg.clients, cfg.accounts, cfg.attemptTimeout)
-	fmt.Fprintf(w, "  %d kills, %d rounds of backend terminations; proxy: reset %g, drop %g, stall %g, latency %g of connections\n",
-		cfg.kills, cfg.terminations, cfg.mix.Reset, cfg.mix.Drop, cfg.mix.Stall, cfg.mix.Latency)
+	fmt.Fprintf(w, "  %d kills, %d graceful restarts, %d rounds of backend terminations; proxy: reset %g, drop %g, stall %g, latency %g of connections\n",
+		cfg.kills, cfg.restarts, cfg.terminations, cfg.mix.Reset, cfg.mix.Drop, cfg.mix.Stall, cfg.mix.Latency)
+	fmt.Fprintf(w, "  retention %s; %g of operations first sent with invalid text; replica 0 slow but alive (processor %s)\n",
+		cfg.retention, cfg.invalidRate, cfg.slowDelay)
 	fmt.Fprintln(w)
 }
 
@@ -41,8 +43,13 @@ func (r *report) print(w io.Writer) {
 		row("  no replica reachable: reset", "%6d", ps.Unreachable)
 	}
 	row("server processes killed (SIGKILL), restarted", "%6d", r.kills)
+	row("graceful restarts (SIGTERM, drain, start)", "%6d", r.restarts)
 	row("PostgreSQL backends terminated", "%6d in %d rounds", r.terminated, r.termRounds)
 	row("card processor 503s (inside the servers)", "%6.0f%% of charge requests", 100*r.cfg.processorFails)
+	if r.cfg.slowDelay > 0 {
+		row("slow but alive: replica 0's processor takes", "%6s (lock timeout %s)", r.cfg.slowDelay, r.cfg.lockTimeout)
+	}
+	row("operations first sent with invalid text", "%6d", r.verdict.invalid)
 
 	st := r.stats
 	var unknown int64
@@ -84,6 +91,7 @@ func (r *report) print(w io.Writer) {
 	p("database")
 	row("payments", "%6d", len(r.db.payments))
 	row("downstream charges", "%6d", len(r.db.charges))
+	row("  without a payment", "%6d", r.verdict.orphanCharges)
 	row("keys left started", "%6d", r.db.keysStarted)
 	if len(v.problems) > 0 {
 		p("")
@@ -118,13 +126,14 @@ var serverEvents = []struct {
 	always     bool
 }{
 	{"idempotency: outcome stored", "outcomes stored (payment committed with its key)", true},
-	{"idempotency: took over a stale key", "stale keys taken over", true},
+	{"idempotency: took over a key whose owner stopped renewing its lease", "keys taken over (lease ran out)", true},
+	{"idempotency: lease lost: the key was taken over while its request ran; cancelling the handler", "leases lost while running", false},
 	{"idempotency: completion fenced: the request was taken over; its writes were rolled back", "completions fenced by a takeover", false},
 	{"payments: charge outcome unknown", "charge outcomes unknown", false},
-	{"idempotency: irreversible request failed; the key stays started until the lock timeout", "keys left started after a charge", false},
 	{"idempotency: claim failed", "claims failed (database)", false},
 	{"idempotency: completion failed", "completions failed (database)", false},
-	{"idempotency: release failed; the key stays started until the lock timeout", "releases failed (database)", false},
+	{"idempotency: release failed; the key stays started until its lease runs out", "releases failed (database)", false},
+	{"idempotency: renewing the lease failed; retrying at the next tick", "lease renewals failed (database)", false},
 	{"processor: storing the charge failed", "charges failed (database)", false},
 	{"processor: injected failure", "processor 503s injected", false},
 	{"payments: processor refused the charge", "charges refused after retries", false},

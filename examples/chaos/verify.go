@@ -70,6 +70,12 @@ type verdict struct {
 	// (another payment or charge id, another key), or a definitive error
 	// for an operation that was in fact performed.
 	mismatched, phantom int
+	// orphanCharges: downstream charges that no payment refers to (a
+	// charge with no payment: money taken and not recorded).
+	orphanCharges int
+	// invalid: operations whose first request held invalid text;
+	// acceptedInvalid: those a server took instead of answering 400.
+	invalid, acceptedInvalid int
 
 	problems []string // the first few, for the report
 }
@@ -101,6 +107,12 @@ func (v *verdict) err() error {
 	if n := v.lost(); n > 0 {
 		errs = append(errs, fmt.Errorf("%d lost operations", n))
 	}
+	if v.orphanCharges > 0 {
+		errs = append(errs, fmt.Errorf("%d downstream charges without a payment", v.orphanCharges))
+	}
+	if v.acceptedInvalid > 0 {
+		errs = append(errs, fmt.Errorf("%d requests with invalid text accepted", v.acceptedInvalid))
+	}
 	if v.mismatched+v.phantom > 0 {
 		errs = append(errs, fmt.Errorf("%d operations whose answer differs from the database", v.mismatched+v.phantom))
 	}
@@ -131,6 +143,13 @@ func check(ops []*op, db dbState) verdict {
 	known := make(map[int64]bool, len(ops))
 	for _, o := range ops {
 		known[o.amount] = true
+		if o.invalid {
+			v.invalid++
+		}
+		if o.acceptedInvalid {
+			v.acceptedInvalid++
+			v.problem("op %d (client %s, key %s): a request with a NUL in its customer was accepted", o.n, o.account.id, o.key)
+		}
 		pays, charges := byCustomer[o.customer], byAmount[o.amount]
 		delete(byCustomer, o.customer)
 		if n := len(pays); n > 1 {
@@ -188,6 +207,16 @@ func check(ops []*op, db dbState) verdict {
 		if !known[amount] {
 			v.strayCharges += len(charges)
 			v.problem("charges of no operation: %s", chargeIDs(charges))
+		}
+	}
+	paid := make(map[string]bool, len(db.payments))
+	for _, p := range db.payments {
+		paid[p.chargeID] = true
+	}
+	for _, c := range db.charges {
+		if !paid[c.id] {
+			v.orphanCharges++
+			v.problem("charge %s (amount %d) has no payment", c.id, c.amount)
 		}
 	}
 	return v
