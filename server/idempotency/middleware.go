@@ -561,7 +561,7 @@ func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCa
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		t := time.NewTicker(m.lockTimeout / 3)
+		t := time.NewTicker(max(m.lockTimeout/3, time.Millisecond))
 		defer t.Stop()
 		for {
 			select {
