@@ -25,4 +25,11 @@
 // statements), whose COMMIT carries the key's completion in the same round
 // trip; a replay costs one, the claim. See [Store] for what happens
 // when a connection breaks, and [Migrate] for the table.
+//
+// Size the pool for the handlers' transactions and, beside them, the
+// claims, the lease renewals and the completions without a transaction: a
+// renewal that waits for a connection longer than the lock timeout loses
+// the lease (the request's completion is then fenced, and its client's
+// retry runs it again), so a handler that holds its transaction across a
+// slow downstream call should not be able to take every connection.
 package pgstore
