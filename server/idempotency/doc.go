@@ -83,5 +83,4 @@
 // expired keys, released ones included, in bounded batches every minute,
 // pausing between batches in proportion to how long each took, so that a
 // large backlog does not slow the requests down.
-//
 package idempotency

@@ -304,6 +304,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	clientID, ok := m.clientID(r)
 	if !ok {
 		m.event(EventRejected)
+		refuseUnread(w, r)
 		writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
 			"Authenticate first: idempotency keys are scoped by client.")
 		return
@@ -312,6 +313,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	key, err := keyheader.Parse(values)
 	if err != nil {
 		m.event(EventRejected)
+		refuseUnread(w, r)
 		if errors.Is(err, keyheader.ErrMissing) {
 			writeProblem(w, r, ProblemKeyMissing, http.StatusBadRequest, fmt.Sprintf(
 				"%s requests need an %s header: generate a unique key (a random UUIDv4) per operation and send the same key on every retry of it.",
@@ -338,6 +340,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	if !ValidText(r.URL.Path) {
 		m.event(EventRejected)
+		refuseUnread(w, r)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest,
 			"The request path is not valid UTF-8 text, or holds a NUL character. Fix the path; the key was not used.")
 		return
@@ -467,6 +470,18 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
 		return
 	}
+}
+
+// refuseUnread prepares the answer to a request refused before its body
+// was read: when it has one, the connection is closed after the answer,
+// and no more of the body is read, so a client that sends a large body
+// slowly (or never) does not hold the connection while net/http drains it.
+func refuseUnread(w http.ResponseWriter, r *http.Request) {
+	if r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0 {
+		return
+	}
+	w.Header().Set("Connection", "close")
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 }
 
 // readBody reads the whole body under the size limit.

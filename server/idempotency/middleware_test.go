@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
@@ -424,4 +425,136 @@ func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
 	if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusUnprocessableEntity {
 		t.Errorf("%d, want 422", r.status)
 	}
+}
+
+// TestMiddlewareInvalidPath sends paths that are not valid text (a NUL, a
+// byte that is not UTF-8): 400 before the key is claimed, so nothing is
+// stored and the handler does not run.
+func TestMiddlewareInvalidPath(t *testing.T) {
+	for _, path := range []string{"/v1/a%00b", "/v1/caf%E9", "/v1/%ED%A0%80"} {
+		store := &recordingStore{Store: NewMemoryStore()}
+		var ev events
+		called := false
+		h := testHandler(t, store, Options{OnEvent: ev.add}, func(w http.ResponseWriter, r *http.Request) { called = true })
+		r := serve(t, h, call{path: path, keys: []string{"k"}, body: "{}"})
+		if r.status != http.StatusBadRequest || r.problem(t).Type != ProblemInvalidRequest {
+			t.Errorf("%s: %d %s, want 400 invalid-request", path, r.status, r.body)
+		}
+		if called || len(store.requests()) != 0 || ev.count(EventRejected) != 1 {
+			t.Errorf("%s: handler called %v, %d claims, %d rejected events; want false, 0, 1",
+				path, called, len(store.requests()), ev.count(EventRejected))
+		}
+		if got := r.header.Get("Idempotency-Key"); got != "k" {
+			t.Errorf("%s: echoed key %q, want k", path, got)
+		}
+	}
+}
+
+// TestMiddlewareInvalidClientID is a ClientID hook that returns text no
+// store keeps: a 500 that names no key, and nothing claimed.
+func TestMiddlewareInvalidClientID(t *testing.T) {
+	store := &recordingStore{Store: NewMemoryStore()}
+	h := testHandler(t, store, Options{ClientID: func(*http.Request) (string, bool) { return "tenant\x00", true }},
+		func(w http.ResponseWriter, r *http.Request) { t.Error("handler called") })
+	r := serve(t, h, keyed("k", "{}"))
+	if r.status != http.StatusInternalServerError || r.problem(t).Type != ProblemInternal {
+		t.Errorf("%d %s, want 500 internal", r.status, r.body)
+	}
+	if n := len(store.requests()); n != 0 {
+		t.Errorf("%d claims, want none", n)
+	}
+}
+
+// TestMiddlewareUnstorableResponse has a handler answer a header the store
+// cannot keep: the completion is refused, the writes are dropped, the
+// client gets a 500, and the key stays free for the retry of the request.
+func TestMiddlewareUnstorableResponse(t *testing.T) {
+	mem := NewMemoryStore()
+	var rows journal
+	var calls atomic.Int32
+	h := testHandler(t, mem, Options{}, func(w http.ResponseWriter, r *http.Request) {
+		n := calls.Add(1)
+		mem.Stage(r.Context(), func() error { rows.add(fmt.Sprint(n)); return nil })
+		if n == 1 {
+			w.Header().Set("Location", "/v1/caf\xe9")
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	if r := serve(t, h, keyed("k", "{}")); r.status != http.StatusInternalServerError || r.problem(t).Type != ProblemInternal {
+		t.Errorf("unstorable response: %d %s, want 500", r.status, r.body)
+	}
+	if r := serve(t, h, keyed("k", "{}")); r.status != http.StatusCreated || r.replayed() {
+		t.Errorf("retry: %d replayed=%v, want a fresh 201", r.status, r.replayed())
+	}
+	if got := rows.list(); !slices.Equal(got, []string{"2"}) {
+		t.Errorf("rows %q, want only the retry's", got)
+	}
+}
+
+// TestMiddlewareClaimOptions checks the lease and retention the middleware
+// stores with each key: the defaults, the options given, and none for a
+// negative option; the caller's Options are not changed.
+func TestMiddlewareClaimOptions(t *testing.T) {
+	for _, tt := range []struct {
+		opts                 Options
+		lockTimeout, keepFor time.Duration
+	}{
+		{Options{}, DefaultLockTimeout, DefaultRetention},
+		{Options{LockTimeout: 2 * time.Second, Retention: time.Minute}, 2 * time.Second, time.Minute},
+		{Options{LockTimeout: -1, Retention: -1}, 0, 0},
+	} {
+		store := &recordingStore{Store: NewMemoryStore()}
+		opts := tt.opts
+		h := testHandler(t, store, opts, func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) })
+		serve(t, h, keyed("k", "{}"))
+		got := store.requests()
+		if len(got) != 1 || got[0].LockTimeout != tt.lockTimeout || got[0].Retention != tt.keepFor {
+			t.Errorf("Options%+v: claims %+v, want lease %v and retention %v", tt.opts, got, tt.lockTimeout, tt.keepFor)
+		}
+		if got[0].ClientID != "c" || got[0].Key != "k" || got[0].Method != "POST" || got[0].Path != "/v1/payments" {
+			t.Errorf("claim names %+v", got[0])
+		}
+		if opts.LockTimeout != tt.opts.LockTimeout || opts.Retention != tt.opts.Retention || opts.Logger != nil {
+			t.Errorf("the caller's Options changed: %+v", opts)
+		}
+	}
+	if DefaultLockTimeout != 10*time.Second {
+		t.Errorf("DefaultLockTimeout = %v, want 10s", DefaultLockTimeout)
+	}
+}
+
+// TestMiddlewareWaitForCompletion holds a duplicate while the first
+// request runs: it gets the first one's outcome as a replay, not a 409;
+// and a duplicate that waits longer than WaitForCompletion gets the 409.
+func TestMiddlewareWaitForCompletion(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		var calls atomic.Int32
+		h := testHandler(t, NewMemoryStore(), Options{WaitForCompletion: 2 * time.Second}, func(w http.ResponseWriter, r *http.Request) {
+			calls.Add(1)
+			time.Sleep(time.Second)
+			w.WriteHeader(http.StatusCreated)
+			io.WriteString(w, "done")
+		})
+		first := make(chan reply)
+		go func() { first <- serve(t, h, keyed("k", "{}")) }()
+		synctest.Wait()
+		if r := serve(t, h, keyed("k", "{}")); r.status != http.StatusCreated || !r.replayed() || string(r.body) != "done" {
+			t.Errorf("waiting duplicate: %d %q replayed=%v, want the replay", r.status, r.body, r.replayed())
+		}
+		<-first
+
+		slow := testHandler(t, NewMemoryStore(), Options{WaitForCompletion: time.Second}, func(w http.ResponseWriter, r *http.Request) {
+			time.Sleep(5 * time.Second)
+			w.WriteHeader(http.StatusCreated)
+		})
+		go func() { first <- serve(t, slow, keyed("k", "{}")) }()
+		synctest.Wait()
+		if r := serve(t, slow, keyed("k", "{}")); r.status != http.StatusConflict || r.header.Get("Retry-After") == "" {
+			t.Errorf("duplicate past WaitForCompletion: %d, Retry-After %q; want 409 with Retry-After", r.status, r.header.Get("Retry-After"))
+		}
+		<-first
+		if n := calls.Load(); n != 1 {
+			t.Errorf("handler ran %d times, want 1", n)
+		}
+	})
 }

@@ -18,7 +18,7 @@ func testFencedCompletion(t *testing.T, b Backend) {
 
 	mustFence(t, "Complete of the taken-over claim", complete(t, b, slow, created("ord_slow"), "w_slow"))
 	mustBeWritten(t, b, "w_slow", false)
-	if st := status(t, b.Store, req); st != idempotency.StatusStarted {
+	if st := peek(t, b.Store, req).Status; st != idempotency.StatusStarted {
 		t.Errorf("after the fenced completion: status %q, want started", st)
 	}
 

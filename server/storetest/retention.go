@@ -124,7 +124,7 @@ func testRetentionStarted(t *testing.T, b Backend) {
 		if second.OperationID == first.OperationID {
 			t.Errorf("expired key kept its operation %q", first.OperationID)
 		}
-		if rec := claim(t, b.Store, other, idempotency.Exists).Record; !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
+		if rec := peek(t, b.Store, other); !bytes.Equal(rec.Fingerprint, fingerprint("b")) {
 			t.Errorf("key used again has fingerprint %x, want the new request's", rec.Fingerprint)
 		}
 		mustFence(t, "Complete of the expired claim", complete(t, b, first, created("ord_1"), key+"-w"))

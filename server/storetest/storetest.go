@@ -195,6 +195,15 @@ func status(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest) ide
 	return claim(t, s, req, idempotency.Exists).Record.Status
 }
 
+// peek returns the record of req's key, started (whether or not its lease
+// ran out), completed, or released as failed, as another request sees it:
+// unlike a claim of req itself, it never takes the key over.
+func peek(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest) *idempotency.Record {
+	t.Helper()
+	req.Fingerprint = fingerprint("a request of its own, to peek")
+	return claim(t, s, req, idempotency.Exists).Record
+}
+
 // complete runs one unit of work of c: it makes the named writes, then
 // completes with resp, and returns Complete's error.
 func complete(t *testing.T, b Backend, c idempotency.Claim, resp idempotency.StoredResponse, writes ...string) error {
