@@ -274,6 +274,18 @@ var differentialBodies = []string{
 	strings.Repeat(`{"a":`, 1001) + "1" + strings.Repeat("}", 1001),
 	strings.Repeat(`{"a":`, 1001) + "{}" + strings.Repeat("}", 1001),
 	strings.Repeat(`[{"a":`, 600) + "1" + strings.Repeat("}]", 600),
+	// Deep nesting with members out of order: at every level, only inside,
+	// only outside, beside arrays and escaped keys, and failing deep down.
+	string(nestedBody(999, 0, false)), string(nestedBody(999, 0, true)), string(nestedBody(999, 4000, false)),
+	string(nestedBody(1000, 0, false)), string(nestedBody(1001, 0, false)),
+	string(nestedBody(999, 0, false)[:11000]),
+	strings.Repeat(`{"a":`, 500) + `{"b":1,"a":2}` + strings.Repeat("}", 500),
+	strings.Repeat(`{"b":0,"a":`, 500) + `{"b":1,"a":2}` + strings.Repeat("}", 500),
+	strings.Repeat(`{"b":{"d":1,"c":`, 300) + `{"b":1,"a":2}` + strings.Repeat(`},"a":0}`, 300),
+	strings.Repeat(`{"z":{"y":2,"x":1},"b":[{"d":1,"c":`, 300) + `{}` + strings.Repeat(`}],"a\u0000":{"k":{"j":1,"i":2}},"\u0061":[]}`, 300),
+	strings.Repeat(`{"b":[1,{"b":2,"a":1}],"a":`, 400) + `[]` + strings.Repeat(`,"c":{"e":{},"d":[{"y":1,"x":{}}]}}`, 400),
+	strings.Repeat(`{"b":`, 500) + `{"a":1,"a":2}` + strings.Repeat(`,"a":1}`, 500),
+	strings.Repeat(`{"b":`, 500) + `1` + strings.Repeat(`,"a":1}`, 499) + `,"b":1}`,
 }
 
 // differentialContentTypes are Content-Types for the differential tests.
@@ -376,7 +388,13 @@ func differentialCorpus(t testing.TB) []string {
 func TestCanonicalDifferential(t *testing.T) {
 	queries := []string{"", "b=2&a=1", "a=%zz", "x=1;y=2"}
 	for i, body := range differentialCorpus(t) {
-		for j, ct := range differentialContentTypes {
+		cts := differentialContentTypes
+		if len(body) > 4<<10 {
+			// The deep documents: the JSON types are the ones that read
+			// them, and the reference is slow on them.
+			cts = cts[:4]
+		}
+		for j, ct := range cts {
 			checkDifferential(t, ct, queries[(i+j)%len(queries)], []byte(body))
 		}
 	}
