@@ -222,13 +222,18 @@ func canonicalForm(s string) (string, error) {
 // A canonicaliser writes the version 1 canonical form of a JSON document
 // without decoding it into Go values: a small scanner walks the bytes once,
 // validating them as encoding/json's scanner does, and appends the canonical
-// form of each value to an output buffer as it goes. Only objects need more
-// than one pass: their members are written in document order, each as
-// `"key":value`, and when the object ends the members are sorted by decoded
-// key and, unless they already were in order, moved into place. The scanner
-// must accept, reject and write exactly what the earlier encoding/json
-// implementation did (the canonical form is stored with keys); the tests
-// fuzz it against a copy of that implementation.
+// form of each value to an output buffer as it goes. Object members are
+// written in document order, each as `"key":value`; when an object ends, its
+// members are sorted by decoded key. An object whose members were not in
+// order is not rewritten there and then: moving its bytes at every level
+// would copy a document of n nested such objects n times. It is recorded
+// instead (see [reordered]), and once the document has been read, one more
+// pass writes the whole of it again with every recorded object's members in
+// order, each byte copied once, whatever the depth. A document whose objects
+// all were in order needs no second pass. The scanner must accept, reject
+// and write exactly what the earlier encoding/json implementation did (the
+// canonical form is stored with keys); the tests fuzz it against a copy of
+// that implementation.
 //
 // Canonicalisers are pooled, so that a fingerprint allocates next to
 // nothing. A canonicaliser is used by one goroutine at a time.
@@ -252,14 +257,46 @@ type canonicaliser struct {
 	// without one is its own bytes in src), and briefly that of string
 	// values with escapes.
 	keys []byte
-	// tmp is scratch space for reordering the members of an object.
+	// objects lists, in document order of their '{', the objects being
+	// read and those read whose members are out of order or that enclose
+	// such an object (see [reordered]); spans holds the members of the
+	// objects out of order, in key order.
+	objects []reordered
+	spans   []span
+	// tmp is a copy of the first pass's output, which the second pass
+	// reads from.
 	tmp []byte
+	// work counts, for the tests, what the second pass did: the bytes it
+	// copied (into tmp, and from tmp to the output) and the objects and
+	// members it visited. It is at most three times the document's length,
+	// whatever the document's shape.
+	work int
 }
 
 // member is one member of an object being canonicalised.
 type member struct {
 	key        []byte // decoded key, which the members are sorted by
 	start, end int    // its canonical `"key":value` in the output buffer
+	first      int    // len(objects) when the member started
+}
+
+// A reordered is an object of the first pass's output that the second pass
+// writes again: either one whose members are out of order, or one enclosing
+// such an object, which is written as it is apart from what it encloses.
+// An object of neither kind is dropped from the list when it ends, so a
+// document in order leaves the list empty.
+type reordered struct {
+	open, end int // the object's bytes in the output buffer, '{' to '}'
+	next      int // the index in objects after those of the object's contents
+	// spans[from:to] are its members in key order; from < 0 if they
+	// already were in order.
+	from, to int
+}
+
+// span is a member of an object out of order, as the second pass needs it.
+type span struct {
+	start, end int // its canonical `"key":value` in the output buffer
+	first      int // the index in objects of the first object within it
 }
 
 // maxPooledBuffer bounds the buffers a pooled canonicaliser keeps, so that
@@ -281,7 +318,7 @@ func (c *canonicaliser) sha256() hash.Hash {
 
 func putCanonicaliser(c *canonicaliser) {
 	if cap(c.out) > maxPooledBuffer || cap(c.in) > maxPooledBuffer || cap(c.keys) > maxPooledBuffer || cap(c.tmp) > maxPooledBuffer ||
-		cap(c.members) > maxPooledBuffer/32 {
+		cap(c.members) > maxPooledBuffer/32 || cap(c.objects) > maxPooledBuffer/32 || cap(c.spans) > maxPooledBuffer/32 {
 		return
 	}
 	// Hold on to no request's bytes.
@@ -300,6 +337,8 @@ func (c *canonicaliser) appendJSON(dst, body []byte) ([]byte, error) {
 		return dst, errors.New("invalid UTF-8")
 	}
 	c.src, c.pos, c.keys = body, 0, c.keys[:0]
+	c.objects, c.spans, c.work = c.objects[:0], c.spans[:0], 0
+	base := len(dst)
 	dst, err := c.value(dst, 0)
 	if err != nil {
 		return dst, err
@@ -308,7 +347,51 @@ func (c *canonicaliser) appendJSON(dst, body []byte) ([]byte, error) {
 	if c.pos < len(c.src) {
 		return dst, errors.New("data after the top-level value")
 	}
-	return dst, nil
+	if len(c.objects) == 0 {
+		return dst, nil
+	}
+	// The second pass: write the document again from a copy, in order.
+	// The canonical form is as long as the first pass's output.
+	c.tmp = append(c.tmp[:0], dst[base:]...)
+	c.work += len(c.tmp)
+	end := len(dst)
+	return c.reorder(dst[:base], base, base, end, 0), nil
+}
+
+// reorder appends to dst the bytes of the first pass's output from start to
+// end (offsets in the output buffer; the bytes are read from c.tmp, which
+// holds the output from base on), with the members of every object out of
+// order within them written in key order. first is the index in c.objects
+// of the first object that opens at or after start. Each byte is copied
+// once and each recorded object visited once, so the pass is linear in the
+// document's size; it recurses once per level of objects out of order.
+func (c *canonicaliser) reorder(dst []byte, base, start, end, first int) []byte {
+	for i := first; i < len(c.objects) && c.objects[i].open < end; {
+		o := c.objects[i]
+		c.work++
+		if o.from < 0 {
+			// In order itself: its bytes are copied as they are, up to the
+			// next object within it, which comes next in the list.
+			i++
+			continue
+		}
+		dst = append(dst, c.tmp[start-base:o.open-base]...)
+		dst = append(dst, '{')
+		c.work += o.open - start + 1
+		for k, m := range c.spans[o.from:o.to] {
+			if k > 0 {
+				dst = append(dst, ',')
+				c.work++
+			}
+			c.work++
+			dst = c.reorder(dst, base, m.start, m.end, m.first)
+		}
+		dst = append(dst, '}')
+		c.work++
+		start, i = o.end, o.next
+	}
+	c.work += end - start
+	return append(dst, c.tmp[start-base:end-base]...)
 }
 
 // skipSpace skips JSON whitespace.
@@ -453,21 +536,25 @@ func (c *canonicaliser) array(dst []byte, depth int) ([]byte, error) {
 // by decoded key. An object that repeats a key is rejected.
 func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 	c.pos++ // '{'
+	c.skipSpace()
+	if c.pos < len(c.src) && c.src[c.pos] == '}' {
+		c.pos++
+		return append(dst, '{', '}'), nil
+	}
 	open := len(dst)
 	dst = append(dst, '{')
 	base := len(c.members)
 	defer func() { c.members = c.members[:base] }()
-	c.skipSpace()
-	if c.pos < len(c.src) && c.src[c.pos] == '}' {
-		c.pos++
-		return append(dst, '}'), nil
-	}
+	// The object's place in c.objects, kept when it ends only if it is out
+	// of order or encloses such an object.
+	index := len(c.objects)
+	c.objects = append(c.objects, reordered{})
 	for {
 		c.skipSpace()
 		if c.pos >= len(c.src) || c.src[c.pos] != '"' {
 			return dst, c.syntaxError("looking for beginning of object key string")
 		}
-		start := len(dst)
+		start, first := len(dst), len(c.objects)
 		var key []byte
 		var err error
 		if dst, key, err = c.string(dst, true); err != nil {
@@ -482,7 +569,7 @@ func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 		if dst, err = c.value(dst, depth+1); err != nil {
 			return dst, err
 		}
-		c.members = append(c.members, member{key: key, start: start, end: len(dst)})
+		c.members = append(c.members, member{key: key, start: start, end: len(dst), first: first})
 		c.skipSpace()
 		if c.pos >= len(c.src) {
 			return dst, errUnexpectedEnd
@@ -494,21 +581,27 @@ func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 			continue
 		case '}':
 			c.pos++
-			dst, err = c.sortMembers(dst, open, c.members[base:])
-			if err != nil {
+			if err = c.sortMembers(index, c.members[base:]); err != nil {
 				return dst, err
 			}
-			return append(dst, '}'), nil
+			dst = append(dst, '}')
+			if o := &c.objects[index]; o.from >= 0 || len(c.objects) > index+1 {
+				o.open, o.end, o.next = open, len(dst), len(c.objects)
+			} else {
+				c.objects = c.objects[:index] // nothing to reorder within
+			}
+			return dst, nil
 		default:
 			return dst, c.syntaxError("after object key:value pair")
 		}
 	}
 }
 
-// sortMembers puts the members ms of the object whose '{' is at dst[open],
-// written in document order after it and separated by commas, in order of
-// their decoded keys, and rejects a repeated key.
-func (c *canonicaliser) sortMembers(dst []byte, open int, ms []member) ([]byte, error) {
+// sortMembers sorts the members ms of the object at c.objects[index] by
+// their decoded keys and rejects a repeated key. If they were out of order,
+// it records them in order in c.spans for the second pass, and their range
+// in the object's entry; else it marks the entry as in order.
+func (c *canonicaliser) sortMembers(index int, ms []member) error {
 	byKey := func(a, b member) int { return bytes.Compare(a.key, b.key) }
 	sorted := slices.IsSortedFunc(ms, byKey)
 	if !sorted {
@@ -516,24 +609,20 @@ func (c *canonicaliser) sortMembers(dst []byte, open int, ms []member) ([]byte, 
 	}
 	for i := 1; i < len(ms); i++ {
 		if bytes.Equal(ms[i-1].key, ms[i].key) {
-			return dst, fmt.Errorf("duplicate key %q", ms[i].key)
+			return fmt.Errorf("duplicate key %q", ms[i].key)
 		}
 	}
+	o := &c.objects[index]
 	if sorted {
-		return dst, nil
+		o.from = -1
+		return nil
 	}
-	// Copy the members out and write them back in order; the object's
-	// length does not change.
-	from := open + 1
-	c.tmp = append(c.tmp[:0], dst[from:]...)
-	dst = dst[:from]
-	for i, m := range ms {
-		if i > 0 {
-			dst = append(dst, ',')
-		}
-		dst = append(dst, c.tmp[m.start-from:m.end-from]...)
+	o.from = len(c.spans)
+	for _, m := range ms {
+		c.spans = append(c.spans, span{start: m.start, end: m.end, first: m.first})
 	}
-	return dst, nil
+	o.to = len(c.spans)
+	return nil
 }
 
 // string reads a string and appends its canonical form to dst. It also

@@ -420,6 +420,65 @@ func TestCanonicalDifferentialReuse(t *testing.T) {
 	}
 }
 
+// TestCanonicalLinear guards the canonicaliser's cost without timing it: the
+// second pass, which writes the objects out of order again, must do at most
+// three units of work (a byte copied, an object or a member visited) per
+// byte of the document, however deep the objects out of order are nested,
+// and a canonicaliser that has read a document once reads it again without
+// allocating. Rewriting each object where it ends, as the scanner once did,
+// copies a document of n nested objects out of order n times.
+func TestCanonicalLinear(t *testing.T) {
+	wide := func(n int, member string) string {
+		var b strings.Builder
+		b.WriteString("{")
+		for i := n; i > 0; i-- {
+			if i < n {
+				b.WriteString(",")
+			}
+			fmt.Fprintf(&b, `"k%06d":%s`, i, member)
+		}
+		b.WriteString("}")
+		return b.String()
+	}
+	shapes := map[string]string{
+		"nested unsorted, 1 MiB":  string(nestedBody(999, 1<<20, false)),
+		"nested sorted, 1 MiB":    string(nestedBody(999, 1<<20, true)),
+		"shallow unsorted, 1 MiB": string(nestedBody(3, 1<<20, false)),
+		"nested unsorted, small":  string(nestedBody(999, 0, false)),
+		"wide unsorted":           wide(20000, "1"),
+		"wide of unsorted":        wide(5000, `{"b":[{"d":1,"c":2}],"a":{"y":1,"x":2}}`),
+		"array of unsorted":       "[" + strings.Repeat(`{"b":1,"a":2},`, 20000) + "{}]",
+		"sorted around unsorted":  strings.Repeat(`{"a":[`, 450) + `{"b":1,"a":2}` + strings.Repeat("]}", 450),
+		"alternating":             strings.Repeat(`{"a":{"b":{"a":1,"b":`, 300) + "0" + strings.Repeat(`},"a":0},"b":0}`, 300),
+	}
+	for _, body := range differentialCorpus(t) {
+		shapes[body] = body
+	}
+	c := new(canonicaliser)
+	for name, body := range shapes {
+		out, err := c.appendJSON(c.out[:0], []byte(body))
+		c.out = out
+		if err != nil {
+			continue // the corpus holds bad documents too
+		}
+		if c.work > 3*len(body) {
+			t.Errorf("%.40q: the second pass did %d units of work for %d bytes", name, c.work, len(body))
+		}
+	}
+	for _, sorted := range []bool{false, true} {
+		body := nestedBody(999, 1<<20, sorted)
+		out, err := c.appendJSON(c.out[:0], body)
+		c.out = out
+		if err != nil || !bytes.Equal(out, nestedBody(999, 1<<20, true)) {
+			t.Fatalf("sorted=%v: the canonical form is not the sorted document (%v)", sorted, err)
+		}
+		allocs := testing.AllocsPerRun(3, func() { c.out, _ = c.appendJSON(c.out[:0], body) })
+		if allocs != 0 {
+			t.Errorf("sorted=%v: %v allocations canonicalising the document again, want 0", sorted, allocs)
+		}
+	}
+}
+
 // FuzzCanonicalDifferential checks the current implementation against the
 // reference on arbitrary bodies, Content-Types and queries. The seed corpus
 // is that of TestCanonicalDifferential plus
