@@ -224,16 +224,22 @@ func canonicalForm(s string) (string, error) {
 // validating them as encoding/json's scanner does, and appends the canonical
 // form of each value to an output buffer as it goes. Object members are
 // written in document order, each as `"key":value`; when an object ends, its
-// members are sorted by decoded key. An object whose members were not in
-// order is not rewritten there and then: moving its bytes at every level
-// would copy a document of n nested such objects n times. It is recorded
-// instead (see [reordered]), and once the document has been read, one more
-// pass writes the whole of it again with every recorded object's members in
-// order, each byte copied once, whatever the depth. A document whose objects
-// all were in order needs no second pass. The scanner must accept, reject
-// and write exactly what the earlier encoding/json implementation did (the
-// canonical form is stored with keys); the tests fuzz it against a copy of
-// that implementation.
+// members are sorted by decoded key, and if they were out of order:
+//
+//   - if nothing within the object was out of order, its members are moved
+//     into place there and then;
+//   - else it is recorded (see [reordered]), and once the document has been
+//     read, a second pass writes the whole of it again with the members of
+//     every recorded object in order.
+//
+// So no byte is moved into place twice: moving an object at every level it
+// is nested in would copy a document of n nested objects out of order n
+// times. The work is linear in the document's size whatever its depth, and
+// a document with no object out of order within another, the common case,
+// needs no second pass. The scanner must accept, reject and write exactly
+// what the earlier encoding/json implementation did (the canonical form is
+// stored with keys); the tests fuzz it against a copy of that
+// implementation.
 //
 // Canonicalisers are pooled, so that a fingerprint allocates next to
 // nothing. A canonicaliser is used by one goroutine at a time.
@@ -258,18 +264,21 @@ type canonicaliser struct {
 	// values with escapes.
 	keys []byte
 	// objects lists, in document order of their '{', the objects being
-	// read and those read whose members are out of order or that enclose
-	// such an object (see [reordered]); spans holds the members of the
-	// objects out of order, in key order.
+	// read and the objects read that the second pass writes again (see
+	// [reordered]); spans holds the members, in key order, of those out of
+	// order.
 	objects []reordered
 	spans   []span
-	// tmp is a copy of the first pass's output, which the second pass
-	// reads from.
+	// unordered counts the objects read so far whose members were out of
+	// order.
+	unordered int
+	// tmp is scratch space for moving members into place, and the copy of
+	// the output that the second pass reads from.
 	tmp []byte
-	// work counts, for the tests, what the second pass did: the bytes it
-	// copied (into tmp, and from tmp to the output) and the objects and
-	// members it visited. It is at most three times the document's length,
-	// whatever the document's shape.
+	// work counts, for the tests, the bytes moved into place (each twice:
+	// into tmp and back) and, in the second pass, the bytes copied and the
+	// objects and members visited. It stays within five times the
+	// document's length, whatever the document's shape.
 	work int
 }
 
@@ -281,10 +290,10 @@ type member struct {
 }
 
 // A reordered is an object of the first pass's output that the second pass
-// writes again: either one whose members are out of order, or one enclosing
-// such an object, which is written as it is apart from what it encloses.
-// An object of neither kind is dropped from the list when it ends, so a
-// document in order leaves the list empty.
+// writes again: either one whose members are out of order and that encloses
+// an object out of order, or one enclosing a reordered, which is written as
+// it is apart from what it encloses. An object of neither kind is dropped
+// from the list when it ends.
 type reordered struct {
 	open, end int // the object's bytes in the output buffer, '{' to '}'
 	next      int // the index in objects after those of the object's contents
@@ -337,7 +346,7 @@ func (c *canonicaliser) appendJSON(dst, body []byte) ([]byte, error) {
 		return dst, errors.New("invalid UTF-8")
 	}
 	c.src, c.pos, c.keys = body, 0, c.keys[:0]
-	c.objects, c.spans, c.work = c.objects[:0], c.spans[:0], 0
+	c.objects, c.spans, c.unordered, c.work = c.objects[:0], c.spans[:0], 0, 0
 	base := len(dst)
 	dst, err := c.value(dst, 0)
 	if err != nil {
@@ -545,9 +554,9 @@ func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 	dst = append(dst, '{')
 	base := len(c.members)
 	defer func() { c.members = c.members[:base] }()
-	// The object's place in c.objects, kept when it ends only if it is out
-	// of order or encloses such an object.
-	index := len(c.objects)
+	// The object's place in c.objects, kept when it ends only if the
+	// second pass needs it.
+	index, unordered := len(c.objects), c.unordered
 	c.objects = append(c.objects, reordered{})
 	for {
 		c.skipSpace()
@@ -581,14 +590,33 @@ func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 			continue
 		case '}':
 			c.pos++
-			if err = c.sortMembers(index, c.members[base:]); err != nil {
+			ms := c.members[base:]
+			sorted, err := sortMembers(ms)
+			if err != nil {
 				return dst, err
 			}
+			o := &c.objects[index]
+			o.from = -1
+			switch {
+			case !sorted && c.unordered == unordered:
+				// Nothing within was moved into place (nor recorded): move
+				// the members now.
+				dst = c.moveMembers(dst, open, ms)
+			case !sorted:
+				o.from = len(c.spans)
+				for _, m := range ms {
+					c.spans = append(c.spans, span{start: m.start, end: m.end, first: m.first})
+				}
+				o.to = len(c.spans)
+			}
+			if !sorted {
+				c.unordered++
+			}
 			dst = append(dst, '}')
-			if o := &c.objects[index]; o.from >= 0 || len(c.objects) > index+1 {
+			if o.from >= 0 || len(c.objects) > index+1 {
 				o.open, o.end, o.next = open, len(dst), len(c.objects)
 			} else {
-				c.objects = c.objects[:index] // nothing to reorder within
+				c.objects = c.objects[:index] // nothing to write again within
 			}
 			return dst, nil
 		default:
@@ -597,32 +625,37 @@ func (c *canonicaliser) object(dst []byte, depth int) ([]byte, error) {
 	}
 }
 
-// sortMembers sorts the members ms of the object at c.objects[index] by
-// their decoded keys and rejects a repeated key. If they were out of order,
-// it records them in order in c.spans for the second pass, and their range
-// in the object's entry; else it marks the entry as in order.
-func (c *canonicaliser) sortMembers(index int, ms []member) error {
+// sortMembers sorts the members ms of an object by their decoded keys,
+// reports whether they already were in order, and rejects a repeated key.
+func sortMembers(ms []member) (sorted bool, err error) {
 	byKey := func(a, b member) int { return bytes.Compare(a.key, b.key) }
-	sorted := slices.IsSortedFunc(ms, byKey)
+	sorted = slices.IsSortedFunc(ms, byKey)
 	if !sorted {
 		slices.SortFunc(ms, byKey)
 	}
 	for i := 1; i < len(ms); i++ {
 		if bytes.Equal(ms[i-1].key, ms[i].key) {
-			return fmt.Errorf("duplicate key %q", ms[i].key)
+			return sorted, fmt.Errorf("duplicate key %q", ms[i].key)
 		}
 	}
-	o := &c.objects[index]
-	if sorted {
-		o.from = -1
-		return nil
+	return sorted, nil
+}
+
+// moveMembers puts the members ms of the object whose '{' is at dst[open],
+// written in document order after it and separated by commas, in the order
+// of ms. The object's length does not change.
+func (c *canonicaliser) moveMembers(dst []byte, open int, ms []member) []byte {
+	from := open + 1
+	c.tmp = append(c.tmp[:0], dst[from:]...)
+	c.work += 2 * len(c.tmp)
+	dst = dst[:from]
+	for i, m := range ms {
+		if i > 0 {
+			dst = append(dst, ',')
+		}
+		dst = append(dst, c.tmp[m.start-from:m.end-from]...)
 	}
-	o.from = len(c.spans)
-	for _, m := range ms {
-		c.spans = append(c.spans, span{start: m.start, end: m.end, first: m.first})
-	}
-	o.to = len(c.spans)
-	return nil
+	return dst
 }
 
 // string reads a string and appends its canonical form to dst. It also

@@ -420,12 +420,12 @@ func TestCanonicalDifferentialReuse(t *testing.T) {
 	}
 }
 
-// TestCanonicalLinear guards the canonicaliser's cost without timing it: the
-// second pass, which writes the objects out of order again, must do at most
-// three units of work (a byte copied, an object or a member visited) per
-// byte of the document, however deep the objects out of order are nested,
-// and a canonicaliser that has read a document once reads it again without
-// allocating. Rewriting each object where it ends, as the scanner once did,
+// TestCanonicalLinear guards the canonicaliser's cost without timing it:
+// putting members in order must do at most five units of work (a byte
+// copied, an object or a member visited) per byte of the document, however
+// deep the objects out of order are nested, and a canonicaliser that has
+// read a document once reads it again without allocating. Moving each
+// object's members into place where it ends, as the scanner once did,
 // copies a document of n nested objects out of order n times.
 func TestCanonicalLinear(t *testing.T) {
 	wide := func(n int, member string) string {
@@ -461,7 +461,7 @@ func TestCanonicalLinear(t *testing.T) {
 		if err != nil {
 			continue // the corpus holds bad documents too
 		}
-		if c.work > 3*len(body) {
+		if c.work > 5*len(body) {
 			t.Errorf("%.40q: the second pass did %d units of work for %d bytes", name, c.work, len(body))
 		}
 	}
