@@ -347,6 +347,9 @@ func (c *canonicaliser) appendJSON(dst, body []byte) ([]byte, error) {
 	}
 	c.src, c.pos, c.keys = body, 0, c.keys[:0]
 	c.objects, c.spans, c.unordered, c.work = c.objects[:0], c.spans[:0], 0, 0
+	// The canonical form is seldom longer than the document: one allocation
+	// for a large body rather than a doubling at every power of two.
+	dst = slices.Grow(dst, len(body))
 	base := len(dst)
 	dst, err := c.value(dst, 0)
 	if err != nil {
