@@ -3,29 +3,40 @@ package bench
 import (
 	"flag"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"os"
+	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 )
 
-var update = flag.Bool("update", false, "rewrite pgbench/*.sql from ../server/postgres.go")
+var update = flag.Bool("update", false, "rewrite pgbench/*.sql from the SQL of ../server and ../server/pgstore")
+
+// sqlSources are the Go files whose SQL the scripts run: the key store's
+// statements, and the reference server's payment and charge.
+var sqlSources = []string{"../server/postgres.go", "../server/pgstore/*.go"}
 
 // TestPgbenchScripts checks that pgbench/first.sql and
 // pgbench/first-async.sql still run the statements of one first execution
-// of the reference server, as server/postgres.go has them, with the
-// substitutions listed in pgbenchHeader. Run with -update to rewrite them.
+// of the reference server, as server/postgres.go and server/pgstore have
+// them, with the substitutions listed in pgbenchHeader, and
+// pgbench/unkeyed.sql those of an unkeyed one. Run with -update to rewrite
+// them.
 func TestPgbenchScripts(t *testing.T) {
-	src, err := os.ReadFile("../server/postgres.go")
+	src, err := goConsts(sqlSources...)
 	if err != nil {
-		t.Fatalf("server/postgres.go not found (run from bench/ in the idem repository): %v", err)
+		t.Fatalf("reading the server's SQL (run from bench/ in the idem repository): %v", err)
 	}
 	for _, async := range []bool{false, true} {
 		name := "pgbench/first.sql"
 		if async {
 			name = "pgbench/first-async.sql"
 		}
-		want, err := pgbenchScript(string(src), async)
+		want, err := pgbenchScript(src, async)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -43,7 +54,7 @@ func TestPgbenchScripts(t *testing.T) {
 			t.Errorf("%s is not the server's SQL any more; run go test -run TestPgbenchScripts -update", name)
 		}
 	}
-	want, err := pgbenchUnkeyedScript(string(src))
+	want, err := pgbenchUnkeyedScript(src)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -61,26 +72,29 @@ func TestPgbenchScripts(t *testing.T) {
 	}
 }
 
-const pgbenchHeader = `-- One first execution of POST /v1/payments on the reference server's
--- PostgresStore, as pgbench runs it: claim the key, insert the card
--- processor's charge, complete the key with the payment. GENERATED from
--- server/postgres.go by bench/pgbench_test.go (go test -run
--- TestPgbenchScripts -update); do not edit.
+const pgbenchHeader = `-- One first execution of POST /v1/payments on the reference server on
+-- PostgreSQL, as pgbench runs it: claim the key (pgstore), insert the card
+-- processor's charge, then in one transaction insert the payment (the
+-- handler's write through pgstore.TxFromContext) and complete the key
+-- (pgstore's completion, sent with the COMMIT). GENERATED from
+-- server/postgres.go and server/pgstore by bench/pgbench_test.go (go test
+-- -run TestPgbenchScripts -update); do not edit.
 --
 -- The statements are the server's, with its $n parameters as pgbench
 -- variables, and these changes, which pgbench needs and which leave the
--- plans alone: unnamed result columns of the claim
--- and the charge are named (\gset needs names); the
--- charge's $1 is '' and $5 NULL, as the server sends them; the payment
--- arrays $8 to $16 are one-element ARRAY[...] of variables (pgbench cannot
--- build array literals), the created_at one ARRAY[now()].
+-- plans alone: unnamed result columns of the claim and the charge are
+-- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
+-- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
+-- the INSERT, the completion and COMMIT as four round trips; the server
+-- pipelines BEGIN with the INSERT and the completion with the COMMIT (two):
+-- the same WAL flushes.
 --
 -- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
 -- lockus retus status ctype hdr body customer currency.
 `
 
-// pgbenchScript builds a pgbench script from the server's source.
-func pgbenchScript(src string, async bool) (string, error) {
+// pgbenchScript builds a pgbench script from the server's SQL constants.
+func pgbenchScript(src map[string]string, async bool) (string, error) {
 	claim, err := goConst(src, "claimSQL")
 	if err != nil {
 		return "", err
@@ -89,7 +103,11 @@ func pgbenchScript(src string, async bool) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	complete, err := goConst(src, "completeSQL")
+	insert, err := goConst(src, "insertPaymentSQL")
+	if err != nil {
+		return "", err
+	}
+	complete, err := goConst(src, "completeInTxSQL")
 	if err != nil {
 		return "", err
 	}
@@ -112,20 +130,23 @@ func pgbenchScript(src string, async bool) (string, error) {
 	if charge, err = pgbenchCharge(charge); err != nil {
 		return "", err
 	}
+	if insert, err = params(insert, map[int]string{
+		1: "'pay_' || :key", 2: ":client", 3: ":customer", 4: ":amount", 5: ":currency",
+		6: ":key", 7: ":operation_id", 8: ":ch_charge_id", 9: "NULL::timestamptz",
+	}); err != nil {
+		return "", fmt.Errorf("insertPaymentSQL: %w", err)
+	}
 	complete, err = params(complete, map[int]string{
 		1: ":client", 2: ":key", 3: ":lock_token", 4: ":status", 5: ":ctype", 6: ":hdr", 7: ":body",
-		8: "ARRAY[:key]", 9: "ARRAY[:client]", 10: "ARRAY[:customer]", 11: "ARRAY[:amount]",
-		12: "ARRAY[:currency]", 13: "ARRAY[:key]", 14: "ARRAY[:operation_id]", 15: "ARRAY[:ch_charge_id]",
-		16: "ARRAY[now()]",
 	})
 	if err != nil {
-		return "", fmt.Errorf("completeSQL: %w", err)
+		return "", fmt.Errorf("completeInTxSQL: %w", err)
 	}
 	var b strings.Builder
 	b.WriteString(pgbenchHeader)
 	if async {
 		b.WriteString("--\n-- first-async.sql: the claim commits with synchronous_commit = off, as\n" +
-			"-- PostgresStore.AsyncClaims does. The store sends the setting and the claim\n" +
+			"-- pgstore.Store.AsyncClaims does. The store sends the setting and the claim\n" +
 			"-- in one pipeline (one round trip); pgbench allows no \\gset in a pipeline,\n" +
 			"-- so here they run in BEGIN ... COMMIT: three more loopback round trips, no\n" +
 			"-- more WAL flushes.\n")
@@ -143,24 +164,27 @@ func pgbenchScript(src string, async bool) (string, error) {
 		b.WriteString("COMMIT;\n")
 	}
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
-	b.WriteString("\n-- completeSQL\n" + strings.TrimSpace(complete) + ";\n")
+	b.WriteString("\nBEGIN;\n-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
+	b.WriteString("-- completeInTxSQL (the key's completion)\n" + strings.TrimSpace(complete) + ";\nCOMMIT;\n")
 	return b.String(), nil
 }
 
 const pgbenchUnkeyedHeader = `-- One unkeyed POST /v1/payments of the reference server started with
 -- -no-idempotency, as pgbench runs it: insert the card processor's charge,
--- insert the payment (PostgresStore.InsertPayment). The database's side of
--- the load test's "unkeyed" scenario (c), to set against first.sql (a).
--- GENERATED from server/postgres.go by bench/pgbench_test.go (go test -run
--- TestPgbenchScripts -update); do not edit.
+-- then insert the payment in a transaction of its own (BEGIN, INSERT,
+-- COMMIT, as PostgresStorage.CreatePayment does outside a keyed request).
+-- The database's side of the load test's "unkeyed" scenario (c), to set
+-- against first.sql (a). GENERATED from server/postgres.go by
+-- bench/pgbench_test.go (go test -run TestPgbenchScripts -update); do not
+-- edit.
 --
 -- The same substitutions as first.sql; the payment's id, key and operation
 -- are what the server derives from a fresh random operation ID: here the
 -- random :key, '' (no key) and gen_random_uuid()::text.
 `
 
-// pgbenchUnkeyedScript builds pgbench/unkeyed.sql from the server's source.
-func pgbenchUnkeyedScript(src string) (string, error) {
+// pgbenchUnkeyedScript builds pgbench/unkeyed.sql from the server's SQL.
+func pgbenchUnkeyedScript(src map[string]string) (string, error) {
 	charge, err := goConst(src, "createChargeSQL")
 	if err != nil {
 		return "", err
@@ -181,7 +205,7 @@ func pgbenchUnkeyedScript(src string) (string, error) {
 	return pgbenchUnkeyedHeader +
 		"\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n" +
 		"-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n" +
-		"\n-- insertPaymentSQL\n" + strings.TrimSpace(insert) + ";\n", nil
+		"\nBEGIN;\n-- insertPaymentSQL\n" + strings.TrimSpace(insert) + ";\nCOMMIT;\n", nil
 }
 
 // pgbenchCharge turns createChargeSQL into pgbench's form, as both scripts
@@ -202,14 +226,92 @@ func pgbenchCharge(charge string) (string, error) {
 	return charge, nil
 }
 
-// goConst returns the raw string constant name of Go source src.
-func goConst(src, name string) (string, error) {
-	re := regexp.MustCompile("(?s)\nconst " + name + " = `(.*?)`")
-	m := re.FindStringSubmatch(src)
-	if m == nil {
-		return "", fmt.Errorf("no raw string constant %s in server/postgres.go", name)
+// goConst returns the string constant name of src (see goConsts).
+func goConst(src map[string]string, name string) (string, error) {
+	v, ok := src[name]
+	if !ok {
+		return "", fmt.Errorf("no string constant %s in %s", name, strings.Join(sqlSources, ", "))
 	}
-	return m[1], nil
+	return v, nil
+}
+
+// goConsts returns the string constants of the Go files that match the
+// patterns, by name, with their values as the compiler sees them: string
+// literals, and sums of literals and other constants (pgstore builds its
+// statements from shared expressions). A constant of another form is left
+// out. Names are taken as unique across the files.
+func goConsts(patterns ...string) (map[string]string, error) {
+	exprs := make(map[string]ast.Expr)
+	fset := token.NewFileSet()
+	for _, pattern := range patterns {
+		files, err := filepath.Glob(pattern)
+		if err != nil || len(files) == 0 {
+			return nil, fmt.Errorf("no file matches %s", pattern)
+		}
+		for _, file := range files {
+			if strings.HasSuffix(file, "_test.go") {
+				continue
+			}
+			f, err := parser.ParseFile(fset, file, nil, parser.SkipObjectResolution)
+			if err != nil {
+				return nil, err
+			}
+			for _, decl := range f.Decls {
+				gd, ok := decl.(*ast.GenDecl)
+				if !ok || gd.Tok != token.CONST {
+					continue
+				}
+				for _, spec := range gd.Specs {
+					vs := spec.(*ast.ValueSpec)
+					for i, name := range vs.Names {
+						if i < len(vs.Values) {
+							exprs[name.Name] = vs.Values[i]
+						}
+					}
+				}
+			}
+		}
+	}
+	var eval func(e ast.Expr, depth int) (string, bool)
+	eval = func(e ast.Expr, depth int) (string, bool) {
+		if depth > 50 {
+			return "", false
+		}
+		switch e := e.(type) {
+		case *ast.BasicLit:
+			if e.Kind != token.STRING {
+				return "", false
+			}
+			s, err := strconv.Unquote(e.Value)
+			return s, err == nil
+		case *ast.ParenExpr:
+			return eval(e.X, depth+1)
+		case *ast.Ident:
+			x, ok := exprs[e.Name]
+			if !ok {
+				return "", false
+			}
+			return eval(x, depth+1)
+		case *ast.BinaryExpr:
+			if e.Op != token.ADD {
+				return "", false
+			}
+			l, ok := eval(e.X, depth+1)
+			if !ok {
+				return "", false
+			}
+			r, ok := eval(e.Y, depth+1)
+			return l + r, ok
+		}
+		return "", false
+	}
+	consts := make(map[string]string)
+	for name, e := range exprs {
+		if v, ok := eval(e, 0); ok {
+			consts[name] = v
+		}
+	}
+	return consts, nil
 }
 
 var paramRE = regexp.MustCompile(`\$(\d+)`)

@@ -4,6 +4,8 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"testing"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 func TestParseAPIKeys(t *testing.T) {
@@ -36,7 +38,7 @@ func TestParseAPIKeys(t *testing.T) {
 
 func TestBearerAuth(t *testing.T) {
 	h := BearerAuth(map[string]string{"tok": "acme"})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		id, _ := ClientIDFromContext(r.Context())
+		id, _ := idempotency.ClientIDFromContext(r.Context())
 		w.Write([]byte(id))
 	}))
 	for _, tt := range []struct{ header, want string }{

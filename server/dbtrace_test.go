@@ -37,11 +37,27 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 }
 
 // TestDBRoundTripsPerRequest pins the database round trips of each kind of
-// request on PostgreSQL, as counted by DBRoundTrips and served on /metrics:
-// a first execution makes three (claim, the processor's charge, the
-// completion with the payment), a replay one, a request whose key is
-// released two, an unkeyed payment two. A change that adds a round trip to
-// the hot path fails here.
+// request on PostgreSQL, as counted by DBRoundTrips and served on /metrics.
+// A change that adds a round trip to the hot path fails here.
+//
+//   - A first execution makes four: the claim (its own committed
+//     statement); the fake processor's charge (it shares the pool); the
+//     payment's INSERT, the handler's first statement through
+//     pgstore.TxFromContext, sent in one pipeline with the BEGIN that
+//     pgstore defers to it; and the key's completion, pipelined with the
+//     COMMIT.
+//   - A replay makes one: the claim, which returns the stored outcome.
+//   - A request whose key is released (here a 400 from the handler's
+//     validation) makes two: the claim and the release. The handler wrote
+//     nothing, so its transaction never began: no BEGIN and no ROLLBACK.
+//   - An unkeyed payment (Config.NoIdempotency) makes four too: the charge,
+//     and BEGIN, INSERT and COMMIT of pgx.BeginFunc, one round trip each.
+//     The idempotency layer adds no round trip to it: the claim it adds is
+//     paid back by the BEGIN that pgstore pipelines with the INSERT, and
+//     the completion travels with the COMMIT.
+//
+// With -async-claims the claim is a batch (the SET of synchronous_commit and
+// the claim): still one round trip.
 func TestDBRoundTripsPerRequest(t *testing.T) {
 	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_1"}`
 	bad := `{"amount": -1, "currency": "usd", "customer": "cus_1"}` // 400 from the handler: released
@@ -52,9 +68,9 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			trips := new(DBRoundTrips)
-			store := NewPostgresStore(tracedPool(t, trips))
-			store.AsyncClaims = async
-			ts := newTestServer(t, store, Config{DBRoundTrips: trips})
+			storage := NewPostgresStorage(tracedPool(t, trips))
+			storage.Keys().AsyncClaims = async
+			ts := newTestServer(t, storage.Storage(), Config{DBRoundTrips: trips})
 			cases := []struct {
 				name       string
 				key        func(i int) string
@@ -62,7 +78,7 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 				wantStatus int
 				want       int64
 			}{
-				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 3},
+				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
 				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 1},
 				{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
 			}
@@ -98,14 +114,14 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 
 	t.Run("unkeyed", func(t *testing.T) {
 		trips := new(DBRoundTrips)
-		ts := newTestServer(t, NewPostgresStore(tracedPool(t, trips)), Config{DBRoundTrips: trips, NoIdempotency: true})
+		ts := newTestServer(t, NewPostgresStorage(tracedPool(t, trips)).Storage(), Config{DBRoundTrips: trips, NoIdempotency: true})
 		ts.mustSend(t, call{body: body})
 		before := trips.Total()
 		if r := ts.mustSend(t, call{body: body}); r.status != http.StatusCreated {
 			t.Fatalf("unkeyed payment: %d", r.status)
 		}
-		if got := trips.Total() - before; got != 2 {
-			t.Errorf("unkeyed payment: %d round trips, want 2 (charge, payment)", got)
+		if got := trips.Total() - before; got != 4 {
+			t.Errorf("unkeyed payment: %d round trips, want 4 (charge, BEGIN, INSERT, COMMIT)", got)
 		}
 	})
 }

@@ -2,7 +2,7 @@ package server
 
 import "testing"
 
-// TestEndToEndMemory runs the end-to-end tests on the in-memory store.
+// TestEndToEndMemory runs the end-to-end tests on the in-memory storage.
 func TestEndToEndMemory(t *testing.T) {
-	testEndToEnd(t, func(t *testing.T) Store { return NewMemoryStore() })
+	testEndToEnd(t, memoryStorage)
 }

@@ -13,20 +13,17 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
-// newStoreFunc makes a fresh, empty store for one test: a MemoryStore, or a
-// PostgreSQL store on a schema of its own. The store must also implement
-// PaymentStore and ChargeStore.
-type newStoreFunc func(t *testing.T) Store
-
 // testEndToEnd runs the end-to-end tests of the reference server against
-// the stores newStore makes, through real HTTP. It is store-agnostic: the
-// same tests run on the memory store and on PostgreSQL.
-func testEndToEnd(t *testing.T, newStore newStoreFunc) {
+// the storage newStorage makes, through real HTTP. It is storage-agnostic:
+// the same tests run in memory and on PostgreSQL.
+func testEndToEnd(t *testing.T, newStorage newStorageFunc) {
 	tests := []struct {
 		name string
-		fn   func(t *testing.T, newStore newStoreFunc)
+		fn   func(t *testing.T, newStorage newStorageFunc)
 	}{
 		{"ServerTable", testServerTable},
 		{"KeyHeader", testKeyHeader},
@@ -34,6 +31,7 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"ValidationStoresNothing", testValidationStoresNothing},
 		{"ReplayByteForByte", testReplayByteForByte},
 		{"TenantIsolation", testTenantIsolation},
+		{"GetInvalidID", testGetInvalidID},
 		{"FormAndJSON", testFormAndJSON},
 		{"ServerErrorsReleased", testServerErrorsReleased},
 		{"ServerErrorsStored", testServerErrorsStored},
@@ -42,6 +40,8 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"TakeoverThroughSDK", testTakeoverThroughSDK},
 		{"RacingTakers", testRacingTakers},
 		{"FencedSlowOriginal", testFencedSlowOriginal},
+		{"LeaseRenewedWhileSlow", testLeaseRenewedWhileSlow},
+		{"TakeoverAfterSlowCrash", testTakeoverAfterSlowCrash},
 		{"LostProcessorAnswer", testLostProcessorAnswer},
 		{"RetryAfterChargedFailure", testRetryAfterChargedFailure},
 		{"WaitForCompletion", testWaitForCompletion},
@@ -50,7 +50,7 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"NoIdempotency", testNoIdempotency},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) { tt.fn(t, newStore) })
+		t.Run(tt.name, func(t *testing.T) { tt.fn(t, newStorage) })
 	}
 }
 
@@ -80,9 +80,9 @@ func (b *blocker) afterCharge(ctx context.Context) error {
 }
 
 // testServerTable checks each row of the article's table of server behaviour.
-func testServerTable(t *testing.T, newStore newStoreFunc) {
+func testServerTable(t *testing.T, newStorage newStorageFunc) {
 	block := newBlocker(1)
-	ts := newTestServer(t, newStore(t), Config{AfterCharge: block.afterCharge, RetryAfter: 2 * time.Second})
+	ts := newTestServer(t, newStorage(t), Config{AfterCharge: block.afterCharge, RetryAfter: 2 * time.Second})
 
 	// First request with this key: processed, outcome stored.
 	first := make(chan reply)
@@ -94,12 +94,12 @@ func testServerTable(t *testing.T, newStore newStoreFunc) {
 	if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" {
 		t.Errorf("duplicate in flight: %d Retry-After %q, want 409 with Retry-After 2", r.status, r.header.Get("Retry-After"))
 	}
-	if p := r.problem(t); p.Type != ProblemKeyInUse {
+	if p := r.problem(t); p.Type != idempotency.ProblemKeyInUse {
 		t.Errorf("409 type %s", p.Type)
 	}
 	// Same key, different payload: 422, also while running.
 	r = ts.mustSend(t, keyed("k-table", `{"amount": 1, "currency": "usd", "customer": "cus_123"}`))
-	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != ProblemKeyMismatch {
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != idempotency.ProblemKeyMismatch {
 		t.Errorf("other payload: %d %s, want 422 mismatch", r.status, r.body)
 	}
 	close(block.release)
@@ -115,12 +115,12 @@ func testServerTable(t *testing.T, newStore newStoreFunc) {
 	}
 	// Same key, different payload after completion: 422.
 	r = ts.mustSend(t, keyed("k-table", `{"amount": 4200, "currency": "eur", "customer": "cus_123"}`))
-	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != ProblemKeyMismatch {
+	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != idempotency.ProblemKeyMismatch {
 		t.Errorf("other payload after completion: %d, want 422", r.status)
 	}
 	// Required key missing: 400.
 	r = ts.mustSend(t, call{body: payment})
-	if r.status != http.StatusBadRequest || r.problem(t).Type != ProblemKeyMissing {
+	if r.status != http.StatusBadRequest || r.problem(t).Type != idempotency.ProblemKeyMissing {
 		t.Errorf("no key: %d %s", r.status, r.body)
 	}
 	// Reads need no key and see the payment; another client's is 404.
@@ -151,21 +151,21 @@ func testServerTable(t *testing.T, newStore newStoreFunc) {
 
 // testKeyHeader checks the key header's parsing: invalid keys get 400, and
 // a bare token and an sf-string are the same key.
-func testKeyHeader(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testKeyHeader(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	for _, tt := range []struct {
 		name string
 		keys []string
 		want string
 	}{
-		{"missing", nil, ProblemKeyMissing},
-		{"empty", []string{""}, ProblemKeyInvalid},
-		{"empty sf-string", []string{`""`}, ProblemKeyInvalid},
-		{"two lines", []string{"a", "b"}, ProblemKeyInvalid},
-		{"too long", []string{strings.Repeat("k", 256)}, ProblemKeyInvalid},
-		{"space inside", []string{"a b"}, ProblemKeyInvalid},
-		{"non-ASCII", []string{"cl\u00e9"}, ProblemKeyInvalid},
-		{"bad sf-string", []string{`"abc`}, ProblemKeyInvalid},
+		{"missing", nil, idempotency.ProblemKeyMissing},
+		{"empty", []string{""}, idempotency.ProblemKeyInvalid},
+		{"empty sf-string", []string{`""`}, idempotency.ProblemKeyInvalid},
+		{"two lines", []string{"a", "b"}, idempotency.ProblemKeyInvalid},
+		{"too long", []string{strings.Repeat("k", 256)}, idempotency.ProblemKeyInvalid},
+		{"space inside", []string{"a b"}, idempotency.ProblemKeyInvalid},
+		{"non-ASCII", []string{"cl\u00e9"}, idempotency.ProblemKeyInvalid},
+		{"bad sf-string", []string{`"abc`}, idempotency.ProblemKeyInvalid},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := ts.mustSend(t, call{keys: tt.keys, body: payment})
@@ -197,13 +197,13 @@ func testKeyHeader(t *testing.T, newStore newStoreFunc) {
 	}
 }
 
-func testUnauthorized(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testUnauthorized(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	for _, tt := range []struct{ name, token string }{{"none", "-"}, {"unknown", "sk_nope"}} {
 		for _, c := range []call{keyed("k", payment), {method: "GET", path: "/v1/payments/pay_x"}} {
 			c.token = tt.token
 			r := ts.mustSend(t, c)
-			if r.status != http.StatusUnauthorized || r.problem(t).Type != ProblemUnauthorized || r.header.Get("WWW-Authenticate") == "" {
+			if r.status != http.StatusUnauthorized || r.problem(t).Type != idempotency.ProblemUnauthorized || r.header.Get("WWW-Authenticate") == "" {
 				t.Errorf("%s token, %s: %d, want 401 with a challenge", tt.name, c.method, r.status)
 			}
 		}
@@ -216,8 +216,8 @@ func testUnauthorized(t *testing.T, newStore newStoreFunc) {
 
 // testValidationStoresNothing checks that a 400 leaves the key free, so the
 // client can correct the body and retry with the same key.
-func testValidationStoresNothing(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{MaxBodyBytes: 1024})
+func testValidationStoresNothing(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{MaxBodyBytes: 1024})
 	for _, tt := range []struct {
 		name, contentType, body string
 		status                  int
@@ -238,6 +238,10 @@ func testValidationStoresNothing(t *testing.T, newStore newStoreFunc) {
 		{"repeated form field", "application/x-www-form-urlencoded", `amount=1&amount=2&currency=usd&customer=c`, 400, []string{"amount"}},
 		{"unsupported type", "text/plain", `amount 4200`, 415, []string{"Content-Type"}},
 		{"too large", "", `{"customer": "` + strings.Repeat("x", 2000) + `"}`, 413, nil},
+		// Text the payment could not be stored with is refused before the
+		// charge, not after it.
+		{"NUL in customer", "", `{"amount": 4200, "currency": "usd", "customer": "a\u0000b"}`, 400, []string{"customer"}},
+		{"invalid UTF-8 in customer", "application/x-www-form-urlencoded", `amount=4200&currency=usd&customer=caf%E9`, 400, []string{"customer"}},
 	} {
 		key := strings.ReplaceAll("k-"+tt.name, " ", "-")
 		t.Run(tt.name, func(t *testing.T) {
@@ -248,9 +252,9 @@ func testValidationStoresNothing(t *testing.T, newStore newStoreFunc) {
 				t.Fatalf("status %d, want %d: %s", r.status, tt.status, r.body)
 			}
 			p := r.problem(t)
-			want := ProblemInvalidRequest
+			want := idempotency.ProblemInvalidRequest
 			if tt.status == 413 {
-				want = ProblemTooLarge
+				want = idempotency.ProblemTooLarge
 			}
 			if p.Type != want {
 				t.Errorf("type %s, want %s", p.Type, want)
@@ -264,19 +268,27 @@ func testValidationStoresNothing(t *testing.T, newStore newStoreFunc) {
 					t.Errorf("invalid fields %v, want %v", got, tt.fields)
 				}
 			}
-			// The same key with a valid body now runs.
+			// The same key with a valid body now runs, and is the only
+			// request charged.
+			before := ts.charges.created.Load()
 			r = ts.mustSend(t, keyed(key, payment))
 			if r.status != http.StatusCreated || r.replayed() {
 				t.Errorf("corrected retry: %d replayed=%v %s", r.status, r.replayed(), r.body)
 			}
+			if n := ts.charges.created.Load() - before; n != 1 {
+				t.Errorf("%d charges by the corrected retry, want 1 (the invalid request charged, or the retry did not)", n)
+			}
 		})
+	}
+	if charges, payments := ts.charges.created.Load(), ts.payments(t); charges != int64(payments) {
+		t.Errorf("%d charges and %d payments: every charge must have its payment", charges, payments)
 	}
 }
 
 // testReplayByteForByte checks that a replay has the stored status, content
 // type, headers and body, byte for byte.
-func testReplayByteForByte(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testReplayByteForByte(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	first := ts.mustSend(t, keyed("k-bytes", payment))
 	if first.status != http.StatusCreated {
 		t.Fatalf("first: %d %s", first.status, first.body)
@@ -295,8 +307,8 @@ func testReplayByteForByte(t *testing.T, newStore newStoreFunc) {
 }
 
 // testTenantIsolation checks that keys are scoped by client.
-func testTenantIsolation(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testTenantIsolation(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	a := ts.mustSend(t, keyed("shared-key", payment))
 	b := ts.mustSend(t, call{token: tokenB, keys: []string{"shared-key"}, body: payment})
 	if a.status != http.StatusCreated || b.status != http.StatusCreated || b.replayed() {
@@ -325,11 +337,23 @@ func testTenantIsolation(t *testing.T, newStore newStoreFunc) {
 	}
 }
 
+// testGetInvalidID reads payments by ids that are not valid text (a NUL,
+// invalid UTF-8): 404 like any unknown id, on every storage.
+func testGetInvalidID(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
+	for _, id := range []string{"pay_%00", "caf%E9", "pay_%C3%28"} {
+		r := ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + id})
+		if r.status != http.StatusNotFound || r.problem(t).Type != ProblemNotFound {
+			t.Errorf("GET /v1/payments/%s: %d %s, want 404", id, r.status, r.body)
+		}
+	}
+}
+
 // testFormAndJSON checks that the API takes form bodies too, that each
 // encoding fingerprints the same whatever the field order, and that the
 // two encodings of one payment are two requests.
-func testFormAndJSON(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testFormAndJSON(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	const form = "application/x-www-form-urlencoded"
 	r := ts.mustSend(t, call{keys: []string{"k-form"}, contentType: form, body: "amount=4200&currency=usd&customer=cus_123"})
 	if r.status != http.StatusCreated {
@@ -354,8 +378,8 @@ func testFormAndJSON(t *testing.T, newStore newStoreFunc) {
 
 // testServerErrorsReleased checks the default policy: a 5xx releases the
 // key, and the retry runs the operation again.
-func testServerErrorsReleased(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testServerErrorsReleased(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	ts.Processor().FailNext(100)
 	r := ts.mustSend(t, keyed("k-5xx", payment))
 	if r.status != http.StatusBadGateway || r.problem(t).Type != ProblemProcessorUnavailable {
@@ -380,8 +404,8 @@ func testServerErrorsReleased(t *testing.T, newStore newStoreFunc) {
 
 // testServerErrorsStored checks Stripe's policy: a 5xx is stored and
 // replayed.
-func testServerErrorsStored(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{StoreServerErrors: true})
+func testServerErrorsStored(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{StoreServerErrors: true})
 	ts.Processor().FailNext(100)
 	first := ts.mustSend(t, keyed("k-5xx", payment))
 	if first.status != http.StatusBadGateway {
@@ -400,8 +424,8 @@ func testServerErrorsStored(t *testing.T, newStore newStoreFunc) {
 
 // testStorm sends 100 concurrent requests with one key: exactly one payment,
 // and only 201, 409 or the replayed 201 as answers.
-func testStorm(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{ProcessorDelay: 50 * time.Millisecond})
+func testStorm(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{ProcessorDelay: 50 * time.Millisecond})
 	const n = 100
 	replies := make([]reply, n)
 	start := make(chan struct{})
@@ -467,10 +491,10 @@ func (c *crashOnce) afterCharge(ctx context.Context) error {
 // testTakeoverAfterCrash crashes a request between the charge and the
 // commit: the key stays started (409), then after the lock timeout a retry
 // takes it over and reuses the charge: exactly one charge downstream.
-func testTakeoverAfterCrash(t *testing.T, newStore newStoreFunc) {
+func testTakeoverAfterCrash(t *testing.T, newStorage newStorageFunc) {
 	const lock = 300 * time.Millisecond
 	crash := &crashOnce{n: 1}
-	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge})
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge})
 	r := ts.send(t, keyed("k-crash", payment))
 	if r.err == nil {
 		t.Fatalf("crashed request answered %d %s", r.status, r.body)
@@ -501,9 +525,9 @@ func testTakeoverAfterCrash(t *testing.T, newStore newStoreFunc) {
 // testTakeoverThroughSDK is the crash seen from the SDK: one Post call
 // retries through the cut connection and the 409s until the takeover
 // answers, with one charge downstream.
-func testTakeoverThroughSDK(t *testing.T, newStore newStoreFunc) {
+func testTakeoverThroughSDK(t *testing.T, newStorage newStorageFunc) {
 	crash := &crashOnce{n: 1}
-	ts := newTestServer(t, newStore(t), Config{LockTimeout: 300 * time.Millisecond, AfterCharge: crash.afterCharge})
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: 300 * time.Millisecond, AfterCharge: crash.afterCharge})
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	client := &idem.Client{
@@ -533,17 +557,17 @@ func testTakeoverThroughSDK(t *testing.T, newStore newStoreFunc) {
 	}
 	_, err = client.Post(ctx, "/v1/payments", map[string]any{"amount": 2, "currency": "usd", "customer": "c"}, nil)
 	var reuse *idem.KeyReuseError
-	if !errors.As(err, &reuse) || reuse.Key != "k-reuse" || reuse.Problem.Type != ProblemKeyMismatch {
+	if !errors.As(err, &reuse) || reuse.Key != "k-reuse" || reuse.Problem.Type != idempotency.ProblemKeyMismatch {
 		t.Errorf("reused key: %v, want a KeyReuseError with the mismatch problem", err)
 	}
 }
 
 // testRacingTakers lets ten retries race for one stale key: one takes it
 // over, the others see it started or completed.
-func testRacingTakers(t *testing.T, newStore newStoreFunc) {
+func testRacingTakers(t *testing.T, newStorage newStorageFunc) {
 	const lock = 300 * time.Millisecond
 	crash := &crashOnce{n: 1}
-	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge, ProcessorDelay: 20 * time.Millisecond})
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge, ProcessorDelay: 20 * time.Millisecond})
 	if r := ts.send(t, keyed("k-race", payment)); r.err == nil {
 		t.Fatalf("crashed request answered %d", r.status)
 	}
@@ -574,14 +598,34 @@ func testRacingTakers(t *testing.T, newStore newStoreFunc) {
 	}
 }
 
-// testFencedSlowOriginal holds the original request after its charge past
-// the lock timeout; a retry takes over and completes; when the original
-// resumes, its completion is fenced and rolled back: one payment, one
-// charge.
-func testFencedSlowOriginal(t *testing.T, newStore newStoreFunc) {
+// cutOffRenewals is a key store whose renewals fail while cut is set, as
+// when the process serving a request is cut off from the store: the lease
+// of a request still running then runs out.
+type cutOffRenewals struct {
+	idempotency.Store
+	cut atomic.Bool
+}
+
+func (s *cutOffRenewals) Renew(ctx context.Context, c idempotency.Claim) error {
+	if s.cut.Load() {
+		return errors.New("injected: the store is unreachable")
+	}
+	return s.Store.Renew(ctx, c)
+}
+
+// testFencedSlowOriginal holds the original request after its charge while
+// its renewals cannot reach the store, past the lock timeout; a retry takes
+// over and completes; the original's next renewal finds the key taken over
+// (lease lost), and when it resumes its completion is fenced and rolled
+// back: one payment, one charge.
+func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
 	const lock = 300 * time.Millisecond
 	block := newBlocker(1)
-	ts := newTestServer(t, newStore(t), Config{LockTimeout: lock, AfterCharge: block.afterCharge})
+	storage := newStorage(t)
+	keys := &cutOffRenewals{Store: storage.Keys}
+	keys.cut.Store(true)
+	storage.Keys = keys
+	ts := newTestServer(t, storage, Config{LockTimeout: lock, AfterCharge: block.afterCharge})
 	original := make(chan reply)
 	go func() { original <- ts.send(t, keyed("k-slow", payment)) }()
 	<-block.reached
@@ -590,19 +634,32 @@ func testFencedSlowOriginal(t *testing.T, newStore newStoreFunc) {
 	if taker.status != http.StatusCreated || taker.replayed() {
 		t.Fatalf("takeover: %d %s", taker.status, taker.body)
 	}
+	// The original's renewals reach the store again, and find the key
+	// taken over.
+	keys.cut.Store(false)
+	for deadline := time.Now().Add(10 * time.Second); ts.counter(t, "idem_leases_lost_total") < 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the original's renewals never noticed the takeover")
+		}
+	}
 	close(block.release)
 	r := <-original
-	if r.err != nil || r.status != http.StatusConflict || r.problem(t).Type != ProblemKeyInUse {
+	if r.err != nil || r.status != http.StatusConflict || r.problem(t).Type != idempotency.ProblemKeyInUse {
 		t.Fatalf("fenced original: %d %v %s, want 409", r.status, r.err, r.body)
 	}
 	if n := ts.charges.created.Load(); n != 1 {
 		t.Errorf("%d charges, want 1", n)
 	}
-	if got := ts.counter(t, "idem_completions_fenced_total"); got != 1 {
-		t.Errorf("%v fenced completions, want 1", got)
+	if n := ts.payments(t); n != 1 {
+		t.Errorf("%d payments, want 1", n)
 	}
-	if got := ts.counter(t, "idem_keys_completed_total"); got != 1 {
-		t.Errorf("%v completions, want 1", got)
+	for name, want := range map[string]float64{
+		"idem_completions_fenced_total": 1, "idem_keys_completed_total": 1,
+		"idem_keys_taken_over_total": 1, "idem_leases_lost_total": 1,
+	} {
+		if got := ts.counter(t, name); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
 	}
 	p := taker.payment(t)
 	if r := ts.mustSend(t, call{method: "GET", path: "/v1/payments/" + p.ID}); r.status != http.StatusOK || r.payment(t) != p {
@@ -613,11 +670,123 @@ func testFencedSlowOriginal(t *testing.T, newStore newStoreFunc) {
 	}
 }
 
+// testLeaseRenewedWhileSlow runs a request three lock timeouts long (a slow
+// processor), and longer still (held after the charge): its lease is
+// renewed meanwhile, so every duplicate sent past the lock timeout gets 409,
+// never a takeover, and there is one payment and one charge.
+func testLeaseRenewedWhileSlow(t *testing.T, newStorage newStorageFunc) {
+	const lock = 300 * time.Millisecond
+	block := newBlocker(1)
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, ProcessorDelay: 3 * lock, AfterCharge: block.afterCharge})
+	first := make(chan reply)
+	go func() { first <- ts.send(t, keyed("k-live", payment)) }()
+	conflict := func(when string) {
+		t.Helper()
+		r := ts.mustSend(t, keyed("k-live", payment))
+		if r.status != http.StatusConflict || r.problem(t).Type != idempotency.ProblemKeyInUse {
+			t.Errorf("duplicate %s: %d %s, want 409 (the first request is alive)", when, r.status, r.body)
+		}
+	}
+	time.Sleep(lock + lock/2)
+	conflict("during the processor call, past the lock timeout")
+	<-block.reached // three lock timeouts after the claim at least
+	conflict("after the processor call")
+	time.Sleep(lock + lock/2)
+	conflict("another lock timeout later")
+	close(block.release)
+	r := <-first
+	if r.err != nil || r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("slow request: %d %v %s, want a fresh 201", r.status, r.err, r.body)
+	}
+	if again := ts.mustSend(t, keyed("k-live", payment)); !again.replayed() || !bytes.Equal(again.body, r.body) {
+		t.Errorf("retry: %d replayed=%v, want the stored 201", again.status, again.replayed())
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	if n := ts.payments(t); n != 1 {
+		t.Errorf("%d payments, want 1", n)
+	}
+	for name, want := range map[string]float64{
+		"idem_keys_taken_over_total": 0, "idem_completions_fenced_total": 0, "idem_leases_lost_total": 0,
+		"idem_conflicts_total": 3, "idem_keys_completed_total": 1,
+	} {
+		if got := ts.counter(t, name); got != want {
+			t.Errorf("%s = %v, want %v", name, got, want)
+		}
+	}
+	if got := ts.counter(t, "idem_leases_renewed_total"); got < 3 {
+		t.Errorf("%v renewals, want at least 3 over four lock timeouts", got)
+	}
+}
+
+// testTakeoverAfterSlowCrash crashes a request that ran past the lock
+// timeout (a slow processor, its lease renewed) after its charge: its key
+// stays started, the retries get 409 until its lease runs out, about one
+// lock timeout after the crash, and then one of them takes it over and
+// finds the charge: one payment, one charge.
+func testTakeoverAfterSlowCrash(t *testing.T, newStorage newStorageFunc) {
+	// Longer than elsewhere: the first retry, sent as soon as the crash
+	// cuts the connection, must arrive within the lease, which was last
+	// renewed up to a third of it before the crash.
+	const lock = 600 * time.Millisecond
+	var crashedAt atomic.Int64
+	crash := &crashOnce{n: 1}
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, ProcessorDelay: 3 * lock,
+		AfterCharge: func(ctx context.Context) error {
+			err := crash.afterCharge(ctx)
+			if err != nil {
+				crashedAt.Store(time.Now().UnixNano())
+			}
+			return err
+		}})
+	if r := ts.send(t, keyed("k-slow-crash", payment)); r.err == nil {
+		t.Fatalf("crashed request answered %d %s", r.status, r.body)
+	}
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Fatalf("%d charges before the crash, want 1", n)
+	}
+	// The retry of a client waiting out the 409s.
+	var r reply
+	var sent time.Time // of the last retry
+	conflicts := 0
+	for deadline := time.Now().Add(20 * lock); ; time.Sleep(lock / 10) {
+		sent = time.Now()
+		if r = ts.mustSend(t, keyed("k-slow-crash", payment)); r.status != http.StatusConflict {
+			break
+		}
+		conflicts++
+		if time.Now().After(deadline) {
+			t.Fatalf("still 409 %v after the crash, with a lock timeout of %v", 20*lock, lock)
+		}
+	}
+	took := sent.Sub(time.Unix(0, crashedAt.Load())) // the takeover then asks the slow processor again
+	if r.status != http.StatusCreated || r.replayed() {
+		t.Fatalf("retry after the lease ran out: %d replayed=%v %s, want a fresh 201", r.status, r.replayed(), r.body)
+	}
+	if conflicts == 0 {
+		t.Error("the first retry after the crash took the key over, want 409 while the crashed request's lease is live")
+	}
+	t.Logf("taken over %v after the crash (lock timeout %v), after %d 409s", took.Round(time.Millisecond), lock, conflicts)
+	if n := ts.charges.created.Load(); n != 1 {
+		t.Errorf("%d charges, want 1", n)
+	}
+	if n := ts.payments(t); n != 1 {
+		t.Errorf("%d payments, want 1", n)
+	}
+	if got := ts.counter(t, "idem_keys_taken_over_total"); got != 1 {
+		t.Errorf("%v takeovers, want 1", got)
+	}
+	if again := ts.mustSend(t, keyed("k-slow-crash", payment)); !again.replayed() || !bytes.Equal(again.body, r.body) {
+		t.Errorf("after the takeover: %d replayed=%v, want the stored 201", again.status, again.replayed())
+	}
+}
+
 // testLostProcessorAnswer cuts the processor's answer after it charged: the
 // payments API's Transport retries with the same key and gets the charge
 // back, so one charge and one payment.
-func testLostProcessorAnswer(t *testing.T, newStore newStoreFunc) {
-	ts := newTestServer(t, newStore(t), Config{})
+func testLostProcessorAnswer(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
 	ts.Processor().LoseNext(2)
 	r := ts.mustSend(t, keyed("k-lost", payment))
 	if r.status != http.StatusCreated {
@@ -628,39 +797,60 @@ func testLostProcessorAnswer(t *testing.T, newStore newStoreFunc) {
 	}
 }
 
-// failFirstComplete makes the first completion of its store fail, after
-// the handler has done its work (the charge included): nothing of the unit
-// of work is committed, and the middleware releases the key.
-type failFirstComplete struct {
-	Store
+// failFirstCompletion makes the completion of the first payment's unit of
+// work fail, after the handler has done its work (the charge and the
+// payment's write included): nothing of the unit of work is committed, and
+// the middleware releases the key. It cannot wrap the key store's Tx,
+// since the stores' accessors (MemoryStore.Stage, pgstore.TxFromContext)
+// find their own unit of work in the request's context; it makes the unit
+// of work itself fail to commit, as a handler's write can.
+type failFirstCompletion struct {
 	PaymentStore
-	ChargeStore
 	failed atomic.Bool
 }
 
-func (s *failFirstComplete) Begin(ctx context.Context, c Claim) (Tx, error) {
-	tx, err := s.Store.Begin(ctx, c)
-	if err != nil || s.failed.Swap(true) {
-		return tx, err
-	}
-	return failingTx{tx}, nil
-}
+var errInjectedCommit = errors.New("injected: the commit failed")
 
-func (s *failFirstComplete) CreatePayment(ctx context.Context, tx Tx, p Payment) error {
-	if f, ok := tx.(failingTx); ok {
-		tx = f.Tx
+func (s *failFirstCompletion) CreatePayment(ctx context.Context, p Payment) error {
+	if !s.failed.Swap(true) {
+		switch ps := s.PaymentStore.(type) {
+		case *MemoryStorage:
+			// Staged before the payment, so it runs first and nothing is
+			// applied.
+			if !ps.Keys().Stage(ctx, func() error { return errInjectedCommit }) {
+				return errors.New("failFirstCompletion: no unit of work in the context")
+			}
+		case *PostgresStorage:
+			// A deferred foreign key that no row satisfies: checked, and
+			// failed, at COMMIT, after the key's completion statement.
+			tx, ok := pgstore.TxFromContext(ctx)
+			if !ok {
+				return errors.New("failFirstCompletion: no transaction in the context")
+			}
+			for _, sql := range []string{
+				`CREATE TEMP TABLE fail_commit_parent (id int PRIMARY KEY) ON COMMIT DROP`,
+				`CREATE TEMP TABLE fail_commit_child (id int REFERENCES fail_commit_parent DEFERRABLE INITIALLY DEFERRED) ON COMMIT DROP`,
+				`INSERT INTO fail_commit_child VALUES (1)`,
+			} {
+				if _, err := tx.Exec(ctx, sql); err != nil {
+					return err
+				}
+			}
+		default:
+			return fmt.Errorf("failFirstCompletion: cannot fail the commit of %T", ps)
+		}
 	}
-	return s.PaymentStore.CreatePayment(ctx, tx, p)
+	return s.PaymentStore.CreatePayment(ctx, p)
 }
 
 // testRetryAfterChargedFailure fails a request with a 5xx after the
 // processor charged: the key is released with its operation, so the
 // immediate retry with the same key gets a fresh 201 (no 409, no wait for
 // the lock timeout), the processor's existing charge, and one payment.
-func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
+func testRetryAfterChargedFailure(t *testing.T, newStorage newStorageFunc) {
 	for _, tt := range []struct {
 		name    string
-		store   func(Store) Store
+		storage func(Storage) Storage
 		inject  func(ts *testServer)
 		recover func(ts *testServer)
 		status  int
@@ -670,28 +860,31 @@ func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
 			// Every answer of the processor is lost after it charged: the
 			// payments API cannot tell whether it was charged and answers 502.
 			name:    "processor answers lost",
-			store:   func(s Store) Store { return s },
+			storage: func(s Storage) Storage { return s },
 			inject:  func(ts *testServer) { ts.Processor().LoseNext(100) },
 			recover: func(ts *testServer) { ts.Processor().LoseNext(0) },
 			status:  http.StatusBadGateway,
 			problem: ProblemProcessorUnavailable,
 		},
 		{
-			// The charge went through; storing the payment fails: 500.
+			// The charge went through and the payment was written; the
+			// commit of the key's completion with it fails: 500.
 			name: "completion failed",
-			store: func(s Store) Store {
-				return &failFirstComplete{Store: s, PaymentStore: s.(PaymentStore), ChargeStore: s.(ChargeStore)}
+			storage: func(s Storage) Storage {
+				s.Payments = &failFirstCompletion{PaymentStore: s.Payments}
+				return s
 			},
 			inject:  func(*testServer) {},
 			recover: func(*testServer) {},
 			status:  http.StatusInternalServerError,
-			problem: ProblemInternal,
+			problem: idempotency.ProblemInternal,
 		},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			// The default lock timeout (30s): a key left started would
+			// The default lock timeout (10s): a key left started would
 			// answer the retry 409 for that long.
-			ts := newTestServer(t, tt.store(newStore(t)), Config{})
+			storage := newStorage(t)
+			ts := newTestServer(t, tt.storage(storage), Config{})
 			tt.inject(ts)
 			r := ts.mustSend(t, keyed("k-charged", payment))
 			if r.status != tt.status || r.problem(t).Type != tt.problem {
@@ -705,8 +898,8 @@ func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
 			// (or charge again): refused, and nothing changes.
 			other := strings.Replace(payment, "4200", "4300", 1)
 			if r := ts.mustSend(t, keyed("k-charged", other)); r.status != http.StatusUnprocessableEntity ||
-				r.problem(t).Type != ProblemKeyMismatch || !strings.Contains(r.problem(t).Detail, "failed after it may have taken effect") {
-				t.Fatalf("another request with the key: %d %s, want 422 %s saying the first may have taken effect", r.status, r.body, ProblemKeyMismatch)
+				r.problem(t).Type != idempotency.ProblemKeyMismatch || !strings.Contains(r.problem(t).Detail, "failed after it may have taken effect") {
+				t.Fatalf("another request with the key: %d %s, want 422 %s saying the first may have taken effect", r.status, r.body, idempotency.ProblemKeyMismatch)
 			}
 			r = ts.mustSend(t, keyed("k-charged", payment))
 			if r.status != http.StatusCreated || r.replayed() {
@@ -715,6 +908,9 @@ func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
 			p := r.payment(t)
 			if n := ts.charges.created.Load(); n != 1 {
 				t.Errorf("%d charges after the retry, want 1", n)
+			}
+			if n := committedPayments(t, storage.Payments); n != 1 {
+				t.Errorf("%d payments after the retry, want 1", n)
 			}
 			for name, want := range map[string]float64{
 				"idem_keys_claimed_total": 2, "idem_keys_released_total": 1, "idem_keys_completed_total": 1,
@@ -736,7 +932,7 @@ func testRetryAfterChargedFailure(t *testing.T, newStore newStoreFunc) {
 
 // testWaitForCompletion checks the option that holds a duplicate until the
 // first request finishes.
-func testWaitForCompletion(t *testing.T, newStore newStoreFunc) {
+func testWaitForCompletion(t *testing.T, newStorage newStorageFunc) {
 	for _, tt := range []struct {
 		name       string
 		wait, hold time.Duration
@@ -747,7 +943,7 @@ func testWaitForCompletion(t *testing.T, newStore newStoreFunc) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			block := newBlocker(1)
-			ts := newTestServer(t, newStore(t), Config{WaitForCompletion: tt.wait, AfterCharge: block.afterCharge})
+			ts := newTestServer(t, newStorage(t), Config{WaitForCompletion: tt.wait, AfterCharge: block.afterCharge})
 			first := make(chan reply)
 			go func() { first <- ts.send(t, keyed("k-wait", payment)) }()
 			<-block.reached
@@ -769,9 +965,9 @@ func testWaitForCompletion(t *testing.T, newStore newStoreFunc) {
 
 // testRetention checks that retention is exact at lookup: an expired key is
 // a new operation before any purge.
-func testRetention(t *testing.T, newStore newStoreFunc) {
+func testRetention(t *testing.T, newStorage newStorageFunc) {
 	const retention = 500 * time.Millisecond
-	ts := newTestServer(t, newStore(t), Config{Retention: retention, PurgeInterval: time.Hour})
+	ts := newTestServer(t, newStorage(t), Config{Retention: retention, PurgeInterval: time.Hour})
 	first := ts.mustSend(t, keyed("k-ret", payment))
 	if r := ts.mustSend(t, keyed("k-ret", payment)); !r.replayed() {
 		t.Fatalf("within retention: %d replayed=%v", r.status, r.replayed())
@@ -792,9 +988,9 @@ func testRetention(t *testing.T, newStore newStoreFunc) {
 
 // testPurgeThenReuse purges expired keys in bounded batches, then reuses a
 // purged key as a new operation.
-func testPurgeThenReuse(t *testing.T, newStore newStoreFunc) {
+func testPurgeThenReuse(t *testing.T, newStorage newStorageFunc) {
 	const retention = 400 * time.Millisecond
-	ts := newTestServer(t, newStore(t), Config{Retention: retention, PurgeBatch: 2})
+	ts := newTestServer(t, newStorage(t), Config{Retention: retention, PurgeBatch: 2})
 	for i := range 5 {
 		if r := ts.mustSend(t, keyed(fmt.Sprintf("k-purge-%d", i), payment)); r.status != http.StatusCreated {
 			t.Fatalf("%d %s", r.status, r.body)
@@ -820,9 +1016,9 @@ func testPurgeThenReuse(t *testing.T, newStore newStoreFunc) {
 // testNoIdempotency checks the benchmark-only route of
 // Config.NoIdempotency: no key is needed, none is stored, and every request
 // is a new payment with a charge of its own.
-func testNoIdempotency(t *testing.T, newStore newStoreFunc) {
-	store := newStore(t)
-	ts := newTestServer(t, store, Config{NoIdempotency: true})
+func testNoIdempotency(t *testing.T, newStorage newStorageFunc) {
+	storage := newStorage(t)
+	ts := newTestServer(t, storage, Config{NoIdempotency: true})
 
 	var ids []string
 	for _, c := range []call{
@@ -839,7 +1035,7 @@ func testNoIdempotency(t *testing.T, newStore newStoreFunc) {
 		if got.status != http.StatusOK || got.payment(t) != p {
 			t.Errorf("GET %s: %d %s, want %+v", p.ID, got.status, got.body, p)
 		}
-		stored, err := store.(PaymentStore).GetPayment(context.Background(), "client_a", p.ID)
+		stored, err := storage.Payments.GetPayment(context.Background(), "client_a", p.ID)
 		if err != nil || stored.IdempotencyKey != "" || stored.OperationID == "" {
 			t.Errorf("stored payment %+v, %v; want no key and an operation", stored, err)
 		}
@@ -853,9 +1049,9 @@ func testNoIdempotency(t *testing.T, newStore newStoreFunc) {
 	}
 
 	// Nothing was stored under the key: claiming it finds it absent.
-	res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "client_a", Key: "k-ignored",
-		Method: "POST", Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: FingerprintVersion})
-	if err != nil || res.Outcome != Claimed {
+	res, err := storage.Keys.Claim(context.Background(), idempotency.ClaimRequest{ClientID: "client_a", Key: "k-ignored",
+		Method: "POST", Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: idempotency.FingerprintVersion})
+	if err != nil || res.Outcome != idempotency.Claimed {
 		t.Errorf("claim of the key sent to the unkeyed route: %v, %v; want Claimed (no row)", res.Outcome, err)
 	}
 	if got := ts.counter(t, "idem_keys_claimed_total"); got != 0 {

@@ -28,7 +28,7 @@ func ExampleDBRoundTrips() {
 	if err := server.Migrate(ctx, pool); err != nil {
 		log.Fatal(err)
 	}
-	srv, err := server.New(server.Config{Store: server.NewPostgresStore(pool), DBRoundTrips: trips})
+	srv, err := server.New(server.Config{Storage: server.NewPostgresStorage(pool).Storage(), DBRoundTrips: trips})
 	if err != nil {
 		log.Fatal(err)
 	}

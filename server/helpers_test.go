@@ -11,6 +11,11 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // Test tokens and the clients they map to.
@@ -23,7 +28,7 @@ const (
 var testAPIKeys = map[string]string{tokenA: "client_a", tokenB: "client_b"}
 
 // testLogger discards logs unless IDEM_TEST_LOG is set.
-func testLogger(t *testing.T) *slog.Logger {
+func testLogger(t testing.TB) *slog.Logger {
 	if os.Getenv("IDEM_TEST_LOG") != "" {
 		return slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
 	}
@@ -44,25 +49,49 @@ func (c *countingCharges) CreateCharge(ctx context.Context, ch Charge) (Charge, 
 	return stored, created, err
 }
 
+// newStorageFunc makes fresh, empty storage for one test: in memory, or on
+// PostgreSQL in a schema of its own.
+type newStorageFunc func(t *testing.T) Storage
+
+// memoryStorage is a newStorageFunc.
+func memoryStorage(t *testing.T) Storage { return NewMemoryStorage().Storage() }
+
+// postgresStorage is a newStorageFunc: the tables of Migrate on a schema of
+// the test's own.
+func postgresStorage(t *testing.T) Storage {
+	return NewPostgresStorage(migratedPool(t)).Storage()
+}
+
+// migratedPool returns a pool on a schema of the test's own, migrated.
+func migratedPool(t *testing.T) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.Pool(t)
+	if err := Migrate(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
+	return pool
+}
+
 // testServer is a Server behind an httptest.Server.
 type testServer struct {
 	*Server
 	URL     string
+	storage Storage // as given to newTestServer, before the charges are counted
 	charges *countingCharges
 	client  *http.Client
 }
 
-// newTestServer starts a server on store with cfg (Store, Charges, APIKeys
-// and Logger filled in when empty), stopped when the test ends.
-func newTestServer(t *testing.T, store Store, cfg Config) *testServer {
+// newTestServer starts a server on storage with cfg (Storage, APIKeys and
+// Logger filled in when empty), stopped when the test ends. The charges the
+// processor creates are counted in ts.charges.
+func newTestServer(t *testing.T, storage Storage, cfg Config) *testServer {
 	t.Helper()
-	cfg.Store = store
-	cs, ok := store.(ChargeStore)
-	if !ok {
-		t.Fatalf("%T is not a ChargeStore", store)
+	if storage.Charges == nil {
+		t.Fatal("newTestServer: storage without Charges")
 	}
-	charges := &countingCharges{ChargeStore: cs}
-	cfg.Charges = charges
+	charges := &countingCharges{ChargeStore: storage.Charges}
+	cfg.Storage = storage
+	cfg.Storage.Charges = charges
 	if cfg.APIKeys == nil {
 		cfg.APIKeys = testAPIKeys
 	}
@@ -82,7 +111,32 @@ func newTestServer(t *testing.T, store Store, cfg Config) *testServer {
 			t.Errorf("Close: %v", err)
 		}
 	})
-	return &testServer{Server: srv, URL: hs.URL, charges: charges, client: client}
+	return &testServer{Server: srv, URL: hs.URL, storage: storage, charges: charges, client: client}
+}
+
+// payments returns the number of committed payments in the server's
+// storage, a MemoryStorage or a PostgresStorage.
+func (ts *testServer) payments(t *testing.T) int {
+	t.Helper()
+	return committedPayments(t, ts.storage.Payments)
+}
+
+// committedPayments counts the committed payments of a MemoryStorage or a
+// PostgresStorage.
+func committedPayments(t *testing.T, ps PaymentStore) int {
+	t.Helper()
+	switch s := ps.(type) {
+	case *MemoryStorage:
+		return len(s.Payments())
+	case *PostgresStorage:
+		var n int
+		if err := s.pool.QueryRow(context.Background(), `SELECT count(*) FROM payments`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	t.Fatalf("cannot count the payments of %T", ps)
+	return 0
 }
 
 // call is one raw request; the zero fields mean: POST /v1/payments by
@@ -109,12 +163,12 @@ type reply struct {
 func (r reply) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
 
 // problem decodes the body as problem details.
-func (r reply) problem(t *testing.T) Problem {
+func (r reply) problem(t *testing.T) idempotency.Problem {
 	t.Helper()
 	if ct := r.header.Get("Content-Type"); ct != "application/problem+json" {
 		t.Fatalf("Content-Type = %q, want application/problem+json; body %s", ct, r.body)
 	}
-	var p Problem
+	var p idempotency.Problem
 	if err := json.Unmarshal(r.body, &p); err != nil {
 		t.Fatalf("problem body %s: %v", r.body, err)
 	}

@@ -10,7 +10,7 @@ import (
 )
 
 func TestProcessor(t *testing.T) {
-	store := NewMemoryStore()
+	store := NewMemoryStorage()
 	p := &Processor{Charges: store, Logger: testLogger(t)}
 	serve := func(method, path, key, body string) *httptest.ResponseRecorder {
 		req := httptest.NewRequest(method, path, strings.NewReader(body))
@@ -68,7 +68,7 @@ func TestProcessor(t *testing.T) {
 // retries 503s and lost answers with the same key, and tells a definitive
 // refusal from an unknown outcome.
 func TestProcessorClient(t *testing.T) {
-	store := NewMemoryStore()
+	store := NewMemoryStorage()
 	p := &Processor{Charges: store, Logger: testLogger(t)}
 	hs := httptest.NewServer(p)
 	defer hs.Close()

@@ -3,162 +3,132 @@ package server
 import (
 	"context"
 	"errors"
-	"slices"
+	"math"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/idemkit/idem/server/idempotency"
 )
 
-func TestPurgePause(t *testing.T) {
-	for _, tt := range []struct {
-		took time.Duration
-		duty float64
-		want time.Duration
-	}{
-		{40 * time.Millisecond, 0.25, 120 * time.Millisecond},
-		{40 * time.Millisecond, 0.5, 40 * time.Millisecond},
-		{40 * time.Millisecond, 0.8, 10 * time.Millisecond},
-		{40 * time.Millisecond, 1, 0},
-		{2 * time.Second, 0.1, 18 * time.Second}, // a slow database gets a long rest
-		{0, 0.25, 0},
-		{-time.Millisecond, 0.25, 0}, // a clock that went back
-	} {
-		if got := purgePause(tt.took, tt.duty); got != tt.want {
-			t.Errorf("purgePause(%v, %v) = %v, want %v", tt.took, tt.duty, got, tt.want)
-		}
-	}
-}
+// The pacing of the purge is idempotency.Purger's, tested there; these tests
+// check the server's wiring of it: its settings, its store and the
+// idem_keys_purged_total counter.
 
-// scriptedPurges is a Store whose Purge deletes the counts of batches in
-// turn, each taking the matching duration of took on clock.
+// scriptedPurges is a key store whose Purge deletes the counts of batches
+// in turn and records the limit of each call.
 type scriptedPurges struct {
-	*MemoryStore
-	clock   *fakeClock
+	idempotency.Store
+	mu      sync.Mutex
 	batches []int64
-	took    []time.Duration
-	limits  []int // the limit of each call
+	limits  []int
 }
 
-func (s *scriptedPurges) Purge(ctx context.Context, retention time.Duration, limit int) (int64, error) {
+func (s *scriptedPurges) Purge(ctx context.Context, limit int) (int64, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	i := len(s.limits)
 	s.limits = append(s.limits, limit)
 	if i >= len(s.batches) {
 		return 0, errors.New("purged more batches than scripted")
 	}
-	s.clock.Advance(s.took[i])
 	return s.batches[i], nil
 }
 
-// pacedServer returns a server on store whose purge pauses are recorded,
-// not slept; pause, if not nil, is called with each of them instead.
-func pacedServer(t *testing.T, store *scriptedPurges, cfg Config, pause func(time.Duration) error) (*Server, *[]time.Duration) {
-	t.Helper()
-	cfg.Store = store
-	cfg.Logger = testLogger(t)
-	srv, err := New(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { srv.Close() })
-	var pauses []time.Duration
-	srv.now = store.clock.Now
-	srv.sleep = func(ctx context.Context, d time.Duration) error {
-		pauses = append(pauses, d)
-		store.clock.Advance(d)
-		if pause != nil {
-			return pause(d)
-		}
-		return nil
-	}
-	return srv, &pauses
-}
-
-// TestPurgePacing checks the pace of a purge working through a backlog:
-// after each full batch it pauses in proportion to the time the batch took,
-// never after the last, short one.
-func TestPurgePacing(t *testing.T) {
-	ms := time.Millisecond
+// TestServerPurge checks that Server.Purge purges the configured key store
+// in batches of Config.PurgeBatch until one comes back short, and counts
+// what it deleted on idem_keys_purged_total.
+func TestServerPurge(t *testing.T) {
 	for _, tt := range []struct {
-		name       string
-		batch      int
-		duty       float64
-		batches    []int64
-		took       []time.Duration
-		wantPauses []time.Duration
+		name      string
+		batch     int
+		batches   []int64
+		wantLimit int
 	}{
-		{"defaults", 0, 0, []int64{500, 500, 7}, []time.Duration{40 * ms, 80 * ms, 5 * ms},
-			[]time.Duration{120 * ms, 240 * ms}},
-		{"half", 10, 0.5, []int64{10, 10, 10, 0}, []time.Duration{10 * ms, 30 * ms, 20 * ms, ms},
-			[]time.Duration{10 * ms, 30 * ms, 20 * ms}},
-		{"back to back", 10, 1, []int64{10, 10, 9}, []time.Duration{10 * ms, 10 * ms, 10 * ms},
-			[]time.Duration{0, 0}},
-		{"nothing to purge", 10, 0.25, []int64{0}, []time.Duration{ms}, nil},
-		{"one short batch", 10, 0.25, []int64{9}, []time.Duration{ms}, nil},
+		{"default batch", 0, []int64{idempotency.DefaultPurgeBatch, 7}, idempotency.DefaultPurgeBatch},
+		{"batch of 3", 3, []int64{3, 3, 1}, 3},
+		{"nothing to purge", 3, []int64{0}, 3},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			store := &scriptedPurges{MemoryStore: NewMemoryStore(), clock: newFakeClock(), batches: tt.batches, took: tt.took}
-			srv, pauses := pacedServer(t, store, Config{PurgeBatch: tt.batch, PurgeDutyCycle: tt.duty}, nil)
-			n, err := srv.Purge(context.Background())
-			if err != nil {
-				t.Fatalf("Purge: %v", err)
-			}
+			storage := memoryStorage(t)
+			keys := &scriptedPurges{Store: storage.Keys, batches: tt.batches}
+			storage.Keys = keys
+			ts := newTestServer(t, storage, Config{PurgeBatch: tt.batch, PurgeDutyCycle: 1})
+			n, err := ts.Purge(context.Background())
 			var want int64
 			for _, b := range tt.batches {
 				want += b
 			}
-			if n != want {
-				t.Errorf("Purge = %d, want %d", n, want)
+			if err != nil || n != want {
+				t.Fatalf("Purge = %d, %v; want %d, nil", n, err, want)
 			}
-			if !slices.Equal(*pauses, tt.wantPauses) {
-				t.Errorf("pauses %v, want %v", *pauses, tt.wantPauses)
+			if len(keys.limits) != len(tt.batches) {
+				t.Errorf("%d Store.Purge calls, want %d", len(keys.limits), len(tt.batches))
 			}
-			wantLimit := tt.batch
-			if wantLimit == 0 {
-				wantLimit = DefaultPurgeBatch
-			}
-			for _, l := range store.limits {
-				if l != wantLimit {
-					t.Errorf("Store.Purge limit %d, want %d", l, wantLimit)
+			for _, l := range keys.limits {
+				if l != tt.wantLimit {
+					t.Errorf("Store.Purge limit %d, want %d", l, tt.wantLimit)
 				}
+			}
+			if got := ts.counter(t, "idem_keys_purged_total"); got != float64(want) {
+				t.Errorf("idem_keys_purged_total = %v, want %d", got, want)
 			}
 		})
 	}
 }
 
-// TestPurgeStopsDuringPause cancels the purge during a pause: it returns
-// what it deleted so far and the context's error, and purges no more.
-func TestPurgeStopsDuringPause(t *testing.T) {
-	store := &scriptedPurges{MemoryStore: NewMemoryStore(), clock: newFakeClock(),
-		batches: []int64{10, 10, 10}, took: []time.Duration{time.Millisecond, time.Millisecond, time.Millisecond}}
+// TestServerRun checks that the purge job deletes the expired keys of the
+// server's store, at start and on every tick, counts them, and stops with
+// its context.
+func TestServerRun(t *testing.T) {
+	const retention = 200 * time.Millisecond
+	ts := newTestServer(t, memoryStorage(t), Config{Retention: retention, PurgeInterval: 20 * time.Millisecond, PurgeBatch: 1})
+	ts.mustSend(t, keyed("k1", payment))
+	ts.mustSend(t, keyed("k2", payment))
 	ctx, cancel := context.WithCancel(context.Background())
-	defer cancel()
-	srv, pauses := pacedServer(t, store, Config{PurgeBatch: 10}, func(time.Duration) error {
-		cancel()
-		return ctx.Err()
-	})
-	n, err := srv.Purge(ctx)
-	if n != 10 || !errors.Is(err, context.Canceled) {
-		t.Errorf("Purge = %d, %v; want 10, context.Canceled", n, err)
+	done := make(chan error)
+	go func() { done <- ts.Run(ctx) }()
+	deadline := time.Now().Add(5 * time.Second)
+	for ts.counter(t, "idem_keys_purged_total") < 2 && time.Now().Before(deadline) {
+		time.Sleep(5 * time.Millisecond)
 	}
-	if len(store.limits) != 1 || len(*pauses) != 1 {
-		t.Errorf("%d batches and %d pauses after the cancellation, want 1 and 1", len(store.limits), len(*pauses))
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("Run = %v", err)
+	}
+	if got := ts.counter(t, "idem_keys_purged_total"); got != 2 {
+		t.Errorf("purged %v keys, want 2", got)
+	}
+	if r := ts.mustSend(t, keyed("k1", payment)); r.status != 201 || r.replayed() {
+		t.Errorf("purged key: %d replayed=%v, want a new operation", r.status, r.replayed())
 	}
 }
 
-// TestSleepCtx checks the real pause: it ends with its context, and a
-// non-positive pause returns at once.
-func TestSleepCtx(t *testing.T) {
-	if err := sleepCtx(context.Background(), 0); err != nil {
-		t.Errorf("sleepCtx(0) = %v", err)
-	}
-	if err := sleepCtx(context.Background(), time.Microsecond); err != nil {
-		t.Errorf("sleepCtx(1µs) = %v", err)
-	}
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	if err := sleepCtx(ctx, time.Hour); !errors.Is(err, context.Canceled) {
-		t.Errorf("sleepCtx(canceled, 1h) = %v, want context.Canceled", err)
-	}
-	if err := sleepCtx(ctx, 0); !errors.Is(err, context.Canceled) {
-		t.Errorf("sleepCtx(canceled, 0) = %v, want context.Canceled", err)
+// TestServerRunErrors checks that purge settings out of range stop Run and
+// Purge at once, with an error naming the setting.
+func TestServerRunErrors(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		cfg  Config
+		want string
+	}{
+		{"negative batch", Config{PurgeBatch: -1}, "negative"},
+		{"negative interval", Config{PurgeInterval: -time.Second}, "negative"},
+		{"duty cycle over 1", Config{PurgeDutyCycle: 1.5}, "DutyCycle"},
+		{"negative duty cycle", Config{PurgeDutyCycle: -0.5}, "DutyCycle"},
+		{"NaN duty cycle", Config{PurgeDutyCycle: math.NaN()}, "DutyCycle"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ts := newTestServer(t, memoryStorage(t), tt.cfg)
+			ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+			defer cancel()
+			if err := ts.Run(ctx); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Run = %v, want an error with %q", err, tt.want)
+			}
+			if _, err := ts.Purge(ctx); err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("Purge = %v, want an error with %q", err, tt.want)
+			}
+		})
 	}
 }

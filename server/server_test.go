@@ -1,49 +1,63 @@
 package server
 
 import (
-	"context"
-	"math"
 	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
-	"time"
 )
 
-type keysOnly struct{ Store }
-
-// stagedOnly keeps payments only in a key's unit of work.
-type stagedOnly struct{ PaymentStore }
-
 func TestNewErrors(t *testing.T) {
-	mem := NewMemoryStore()
+	mem := NewMemoryStorage().Storage()
 	for _, tt := range []struct {
-		name string
-		cfg  Config
-		want string
+		name    string
+		storage Storage
 	}{
-		{"no store", Config{}, "Store is nil"},
-		{"no payment store", Config{Store: keysOnly{mem}}, "not a PaymentStore"},
-		{"no payment inserter", Config{Store: mem, Payments: stagedOnly{mem}, NoIdempotency: true}, "PaymentInserter"},
-		{"negative batch", Config{Store: mem, PurgeBatch: -1}, "negative"},
-		{"duty cycle over 1", Config{Store: mem, PurgeDutyCycle: 1.5}, "PurgeDutyCycle"},
-		{"negative duty cycle", Config{Store: mem, PurgeDutyCycle: -0.5}, "PurgeDutyCycle"},
-		{"NaN duty cycle", Config{Store: mem, PurgeDutyCycle: math.NaN()}, "PurgeDutyCycle"},
+		{"no storage", Storage{}},
+		{"no key store", Storage{Payments: mem.Payments, Charges: mem.Charges}},
+		{"no payment store", Storage{Keys: mem.Keys, Charges: mem.Charges}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			tt.cfg.Logger = testLogger(t)
-			srv, err := New(tt.cfg)
+			srv, err := New(Config{Storage: tt.storage, Logger: testLogger(t)})
 			if err == nil {
 				srv.Close()
 			}
-			if err == nil || !strings.Contains(err.Error(), tt.want) {
-				t.Errorf("New = %v, want an error with %q", err, tt.want)
+			if err == nil || !strings.Contains(err.Error(), "Config.Storage needs Keys and Payments") {
+				t.Errorf("New = %v, want an error naming Config.Storage's Keys and Payments", err)
 			}
 		})
 	}
 }
 
+// TestNewChargesDefault checks that a Storage without Charges keeps the
+// processor's charges in memory.
+func TestNewChargesDefault(t *testing.T) {
+	mem := NewMemoryStorage()
+	storage := mem.Storage()
+	storage.Charges = nil
+	srv, err := New(Config{Storage: storage, APIKeys: testAPIKeys, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(srv)
+	defer func() {
+		hs.Close()
+		srv.Close()
+	}()
+	ts := &testServer{Server: srv, URL: hs.URL, storage: storage, client: hs.Client()}
+	if r := ts.mustSend(t, keyed("k", payment)); r.status != http.StatusCreated {
+		t.Fatalf("%d %s", r.status, r.body)
+	}
+	if n := len(mem.Payments()); n != 1 {
+		t.Errorf("%d payments, want 1", n)
+	}
+	if n := len(mem.Charges()); n != 0 {
+		t.Errorf("%d charges in the given storage, want 0: it has no Charges", n)
+	}
+}
+
 func TestServerRoutes(t *testing.T) {
-	ts := newTestServer(t, NewMemoryStore(), Config{})
+	ts := newTestServer(t, memoryStorage(t), Config{})
 	for _, tt := range []struct {
 		c      call
 		status int
@@ -75,34 +89,10 @@ func TestServerRoutes(t *testing.T) {
 	}
 }
 
-// TestServerRun checks that the purge job runs at start and on every tick,
-// and stops with its context.
-func TestServerRun(t *testing.T) {
-	store, clock := newClockedMemoryStore()
-	ts := newTestServer(t, store, Config{Retention: time.Hour, PurgeInterval: 20 * time.Millisecond, PurgeBatch: 1})
-	ts.mustSend(t, keyed("k1", payment))
-	ts.mustSend(t, keyed("k2", payment))
-	clock.Advance(2 * time.Hour)
-	ctx, cancel := context.WithCancel(context.Background())
-	done := make(chan error)
-	go func() { done <- ts.Run(ctx) }()
-	deadline := time.Now().Add(5 * time.Second)
-	for ts.counter(t, "idem_keys_purged_total") < 2 && time.Now().Before(deadline) {
-		time.Sleep(5 * time.Millisecond)
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Errorf("Run = %v", err)
-	}
-	if got := ts.counter(t, "idem_keys_purged_total"); got != 2 {
-		t.Errorf("purged %v keys, want 2", got)
-	}
-}
-
 func TestServerExternalProcessor(t *testing.T) {
 	// A server that charges through another server's processor.
-	charger := newTestServer(t, NewMemoryStore(), Config{})
-	ts := newTestServer(t, NewMemoryStore(), Config{ProcessorURL: charger.ProcessorURL()})
+	charger := newTestServer(t, memoryStorage(t), Config{})
+	ts := newTestServer(t, memoryStorage(t), Config{ProcessorURL: charger.ProcessorURL()})
 	if ts.ProcessorURL() != charger.ProcessorURL() {
 		t.Fatalf("ProcessorURL = %s", ts.ProcessorURL())
 	}

@@ -1,16 +1,19 @@
--- One first execution of POST /v1/payments on the reference server's
--- PostgresStore, as pgbench runs it: claim the key, insert the card
--- processor's charge, complete the key with the payment. GENERATED from
--- server/postgres.go by bench/pgbench_test.go (go test -run
--- TestPgbenchScripts -update); do not edit.
+-- One first execution of POST /v1/payments on the reference server on
+-- PostgreSQL, as pgbench runs it: claim the key (pgstore), insert the card
+-- processor's charge, then in one transaction insert the payment (the
+-- handler's write through pgstore.TxFromContext) and complete the key
+-- (pgstore's completion, sent with the COMMIT). GENERATED from
+-- server/postgres.go and server/pgstore by bench/pgbench_test.go (go test
+-- -run TestPgbenchScripts -update); do not edit.
 --
 -- The statements are the server's, with its $n parameters as pgbench
 -- variables, and these changes, which pgbench needs and which leave the
--- plans alone: unnamed result columns of the claim
--- and the charge are named (\gset needs names); the
--- charge's $1 is '' and $5 NULL, as the server sends them; the payment
--- arrays $8 to $16 are one-element ARRAY[...] of variables (pgbench cannot
--- build array literals), the created_at one ARRAY[now()].
+-- plans alone: unnamed result columns of the claim and the charge are
+-- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
+-- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
+-- the INSERT, the completion and COMMIT as four round trips; the server
+-- pipelines BEGIN with the INSERT and the completion with the COMMIT (two):
+-- the same WAL flushes.
 --
 -- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
 -- lockus retus status ctype hdr body customer currency.
@@ -21,10 +24,8 @@
 -- claimSQL
 WITH existing AS (
     SELECT k.*,
-        (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond') AS expired,
-        (k.status = 'started'
-            AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
-            AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
+        (k.expires_at < now()) IS TRUE AS expired,
+        ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
         (k.status = 'released' AND k.fingerprint_version = :fpver
             AND (k.release_rejected OR k.request_hash = :fp)) AS free
     FROM idempotency_keys k
@@ -37,15 +38,17 @@ WITH existing AS (
         fingerprint_version = :fpver,
         status = 'started',
         operation_id = CASE
-            WHEN (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
-                OR (k.status = 'released' AND k.request_hash <> :fp)
+            WHEN (k.expires_at < now()) IS TRUE OR (k.status = 'released' AND k.request_hash <> :fp)
             THEN gen_random_uuid() ELSE k.operation_id END,
         lock_token = nextval('idempotency_lock_tokens'),
         created_at = CASE
-            WHEN (:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
-                OR (k.status = 'released' AND k.request_hash <> :fp)
+            WHEN (k.expires_at < now()) IS TRUE OR (k.status = 'released' AND k.request_hash <> :fp)
             THEN now() ELSE k.created_at END,
         locked_at = now(),
+        lease_us = :lockus,
+        retention_us = :retus,
+        expires_at = CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
+            THEN now() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END,
         release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
@@ -53,18 +56,19 @@ WITH existing AS (
         response_body = NULL
     WHERE k.client_id = :client AND k.idempotency_key = :key
         AND k.status = (SELECT status FROM existing)
-        AND ((:retus::bigint > 0 AND k.created_at < now() - :retus::bigint * interval '1 microsecond')
+        AND ((k.expires_at < now())
             OR (k.status = 'released' AND k.fingerprint_version = :fpver
                 AND (k.release_rejected OR k.request_hash = :fp))
-            OR (k.status = 'started'
-                AND :lockus::bigint > 0 AND k.locked_at < now() - :lockus::bigint * interval '1 microsecond'
-                AND k.fingerprint_version = :fpver AND k.request_hash = :fp))
+            OR ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp))
     RETURNING k.lock_token, k.operation_id,
         k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
 ), inserted AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
-    SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now()
+        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+        lease_us, retention_us, expires_at)
+    SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
+        :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
+            THEN now() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END
     WHERE NOT EXISTS (SELECT FROM existing)
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
@@ -99,25 +103,21 @@ SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM char
 WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
 \gset ch_
 
--- completeSQL
+BEGIN;
+-- insertPaymentSQL (the handler's write)
+INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
+    idempotency_key, operation_id, charge_id, created_at)
+VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(:operation_id, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()));
+-- completeInTxSQL (the key's completion)
 WITH done AS (
-    UPDATE idempotency_keys SET
-        status = 'completed',
-        response_status = :status,
-        response_content_type = :ctype,
-        response_headers = :hdr,
-        response_body = :body
-    WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
-    RETURNING 1
-), paid AS (
-    INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
-        idempotency_key, operation_id, charge_id, created_at)
-    SELECT p.id, p.client_id, p.customer, p.amount, p.currency,
-        p.key, nullif(p.operation, '')::uuid, nullif(p.charge, ''), coalesce(p.created_at, now())
-    FROM unnest(ARRAY[:key]::text[], ARRAY[:client]::text[], ARRAY[:customer]::text[], ARRAY[:amount]::bigint[], ARRAY[:currency]::text[],
-            ARRAY[:key]::text[], ARRAY[:operation_id]::text[], ARRAY[:ch_charge_id]::text[], ARRAY[now()]::timestamptz[])
-        AS p(id, client_id, customer, amount, currency, key, operation, charge, created_at)
-    WHERE EXISTS (SELECT FROM done)
-    RETURNING 1
-)
-SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM paid);
+UPDATE idempotency_keys SET
+    status = 'completed',
+    response_status = :status,
+    response_content_type = :ctype,
+    response_headers = :hdr,
+    response_body = :body,
+    expires_at = CASE WHEN retention_us > 0 THEN now() + retention_us * interval '1 microsecond' END
+WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
+    RETURNING 1)
+SELECT 1 / (SELECT count(*)::integer FROM done);
+COMMIT;

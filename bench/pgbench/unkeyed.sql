@@ -1,9 +1,11 @@
 -- One unkeyed POST /v1/payments of the reference server started with
 -- -no-idempotency, as pgbench runs it: insert the card processor's charge,
--- insert the payment (PostgresStore.InsertPayment). The database's side of
--- the load test's "unkeyed" scenario (c), to set against first.sql (a).
--- GENERATED from server/postgres.go by bench/pgbench_test.go (go test -run
--- TestPgbenchScripts -update); do not edit.
+-- then insert the payment in a transaction of its own (BEGIN, INSERT,
+-- COMMIT, as PostgresStorage.CreatePayment does outside a keyed request).
+-- The database's side of the load test's "unkeyed" scenario (c), to set
+-- against first.sql (a). GENERATED from server/postgres.go by
+-- bench/pgbench_test.go (go test -run TestPgbenchScripts -update); do not
+-- edit.
 --
 -- The same substitutions as first.sql; the payment's id, key and operation
 -- are what the server derives from a fresh random operation ID: here the
@@ -25,7 +27,9 @@ SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM char
 WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
 \gset ch_
 
+BEGIN;
 -- insertPaymentSQL
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
 VALUES ('pay_' || :key, :client, :customer, :amount, :currency, '', nullif(gen_random_uuid()::text, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()));
+COMMIT;

@@ -33,7 +33,7 @@ func TestBasic(t *testing.T) {
 	}
 
 	srv, err := server.New(server.Config{
-		Store:   server.NewMemoryStore(),
+		Storage: server.NewMemoryStorage().Storage(),
 		APIKeys: map[string]string{"sk_test_demo": "demo"},
 		Logger:  slog.New(slog.DiscardHandler),
 	})

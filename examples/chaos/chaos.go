@@ -267,13 +267,14 @@ func (c *chaos) startAgain(ctx context.Context, i int, r *replica) bool {
 		sleep(ctx, time.Second)
 		addr, err = r.start(ctx)
 	}
+	pid := r.pid() // under c.fleet.mu: the killer and the restarter share r
 	c.fleet.mu.Unlock()
 	if err != nil {
 		c.count(func() { c.errs = append(c.errs, fmt.Errorf("restarting replica %d: %w", i, err)) })
 		return false
 	}
 	c.proxy.SetTarget(i, addr)
-	c.event("replica %d back (pid %d, %s)", i, r.pid(), addr)
+	c.event("replica %d back (pid %d, %s)", i, pid, addr)
 	return true
 }
 

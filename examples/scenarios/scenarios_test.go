@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
 // TestMain fails the package's tests if any goroutine outlives them: every
@@ -55,7 +56,7 @@ func TestScenariosPostgres(t *testing.T) {
 		return backend{
 			name: "PostgreSQL",
 			open: func(context.Context, string) (*storage, error) {
-				return &storage{store: server.NewPostgresStore(pool), ledger: pgLedger{pool}}, nil
+				return &storage{store: server.NewPostgresStorage(pool).Storage(), ledger: pgLedger{pool}}, nil
 			},
 		}
 	})
@@ -208,7 +209,7 @@ func TestRunPostgres(t *testing.T) {
 	if !strings.Contains(out.String(), "2 of 2 scenarios passed (PostgreSQL ") {
 		t.Errorf("report:\n%s", &out)
 	}
-	if !strings.Contains(out.String(), "idempotency: took over a stale key") {
+	if !strings.Contains(out.String(), "idempotency: took over a key whose owner stopped renewing its lease") {
 		t.Errorf("-v report lacks the server's takeover warning:\n%s", &out)
 	}
 	conn, err := pgx.Connect(t.Context(), url)
@@ -241,28 +242,32 @@ func TestRunBadDatabase(t *testing.T) {
 // of work completes, and not when it is rolled back or fenced.
 func TestMemLedger(t *testing.T) {
 	ctx := t.Context()
-	s := server.NewMemoryStore()
+	s := server.NewMemoryStorage()
+	keys := s.Keys()
 	l := memLedger{s}
-	claim := func(key string) server.Claim {
+	claim := func(key string) idempotency.Claim {
 		t.Helper()
-		res, err := s.Claim(ctx, server.ClaimRequest{ClientID: "c", Key: key, Method: "POST", Path: "/", Fingerprint: []byte{1}, FingerprintVersion: 1})
-		if err != nil || res.Outcome != server.Claimed {
+		res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: key, Method: "POST", Path: "/", Fingerprint: []byte{1}, FingerprintVersion: 1})
+		if err != nil || res.Outcome != idempotency.Claimed {
 			t.Fatalf("Claim(%s) = %v, %v", key, res, err)
 		}
 		return res.Claim
 	}
-	stage := func(c server.Claim, id string) server.Tx {
+	// stage writes a payment in the unit of work of c, as the payments
+	// API does behind the middleware.
+	stage := func(c idempotency.Claim, id string) idempotency.Tx {
 		t.Helper()
-		tx, err := s.Begin(ctx, c)
+		tx, err := keys.Begin(ctx, c)
 		if err != nil {
 			t.Fatal(err)
 		}
-		if err := s.CreatePayment(ctx, tx, server.Payment{ID: id, ClientID: "c", Customer: "cus_" + id, Amount: 1, Currency: "usd", OperationID: c.OperationID}); err != nil {
+		p := server.Payment{ID: id, ClientID: "c", Customer: "cus_" + id, Amount: 1, Currency: "usd", OperationID: c.OperationID}
+		if err := s.CreatePayment(idempotency.NewContext(ctx, c, tx), p); err != nil {
 			t.Fatal(err)
 		}
 		return tx
 	}
-	done := server.StoredResponse{Status: 201}
+	done := idempotency.StoredResponse{Status: 201}
 
 	if err := stage(claim("k1"), "p1").Complete(ctx, done); err != nil {
 		t.Fatal(err)
@@ -273,10 +278,10 @@ func TestMemLedger(t *testing.T) {
 	}
 	c3 := claim("k3")
 	tx = stage(c3, "p3")
-	if err := s.Release(ctx, c3, server.ReleaseFailed); err != nil {
+	if err := keys.Release(ctx, c3, idempotency.ReleaseFailed); err != nil {
 		t.Fatal(err)
 	}
-	if err := tx.Complete(ctx, done); !errors.Is(err, server.ErrFenced) {
+	if err := tx.Complete(ctx, done); !errors.Is(err, idempotency.ErrFenced) {
 		t.Fatalf("Complete after release = %v, want ErrFenced", err)
 	}
 	for customer, want := range map[string]int{"": 1, "cus_p1": 1, "cus_p2": 0, "cus_p3": 0} {

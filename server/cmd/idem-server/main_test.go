@@ -20,6 +20,8 @@ import (
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 func TestMain(m *testing.M) {
@@ -186,6 +188,58 @@ func TestRunGracefulStop(t *testing.T) {
 	}
 }
 
+// TestRunSlowProcessor starts the server with a processor slower than the
+// lock timeout, which the lease renewal allows: a duplicate sent past the
+// lock timeout, while the first request waits on the processor, gets 409,
+// not a takeover, and the first request completes.
+func TestRunSlowProcessor(t *testing.T) {
+	url, _, stop := start(t, []string{"-lock-timeout", "2s", "-processor-delay", "5s"}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+	type result struct {
+		status int
+		body   string
+		err    error
+	}
+	first := make(chan result)
+	go func() {
+		resp, b, err := tryPost(client, url, "sk_test_demo", "k-slow", body)
+		if err != nil {
+			first <- result{err: err}
+			return
+		}
+		first <- result{resp.StatusCode, b, nil}
+	}()
+	time.Sleep(3 * time.Second) // past the lock timeout, before the processor answers
+	resp, b := post(t, client, url, "sk_test_demo", "k-slow", body)
+	if resp.StatusCode != http.StatusConflict {
+		t.Errorf("duplicate past the lock timeout: %d %s, want 409", resp.StatusCode, b)
+	}
+	r := <-first
+	if r.err != nil || r.status != http.StatusCreated {
+		t.Fatalf("slow request: %d %s %v, want 201", r.status, r.body, r.err)
+	}
+	resp, err := client.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	metrics, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{"idem_keys_taken_over_total 0", "idem_keys_completed_total 1", "idem_conflicts_total 1"} {
+		if !strings.Contains(string(metrics), want) {
+			t.Errorf("/metrics lacks %q", want)
+		}
+	}
+	if regexp.MustCompile(`(?m)^idem_leases_renewed_total 0$`).Match(metrics) {
+		t.Error("no lease renewed while the request ran 5s with a lock timeout of 2s")
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+}
+
 func TestRunFlags(t *testing.T) {
 	for _, tt := range []struct {
 		name string
@@ -198,7 +252,6 @@ func TestRunFlags(t *testing.T) {
 		{"unknown flag", []string{"-nope"}, nil, "flag provided but not defined"},
 		{"extra argument", []string{"serve"}, nil, "unexpected arguments"},
 		{"lock timeout over retention", []string{"-lock-timeout", "2h", "-retention", "1h"}, nil, "shorter than -retention"},
-		{"processor slower than the lock timeout", []string{"-processor-delay", "2s", "-lock-timeout", "1s"}, nil, "shorter than -lock-timeout"},
 		{"failure rate", []string{"-processor-failure-rate", "2"}, nil, "[0, 1]"},
 		{"log format", []string{"-log-format", "xml"}, nil, "text or json"},
 		{"purge batch", []string{"-purge-batch", "0"}, nil, "-purge-batch 0"},
@@ -208,8 +261,8 @@ func TestRunFlags(t *testing.T) {
 		{"db max conns", []string{"-database-url", "postgres://127.0.0.1/x", "-db-max-conns", "0"}, nil, "-db-max-conns 0"},
 		{"db max conns without a database", []string{"-db-max-conns", "8"}, nil, "needs -database-url"},
 		{"async claims without a database", []string{"-async-claims"}, nil, "needs -database-url"},
-		{"batch claims without a database", []string{"-batch-claims"}, nil, "need -database-url"},
-		{"batch completions without a database", []string{"-batch-completions"}, nil, "need -database-url"},
+		{"batch claims without a database", []string{"-batch-claims"}, nil, "needs -database-url"},
+		{"batch completions are gone", []string{"-batch-completions"}, nil, "flag provided but not defined: -batch-completions"},
 		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
 		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
@@ -315,9 +368,10 @@ func TestRunNoIdempotencyPostgres(t *testing.T) {
 	}
 }
 
-// TestOpenStore checks that the database flags reach the store and its
-// pool: -async-claims and -batch-claims set PostgresStore.AsyncClaims and
-// BatchClaims, -db-max-conns sizes the pool, unless the DSN does.
+// TestOpenStore checks that the database flags reach the key store and its
+// pool: -async-claims and -batch-claims set pgstore.Store's AsyncClaims and
+// BatchClaims, -db-max-conns sizes the pool, unless the DSN does; and that
+// the storage keeps payments and charges in the same database.
 func TestOpenStore(t *testing.T) {
 	dsn := pgtest.SchemaURL(t)
 	for _, tt := range []struct {
@@ -331,7 +385,7 @@ func TestOpenStore(t *testing.T) {
 		{"defaults", nil, dsn, false, defaultDBMaxConns, false},
 		{"async claims", []string{"-async-claims"}, dsn, true, defaultDBMaxConns, false},
 		{"async claims off", []string{"-async-claims=false"}, dsn, false, defaultDBMaxConns, false},
-		{"batch claims", []string{"-batch-claims", "-batch-completions", "-async-claims"}, dsn, true, defaultDBMaxConns, true},
+		{"batch claims", []string{"-batch-claims", "-async-claims"}, dsn, true, defaultDBMaxConns, true},
 		{"db max conns", []string{"-db-max-conns", "7"}, dsn, false, 7, false},
 		{"pool size in the DSN", []string{"-async-claims"}, withParam(dsn, "pool_max_conns", "3"), true, 3, false},
 	} {
@@ -341,26 +395,32 @@ func TestOpenStore(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			store, pool, err := openStore(ctx, o, slog.New(slog.DiscardHandler), nil)
+			storage, pool, err := openStore(ctx, o, slog.New(slog.DiscardHandler), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
 			defer pool.Close()
-			ps, ok := store.(*server.PostgresStore)
+			keys, ok := storage.Keys.(*pgstore.Store)
 			if !ok {
-				t.Fatalf("store %T, want *server.PostgresStore", store)
+				t.Fatalf("key store %T, want *pgstore.Store", storage.Keys)
 			}
-			if ps.AsyncClaims != tt.wantAsync || ps.BatchClaims != tt.wantBatch || ps.BatchCompletions != tt.wantBatch {
-				t.Errorf("AsyncClaims, BatchClaims, BatchCompletions = %v, %v, %v; want %v, %v, %v",
-					ps.AsyncClaims, ps.BatchClaims, ps.BatchCompletions, tt.wantAsync, tt.wantBatch, tt.wantBatch)
+			if _, ok := storage.Payments.(*server.PostgresStorage); !ok {
+				t.Errorf("payment store %T, want *server.PostgresStorage", storage.Payments)
+			}
+			if _, ok := storage.Charges.(*server.PostgresStorage); !ok {
+				t.Errorf("charge store %T, want *server.PostgresStorage", storage.Charges)
+			}
+			if keys.AsyncClaims != tt.wantAsync || keys.BatchClaims != tt.wantBatch {
+				t.Errorf("AsyncClaims, BatchClaims = %v, %v; want %v, %v",
+					keys.AsyncClaims, keys.BatchClaims, tt.wantAsync, tt.wantBatch)
 			}
 			if got := pool.Config().MaxConns; got != tt.wantConns {
 				t.Errorf("pool MaxConns = %d, want %d", got, tt.wantConns)
 			}
 			// The claim works either way.
-			res, err := ps.Claim(ctx, server.ClaimRequest{ClientID: "c", Key: "k-" + tt.name, Method: "POST",
+			res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: "k-" + tt.name, Method: "POST",
 				Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1})
-			if err != nil || res.Outcome != server.Claimed {
+			if err != nil || res.Outcome != idempotency.Claimed {
 				t.Errorf("Claim = %v, %v", res.Outcome, err)
 			}
 		})
