@@ -32,6 +32,8 @@ func testEndToEnd(t *testing.T, newStore newStoreFunc) {
 		{"KeyHeader", testKeyHeader},
 		{"Unauthorized", testUnauthorized},
 		{"ValidationStoresNothing", testValidationStoresNothing},
+		{"InvalidTextChargesNothing", testInvalidTextChargesNothing},
+		{"GetMalformedID", testGetMalformedID},
 		{"ReplayByteForByte", testReplayByteForByte},
 		{"TenantIsolation", testTenantIsolation},
 		{"FormAndJSON", testFormAndJSON},

@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 )
@@ -62,6 +64,28 @@ type paymentInput struct {
 }
 
 var currencyRE = regexp.MustCompile(`^[a-z]{3}$`)
+
+// maxCustomerLen is the longest customer id accepted, in bytes.
+const maxCustomerLen = 255
+
+// textProblem says what is wrong with s as text the API stores, or returns
+// "" if nothing is. Stored text is valid UTF-8 without control characters
+// (C0, DEL and C1: U+0000 to U+001F, U+007F to U+009F). PostgreSQL itself
+// refuses only invalid UTF-8 and NUL, and it refuses them at the insert,
+// after the card was charged; the other control characters are refused
+// too because no id the API stores holds them and they make logs and
+// client displays ambiguous (a newline in a customer id forges a log line).
+func textProblem(s string) string {
+	if !utf8.ValidString(s) {
+		return "must be valid UTF-8"
+	}
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			return fmt.Sprintf("must not hold control characters (U+0000 to U+001F, U+007F to U+009F); found %U", r)
+		}
+	}
+	return ""
+}
 
 // derive returns a value derived from the client and the claim's operation:
 // hex SHA-256 of purpose, client id and operation id, NUL-separated.
@@ -238,9 +262,32 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	writeJSON(w, http.StatusCreated, resource(p))
 }
 
+// isPaymentID reports whether id has the shape of the ids paymentID makes:
+// "pay_" and 24 lowercase hex digits.
+func isPaymentID(id string) bool {
+	hexDigits, ok := strings.CutPrefix(id, "pay_")
+	if !ok || len(hexDigits) != 24 {
+		return false
+	}
+	for i := 0; i < len(hexDigits); i++ {
+		if c := hexDigits[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
 func (a *payments) get(w http.ResponseWriter, r *http.Request) {
 	clientID, _ := ClientIDFromContext(r.Context())
-	p, err := a.store.GetPayment(r.Context(), clientID, r.PathValue("id"))
+	id := r.PathValue("id")
+	var p Payment
+	err := ErrNotFound
+	// An id of another shape names no payment, and the store is not asked
+	// about it: PostgreSQL would fail on NUL or invalid UTF-8 (a 500 where
+	// the memory store says 404).
+	if isPaymentID(id) {
+		p, err = a.store.GetPayment(r.Context(), clientID, id)
+	}
 	switch {
 	case errors.Is(err, ErrNotFound):
 		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "No payment with this id belongs to your account. Check the id in the Location of the payment you created.")
@@ -307,8 +354,13 @@ func parsePayment(r *http.Request) (paymentInput, int, []FieldError) {
 	if in.Currency = fields["currency"]; !currencyRE.MatchString(in.Currency) {
 		errs = append(errs, FieldError{"currency", "must be a three-letter ISO 4217 code in lowercase, such as usd"})
 	}
-	if in.Customer = fields["customer"]; in.Customer == "" || len(in.Customer) > 255 {
-		errs = append(errs, FieldError{"customer", "is required: the customer's id, such as cus_123 (at most 255 characters)"})
+	// Every text field pay writes is checked here, before anything is
+	// charged: the currency by its pattern, the customer below.
+	switch in.Customer = fields["customer"]; {
+	case in.Customer == "" || len(in.Customer) > maxCustomerLen:
+		errs = append(errs, FieldError{"customer", fmt.Sprintf("is required: the customer's id, such as cus_123 (at most %d bytes)", maxCustomerLen)})
+	case textProblem(in.Customer) != "":
+		errs = append(errs, FieldError{"customer", textProblem(in.Customer) + ": the customer's id, such as cus_123"})
 	}
 	for name := range fields {
 		if name != "amount" && name != "currency" && name != "customer" {
@@ -339,6 +391,10 @@ func jsonFields(body []byte) (map[string]string, []FieldError) {
 		switch {
 		case name == "amount" && len(v) > 0 && v[0] != '"' && json.Unmarshal(v, &n) == nil:
 			fields[name] = n.String()
+		case name != "amount" && !validJSONText(v):
+			// encoding/json would replace these with U+FFFD: the
+			// stored text would not be what the client sent.
+			errs = append(errs, FieldError{name, "must be valid UTF-8, without unpaired surrogate escapes such as \\ud800"})
 		case name != "amount" && json.Unmarshal(v, &s) == nil:
 			fields[name] = s
 		case name == "amount":
@@ -348,6 +404,42 @@ func jsonFields(body []byte) (map[string]string, []FieldError) {
 		}
 	}
 	return fields, errs
+}
+
+// validJSONText reports whether the JSON value v, a string or not, is
+// valid UTF-8 and escapes no unpaired UTF-16 surrogate (\ud800 alone):
+// whether encoding/json decodes it without replacing anything by U+FFFD.
+func validJSONText(v []byte) bool {
+	if !utf8.Valid(v) {
+		return false
+	}
+	surrogate := func(i int) rune { // the \uXXXX escape at v[i:], if any
+		if i+6 > len(v) || v[i] != '\\' || v[i+1] != 'u' {
+			return -1
+		}
+		n, err := strconv.ParseUint(string(v[i+2:i+6]), 16, 16)
+		if err != nil {
+			return -1
+		}
+		return rune(n)
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] != '\\' {
+			continue
+		}
+		switch r := surrogate(i); {
+		case r >= 0xd800 && r < 0xdc00: // high: a low one must follow
+			if lo := surrogate(i + 6); lo < 0xdc00 || lo > 0xdfff {
+				return false
+			}
+			i += 11
+		case r >= 0xdc00 && r <= 0xdfff: // low, alone
+			return false
+		default:
+			i++ // skip the escaped character
+		}
+	}
+	return true
 }
 
 // formFields reads a form-encoded payment; each field may appear once.
