@@ -107,6 +107,17 @@ type options struct {
 	logFormat            string
 	noIdempotency        bool
 	cpuProfile           string
+
+	// adapted lists the defaults changed to fit the flags given, for the
+	// log.
+	adapted []adaptation
+}
+
+// adaptation is a default changed to fit the flags the user gave.
+type adaptation struct {
+	flag  string // "-lock-timeout"
+	value time.Duration
+	why   string
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -131,16 +142,19 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", server.DefaultRetention,
-		"how long a key is kept; older keys count as absent and the purge job deletes them")
+		"how long a key is kept; older keys count as absent and the purge job deletes them. "+
+			"Not given, it is at least twice -lock-timeout")
 	fs.DurationVar(&o.lockTimeout, "lock-timeout", server.DefaultLockTimeout,
-		"a started key older than this may be taken over by a retry")
+		"a started key older than this may be taken over by a retry; must be shorter than -retention and longer than -processor-delay. "+
+			"Not given, it adapts to them (the log says to what): half of -retention when that is shorter than the default, "+
+			"or above -processor-delay")
 	fs.DurationVar(&o.purgeInterval, "purge-interval", server.DefaultPurgeInterval, "how often the purge job runs")
 	fs.IntVar(&o.purgeBatch, "purge-batch", server.DefaultPurgeBatch,
 		"most expired keys deleted by one purge statement; smaller batches are shorter bursts of work for the requests running meanwhile")
 	fs.Float64Var(&o.purgeDutyCycle, "purge-duty-cycle", server.DefaultPurgeDutyCycle,
 		"share of its time, in (0, 1], the purge job spends deleting while it works through a backlog: "+
 			"after a batch that took d it pauses d×(1-share)/share; 1: no pause. Retention stays exact: an expired key counts as absent before it is deleted")
-	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor")
+	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor; 0: none")
 	fs.Float64Var(&o.processorFailureRate, "processor-failure-rate", 0,
 		"share of charge requests the fake processor fails with 503, in [0, 1]")
 	fs.StringVar(&o.processorURL, "processor-url", "",
@@ -148,10 +162,12 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.BoolVar(&o.storeServerErrors, "store-server-errors", false,
 		"store and replay 5xx answers (Stripe's behaviour); default: a 5xx releases the key so a retry runs again")
 	fs.DurationVar(&o.waitForCompletion, "wait-for-completion", 0,
-		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once")
-	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes, "largest request body; larger ones get 413")
+		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once; negative values are refused")
+	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes,
+		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
+			"0: the default, 1 MiB; negative: no limit")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
-		"how long a graceful stop waits for in-flight requests")
+		"how long a graceful stop waits for in-flight requests before cutting them; 0: it does not wait; negative values are refused")
 	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
 	fs.StringVar(&o.logFormat, "log-format", "text", "log `format`: text or json")
 	fs.BoolVar(&o.noIdempotency, "no-idempotency", false,
@@ -162,7 +178,9 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
-	fs.Visit(func(f *flag.Flag) { o.dbMaxConnsSet = o.dbMaxConnsSet || f.Name == "db-max-conns" })
+	given := make(map[string]bool)
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	o.dbMaxConnsSet = given["db-max-conns"]
 	switch {
 	case fs.NArg() > 0:
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -172,8 +190,12 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-processor-failure-rate %v: want a value in [0, 1]", o.processorFailureRate)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
-	case o.lockTimeout >= o.retention:
-		return o, errors.New("-lock-timeout must be shorter than -retention")
+	case o.processorDelay < 0:
+		return o, fmt.Errorf("-processor-delay %v: want 0 or more", o.processorDelay)
+	case o.waitForCompletion < 0:
+		return o, fmt.Errorf("-wait-for-completion %v: want 0 (answer 409 at once) or more", o.waitForCompletion)
+	case o.shutdownTimeout < 0:
+		return o, fmt.Errorf("-shutdown-timeout %v: want 0 (do not wait) or more", o.shutdownTimeout)
 	case o.purgeBatch < 1:
 		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
 	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
@@ -191,12 +213,71 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, errors.New("-async-claims needs the built-in fake processor, whose charges commit through the same database; with -processor-url a claim lost in a crash could charge twice")
 	case o.databaseURL == "" && o.dbMaxConnsSet:
 		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
-	case o.processorDelay >= o.lockTimeout:
-		// A charge is bounded by the lock timeout (after it, a retry may
-		// take the key over), so such a processor could never succeed.
-		return o, errors.New("-processor-delay must be shorter than -lock-timeout: every charge would time out")
+	}
+	if err := o.fitTimeouts(given); err != nil {
+		return o, err
 	}
 	return o, nil
+}
+
+// fitTimeouts keeps -processor-delay < -lock-timeout < -retention. A flag
+// the user did not give (given[name] is false) never blocks the start:
+// its default moves to fit the flags given, and the move is recorded in
+// o.adapted. Only values the user gave that contradict each other are an
+// error, which names both flags and their values.
+//
+// The lower bound, -processor-delay, exists because a charge is cut at the
+// lock timeout (after it, a retry may take the key over), so a slower
+// processor could never succeed; it goes once the lock is a renewed lease
+// (every "lower bound" line below).
+func (o *options) fitTimeouts(given map[string]bool) error {
+	lower, lowerFlag := o.processorDelay, "-processor-delay" // exclusive; lower bound
+	if given["lock-timeout"] {
+		switch {
+		case lower >= o.lockTimeout: // lower bound
+			return fmt.Errorf("%s %v must be shorter than -lock-timeout %v: every charge would time out", lowerFlag, lower, o.lockTimeout)
+		case o.lockTimeout >= o.retention && given["retention"]:
+			return fmt.Errorf("-lock-timeout %v must be shorter than -retention %v", o.lockTimeout, o.retention)
+		}
+	} else {
+		if o.lockTimeout >= o.retention {
+			o.lockTimeout = o.retention / 2
+			o.adapt("-lock-timeout", o.lockTimeout, fmt.Sprintf("half of -retention %v, which the default %v is not shorter than", o.retention, server.DefaultLockTimeout))
+		}
+		if lower >= o.lockTimeout { // lower bound
+			if given["retention"] {
+				if o.retention-lower < 2 { // no duration strictly between
+					return fmt.Errorf("%s %v leaves no lock timeout shorter than -retention %v: give a longer -retention", lowerFlag, lower, o.retention)
+				}
+				o.lockTimeout = lower + (o.retention-lower)/2
+				o.adapt("-lock-timeout", o.lockTimeout, fmt.Sprintf("halfway between %s %v and -retention %v", lowerFlag, lower, o.retention))
+			} else {
+				o.lockTimeout = satAdd(lower, server.DefaultLockTimeout)
+				o.adapt("-lock-timeout", o.lockTimeout, fmt.Sprintf("%s %v plus the default %v", lowerFlag, lower, server.DefaultLockTimeout))
+			}
+		}
+	}
+	if o.lockTimeout >= o.retention { // only when -retention was not given
+		o.retention = satAdd(o.lockTimeout, o.lockTimeout)
+		o.adapt("-retention", o.retention, fmt.Sprintf("twice -lock-timeout %v, which the default %v is not longer than", o.lockTimeout, server.DefaultRetention))
+	}
+	return nil
+}
+
+// adapt records that the default of flag moved to value, replacing an
+// earlier move of the same flag: the log says only where it ended.
+func (o *options) adapt(flag string, value time.Duration, why string) {
+	o.adapted = slices.DeleteFunc(o.adapted, func(a adaptation) bool { return a.flag == flag })
+	o.adapted = append(o.adapted, adaptation{flag, value, why})
+}
+
+// satAdd returns a+b for non-negative durations, or the longest duration
+// if the sum overflows.
+func satAdd(a, b time.Duration) time.Duration {
+	if a > math.MaxInt64-b {
+		return math.MaxInt64
+	}
+	return a + b
 }
 
 func cmpOr(s, def string) string {
@@ -282,6 +363,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log = slog.New(slog.NewJSONHandler(stdout, hopts))
 	} else {
 		log = slog.New(slog.NewTextHandler(stdout, hopts))
+	}
+
+	for _, a := range o.adapted {
+		log.Info("a default adapted to the flags given", "flag", a.flag, "value", a.value, "why", a.why)
 	}
 
 	keys, err := server.ParseAPIKeys(o.apiKeys)

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"net/http"
 	"net/url"
 	"os"
@@ -439,5 +441,81 @@ func TestRunCPUProfile(t *testing.T) {
 	err = run(context.Background(), []string{"-addr", "127.0.0.1:0", "-cpuprofile", bad}, func(string) string { return "" }, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "missing") {
 		t.Errorf("run with an uncreatable -cpuprofile: %v, want the file's error", err)
+	}
+}
+
+// TestFitTimeouts checks that a flag the user did not give never blocks the
+// start: the defaults of -lock-timeout and -retention move to fit the
+// flags given, and only given values that contradict each other are
+// refused, naming both with their values.
+func TestFitTimeouts(t *testing.T) {
+	const d = server.DefaultLockTimeout // 30s
+	for _, tt := range []struct {
+		name          string
+		args          []string
+		lock, keep    time.Duration
+		adapted       []string // the flags whose default moved
+		err, errOther string   // substrings of the error
+	}{
+		{"defaults", nil, d, server.DefaultRetention, nil, "", ""},
+		{"short retention alone", []string{"-retention", "2s"}, time.Second, 2 * time.Second, []string{"-lock-timeout"}, "", ""},
+		{"retention just above the default lock", []string{"-retention", "31s"}, d, 31 * time.Second, nil, "", ""},
+		{"retention equal to the default lock", []string{"-retention", "30s"}, 15 * time.Second, 30 * time.Second, []string{"-lock-timeout"}, "", ""},
+		{"long lock alone", []string{"-lock-timeout", "48h"}, 48 * time.Hour, 96 * time.Hour, []string{"-retention"}, "", ""},
+		{"slow processor alone", []string{"-processor-delay", "40s"}, 70 * time.Second, server.DefaultRetention, []string{"-lock-timeout"}, "", ""},
+		{"slow processor and short retention", []string{"-processor-delay", "1500ms", "-retention", "2s"}, 1750 * time.Millisecond, 2 * time.Second, []string{"-lock-timeout"}, "", ""},
+		{"very slow processor alone", []string{"-processor-delay", "30h"}, 30*time.Hour + d, 60*time.Hour + 2*d, []string{"-lock-timeout", "-retention"}, "", ""},
+		{"lock and retention given, fitting", []string{"-lock-timeout", "1s", "-retention", "2s"}, time.Second, 2 * time.Second, nil, "", ""},
+		{"huge lock alone", []string{"-lock-timeout", "2562047h"}, 2562047 * time.Hour, math.MaxInt64, []string{"-retention"}, "", ""},
+
+		{"lock over retention, both given", []string{"-lock-timeout", "2h", "-retention", "1h"}, 0, 0, nil, "-lock-timeout 2h0m0s", "-retention 1h0m0s"},
+		{"lock equal to retention, both given", []string{"-lock-timeout", "1h", "-retention", "1h"}, 0, 0, nil, "-lock-timeout 1h0m0s", "-retention 1h0m0s"},
+		{"processor slower than the given lock", []string{"-processor-delay", "5s", "-lock-timeout", "2s"}, 0, 0, nil, "-processor-delay 5s", "-lock-timeout 2s"},
+		{"processor slower than the given retention", []string{"-processor-delay", "5s", "-retention", "2s"}, 0, 0, nil, "-processor-delay 5s", "-retention 2s"},
+		{"negative shutdown timeout", []string{"-shutdown-timeout", "-1s"}, 0, 0, nil, "-shutdown-timeout -1s", ""},
+		{"negative wait for completion", []string{"-wait-for-completion", "-1ms"}, 0, 0, nil, "-wait-for-completion -1ms", ""},
+		{"negative processor delay", []string{"-processor-delay", "-1s"}, 0, 0, nil, "-processor-delay -1s", ""},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := parseFlags(tt.args, func(string) string { return "" }, io.Discard)
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) || !strings.Contains(err.Error(), tt.errOther) {
+					t.Fatalf("parseFlags(%q) = %v, want an error naming %q and %q", tt.args, err, tt.err, tt.errOther)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("parseFlags(%q): %v", tt.args, err)
+			}
+			if o.lockTimeout != tt.lock || o.retention != tt.keep {
+				t.Errorf("lock timeout %v, retention %v; want %v, %v", o.lockTimeout, o.retention, tt.lock, tt.keep)
+			}
+			if !(o.processorDelay < o.lockTimeout && o.lockTimeout < o.retention) {
+				t.Errorf("processor delay %v, lock timeout %v, retention %v are not increasing", o.processorDelay, o.lockTimeout, o.retention)
+			}
+			var adapted []string
+			for _, a := range o.adapted {
+				adapted = append(adapted, a.flag)
+			}
+			if fmt.Sprint(adapted) != fmt.Sprint(tt.adapted) {
+				t.Errorf("adapted %v, want %v", adapted, tt.adapted)
+			}
+		})
+	}
+}
+
+// TestRunShortRetention starts the server with -retention 2s alone, which
+// the default lock timeout (30s) used to refuse: it starts, and the log
+// says which lock timeout it chose.
+func TestRunShortRetention(t *testing.T) {
+	_, out, stop := start(t, []string{"-retention", "2s"}, nil)
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	logs := out.String()
+	for _, want := range []string{`msg="a default adapted to the flags given" flag=-lock-timeout value=1s`, "lock_timeout=1s"} {
+		if !strings.Contains(logs, want) {
+			t.Errorf("log lacks %q:\n%s", want, logs)
+		}
 	}
 }
