@@ -11,8 +11,21 @@
 // -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
 // -processor-failure-rate, -processor-url, -store-server-errors,
-// -wait-for-completion, -max-body-bytes, -shutdown-timeout, -log-level,
-// -log-format, -no-idempotency, -cpuprofile.
+// -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
+// -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
+// -no-idempotency, -cpuprofile.
+//
+// Slow clients are bounded: a request's headers and body must arrive within
+// -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
+// be written within -write-timeout (10s) of the handler's first write, and
+// an idle keep-alive connection is closed after -idle-timeout (2m, above
+// the 60-90s idle timeouts of common load balancers and HTTP clients, so
+// that they, not the server, close first). The write timeout counts from
+// the first write, not from the request, so a payment that is slow to
+// process (a slow processor, a duplicate held by -wait-for-completion) is
+// never cut: cutting it would make the client retry a payment that was
+// done. A request that fails authentication is answered without reading
+// its body, and its connection is closed.
 //
 // The database pool holds at most -db-max-conns connections (16), unless
 // the DSN sets pool_max_conns, which then decides; setting both is an
@@ -41,6 +54,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -81,6 +95,14 @@ func main() {
 // defaultDBMaxConns is the default of -db-max-conns; see the package doc.
 const defaultDBMaxConns = 16
 
+// Defaults of the HTTP server's timeouts; see the package doc.
+const (
+	defaultReadTimeout   = 10 * time.Second
+	defaultWriteTimeout  = 10 * time.Second
+	defaultIdleTimeout   = 2 * time.Minute
+	maxReadHeaderTimeout = 10 * time.Second
+)
+
 // options are the parsed flags.
 type options struct {
 	addr                 string
@@ -102,6 +124,9 @@ type options struct {
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
 	maxBodyBytes         int64
+	readTimeout          time.Duration
+	writeTimeout         time.Duration
+	idleTimeout          time.Duration
 	shutdownTimeout      time.Duration
 	logLevel             slog.Level
 	logFormat            string
@@ -165,7 +190,15 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once; negative values are refused")
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes,
 		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
-			"0: the default, 1 MiB; negative: no limit")
+			"0: the default, 1 MiB; negative: no limit (only -read-timeout bounds the body then)")
+	fs.DurationVar(&o.readTimeout, "read-timeout", defaultReadTimeout,
+		"longest time to read a request, headers and body; a client that sends slower is cut off. "+
+			"The headers alone get at most 10s. 0: no limit on the body")
+	fs.DurationVar(&o.writeTimeout, "write-timeout", defaultWriteTimeout,
+		"longest time to write a response, counted from the handler's first write, so a slow payment is never cut; "+
+			"a client that reads slower is cut off. 0: no limit")
+	fs.DurationVar(&o.idleTimeout, "idle-timeout", defaultIdleTimeout,
+		"how long a keep-alive connection may wait for its next request. 0: -read-timeout, or no limit if that is 0")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
 		"how long a graceful stop waits for in-flight requests before cutting them; 0: it does not wait; negative values are refused")
 	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
@@ -196,6 +229,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-wait-for-completion %v: want 0 (answer 409 at once) or more", o.waitForCompletion)
 	case o.shutdownTimeout < 0:
 		return o, fmt.Errorf("-shutdown-timeout %v: want 0 (do not wait) or more", o.shutdownTimeout)
+	case o.readTimeout < 0 || o.writeTimeout < 0 || o.idleTimeout < 0:
+		return o, fmt.Errorf("-read-timeout %v, -write-timeout %v, -idle-timeout %v: want 0 (no limit) or more", o.readTimeout, o.writeTimeout, o.idleTimeout)
 	case o.purgeBatch < 1:
 		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
 	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
@@ -435,15 +470,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		return err
 	}
 	hs := &http.Server{
-		Handler:           srv,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
+		Handler:           boundWrites(srv, o.writeTimeout),
+		ReadTimeout:       o.readTimeout,
+		ReadHeaderTimeout: min(maxReadHeaderTimeout, cmp.Or(o.readTimeout, maxReadHeaderTimeout)),
+		IdleTimeout:       o.idleTimeout,
 		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
 		"purge_batch", o.purgeBatch, "purge_duty_cycle", o.purgeDutyCycle,
 		"store_server_errors", o.storeServerErrors, "processor_url", srv.ProcessorURL(),
+		"read_timeout", o.readTimeout, "write_timeout", o.writeTimeout, "idle_timeout", o.idleTimeout,
 		"no_idempotency", o.noIdempotency)
 
 	purgeCtx, stopPurge := context.WithCancel(context.WithoutCancel(ctx))
@@ -476,3 +513,58 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	log.Info("stopped")
 	return nil
 }
+
+// boundWrites serves h with a write deadline of d (none if d is 0) that
+// starts at the handler's first write, unlike http.Server.WriteTimeout,
+// which starts when the request's headers are read and so would cut a
+// response that was slow to compute. The deadline of the connection's
+// previous request is cleared first.
+func boundWrites(h http.Handler, d time.Duration) http.Handler {
+	if d <= 0 {
+		return h
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		rc.SetWriteDeadline(time.Time{})
+		h.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: rc, d: d}, r)
+	})
+}
+
+// deadlineWriter sets the connection's write deadline d ahead at its first
+// WriteHeader, Write or Flush.
+type deadlineWriter struct {
+	http.ResponseWriter
+	rc    *http.ResponseController
+	d     time.Duration
+	armed bool
+}
+
+func (w *deadlineWriter) arm() {
+	if !w.armed {
+		w.armed = true
+		w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	}
+}
+
+func (w *deadlineWriter) WriteHeader(code int) {
+	// A 1xx informational header is not the response: it does not start
+	// the clock.
+	if code >= 200 {
+		w.arm()
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *deadlineWriter) Write(b []byte) (int, error) {
+	w.arm()
+	return w.ResponseWriter.Write(b)
+}
+
+// Flush implements http.Flusher, for handlers that test for it.
+func (w *deadlineWriter) Flush() {
+	w.arm()
+	w.rc.Flush()
+}
+
+// Unwrap lets http.ResponseController reach the connection.
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

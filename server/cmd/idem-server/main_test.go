@@ -7,7 +7,9 @@ import (
 	"io"
 	"log/slog"
 	"math"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -517,5 +519,97 @@ func TestRunShortRetention(t *testing.T) {
 		if !strings.Contains(logs, want) {
 			t.Errorf("log lacks %q:\n%s", want, logs)
 		}
+	}
+}
+
+// rawConn dials the server at base URL u with a generous deadline, which
+// only keeps a regression from hanging the test.
+func rawConn(t *testing.T, u string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(u, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	return conn
+}
+
+// readToClose reads conn until the server closes it and returns what came;
+// it fails the test if the generous deadline passes first.
+func readToClose(t *testing.T, conn net.Conn) string {
+	t.Helper()
+	b, err := io.ReadAll(conn)
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("the server did not close the connection; read so far: %q", b)
+	}
+	return string(b) // EOF, or a reset: closed either way
+}
+
+// TestRunStalledBodyCutOff sends an authenticated payment whose body stalls
+// after a few bytes: -read-timeout cuts it off, and nothing is paid.
+// Before, only the headers had a timeout and such a client held its
+// connection for ever.
+func TestRunStalledBodyCutOff(t *testing.T) {
+	url, _, _ := start(t, []string{"-read-timeout", "300ms"}, nil)
+	conn := rawConn(t, url)
+	io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: idem\r\nAuthorization: Bearer sk_test_demo\r\n"+
+		"Idempotency-Key: k-stall\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"amount\"")
+	if got := readToClose(t, conn); strings.Contains(got, " 201 ") {
+		t.Errorf("a stalled body was paid:\n%s", got)
+	}
+}
+
+// TestRunIdleTimeout checks that -idle-timeout closes a keep-alive
+// connection that sends no next request.
+func TestRunIdleTimeout(t *testing.T) {
+	url, _, _ := start(t, []string{"-idle-timeout", "200ms"}, nil)
+	conn := rawConn(t, url)
+	io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: idem\r\n\r\n")
+	if got := readToClose(t, conn); !strings.HasPrefix(got, "HTTP/1.1 200 ") || strings.Contains(got, "Connection: close") {
+		t.Errorf("want a keep-alive 200 before the idle close, got:\n%s", got)
+	}
+}
+
+// TestRunWriteTimeoutSparesSlowPayments checks that -write-timeout counts
+// from the response's first write, not from the request: a payment whose
+// processor takes longer than the write timeout is still answered.
+func TestRunWriteTimeoutSparesSlowPayments(t *testing.T) {
+	url, _, _ := start(t, []string{"-write-timeout", "100ms", "-processor-delay", "400ms"}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	resp, b := post(t, &http.Client{Transport: tr}, url, "sk_test_demo", "k-slow", `{"amount": 1, "currency": "usd", "customer": "c"}`)
+	if resp.StatusCode != http.StatusCreated {
+		t.Errorf("slow payment: %d %s, want 201", resp.StatusCode, b)
+	}
+}
+
+// TestBoundWrites checks that a client that does not read its response is
+// cut off once the write timeout has passed since the first write: the
+// handler's Write fails instead of blocking for ever.
+func TestBoundWrites(t *testing.T) {
+	wrote := make(chan error, 1)
+	ts := httptest.NewServer(boundWrites(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		chunk := make([]byte, 1<<20)
+		for range 1 << 10 { // 1 GiB: more than any socket buffers
+			if _, err := w.Write(chunk); err != nil {
+				wrote <- err
+				return
+			}
+		}
+		wrote <- nil
+	}), 200*time.Millisecond))
+	defer ts.Close()
+	conn := rawConn(t, ts.URL)
+	io.WriteString(conn, "GET / HTTP/1.1\r\nHost: idem\r\n\r\n") // and never read
+	select {
+	case err := <-wrote:
+		if err == nil {
+			t.Fatal("1 GiB written to a client that reads nothing")
+		}
+	case <-time.After(10 * time.Second):
+		conn.Close() // lets the handler end
+		<-wrote
+		t.Fatal("the write to a client that reads nothing did not time out")
 	}
 }
