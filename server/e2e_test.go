@@ -168,6 +168,7 @@ func testKeyHeader(t *testing.T, newStore newStoreFunc) {
 		{"space inside", []string{"a b"}, ProblemKeyInvalid},
 		{"non-ASCII", []string{"cl\u00e9"}, ProblemKeyInvalid},
 		{"bad sf-string", []string{`"abc`}, ProblemKeyInvalid},
+		{"sf-string with params", []string{`"abc";x=1`}, ProblemKeyInvalid},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			r := ts.mustSend(t, call{keys: tt.keys, body: payment})
