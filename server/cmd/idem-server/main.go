@@ -124,6 +124,7 @@ type options struct {
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
 	maxBodyBytes         int64
+	metricsAddr          string
 	readTimeout          time.Duration
 	writeTimeout         time.Duration
 	idleTimeout          time.Duration
@@ -191,6 +192,9 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", server.DefaultMaxBodyBytes,
 		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
 			"0: the default, 1 MiB; negative: no limit (only -read-timeout bounds the body then)")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
+		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
+			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
 	fs.DurationVar(&o.readTimeout, "read-timeout", defaultReadTimeout,
 		"longest time to read a request, headers and body; a client that sends slower is cut off. "+
 			"The headers alone get at most 10s. 0: no limit on the body")
@@ -229,6 +233,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-wait-for-completion %v: want 0 (answer 409 at once) or more", o.waitForCompletion)
 	case o.shutdownTimeout < 0:
 		return o, fmt.Errorf("-shutdown-timeout %v: want 0 (do not wait) or more", o.shutdownTimeout)
+	case o.metricsAddr != "" && o.metricsAddr == o.addr && !strings.HasSuffix(o.addr, ":0"): // :0 is two free ports
+		return o, fmt.Errorf("-metrics-addr %s is -addr %s: give the metrics their own address, or leave -metrics-addr empty to serve them on -addr", o.metricsAddr, o.addr)
 	case o.readTimeout < 0 || o.writeTimeout < 0 || o.idleTimeout < 0:
 		return o, fmt.Errorf("-read-timeout %v, -write-timeout %v, -idle-timeout %v: want 0 (no limit) or more", o.readTimeout, o.writeTimeout, o.idleTimeout)
 	case o.purgeBatch < 1:
@@ -454,6 +460,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		PurgeBatch:           o.purgeBatch,
 		PurgeDutyCycle:       o.purgeDutyCycle,
 		NoIdempotency:        o.noIdempotency,
+		NoMetricsRoute:       o.metricsAddr != "",
 		DBRoundTrips:         trips,
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
@@ -469,12 +476,25 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{
-		Handler:           boundWrites(srv, o.writeTimeout),
-		ReadTimeout:       o.readTimeout,
-		ReadHeaderTimeout: min(maxReadHeaderTimeout, cmp.Or(o.readTimeout, maxReadHeaderTimeout)),
-		IdleTimeout:       o.idleTimeout,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	hs := httpServer(srv, o, log)
+	served := make(chan error, 1)
+	metricsServed := make(chan error, 1) // stays empty without -metrics-addr
+	if o.metricsAddr != "" {
+		mln, err := net.Listen("tcp", o.metricsAddr)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("-metrics-addr: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", srv.Metrics().Handler())
+		ms := httpServer(mux, o, log)
+		go func() { metricsServed <- ms.Serve(mln) }()
+		// Nothing on it is worth waiting for at shutdown.
+		defer func() {
+			ms.Close()
+			<-metricsServed
+		}()
+		log.Info("metrics listening", "addr", mln.Addr().String())
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
@@ -494,11 +514,15 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		<-purgeDone
 	}()
 
-	served := make(chan error, 1)
 	go func() { served <- hs.Serve(ln) }()
 	select {
 	case err := <-served:
 		return err
+	case err := <-metricsServed:
+		hs.Close()
+		<-served
+		metricsServed <- err // for the deferred wait
+		return fmt.Errorf("-metrics-addr: %w", err)
 	case <-ctx.Done():
 	}
 
@@ -512,6 +536,17 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	<-served
 	log.Info("stopped")
 	return nil
+}
+
+// httpServer returns the http.Server that serves h with the timeouts of o.
+func httpServer(h http.Handler, o options, log *slog.Logger) *http.Server {
+	return &http.Server{
+		Handler:           boundWrites(h, o.writeTimeout),
+		ReadTimeout:       o.readTimeout,
+		ReadHeaderTimeout: min(maxReadHeaderTimeout, cmp.Or(o.readTimeout, maxReadHeaderTimeout)),
+		IdleTimeout:       o.idleTimeout,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
 }
 
 // boundWrites serves h with a write deadline of d (none if d is 0) that

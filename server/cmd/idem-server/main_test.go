@@ -216,6 +216,9 @@ func TestRunFlags(t *testing.T) {
 		{"batch completions without a database", []string{"-batch-completions"}, nil, "need -database-url"},
 		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
 		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
+		{"metrics on the API's address", []string{"-addr", "127.0.0.1:8080", "-metrics-addr", "127.0.0.1:8080"}, nil, "-metrics-addr 127.0.0.1:8080 is -addr"},
+		{"metrics address taken", []string{"-metrics-addr", "256.0.0.1:1"}, nil, "-metrics-addr"},
+		{"negative read timeout", []string{"-read-timeout", "-1s"}, nil, "-read-timeout -1s"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
 		{"database from env", nil, map[string]string{"DATABASE_URL": "postgres://%zz"}, "database"},
 	} {
@@ -611,5 +614,47 @@ func TestBoundWrites(t *testing.T) {
 		conn.Close() // lets the handler end
 		<-wrote
 		t.Fatal("the write to a client that reads nothing did not time out")
+	}
+}
+
+var metricsListeningRE = regexp.MustCompile(`msg="metrics listening" addr=(\S+)`)
+
+// TestRunMetricsAddr checks that with -metrics-addr, /metrics, which needs
+// no API key, is served there and only there; the API stays on -addr.
+func TestRunMetricsAddr(t *testing.T) {
+	url, out, stop := start(t, []string{"-metrics-addr", "127.0.0.1:0"}, nil)
+	m := metricsListeningRE.FindStringSubmatch(out.String())
+	if m == nil {
+		t.Fatalf("no metrics listener in the log:\n%s", out)
+	}
+	metricsURL := "http://" + m[1]
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	if resp, b := post(t, client, url, "sk_test_demo", "k-m", `{"amount": 1, "currency": "usd", "customer": "c"}`); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, b)
+	}
+	for _, tt := range []struct {
+		url, path string
+		want      int
+		body      string
+	}{
+		{metricsURL, "/metrics", 200, "idem_keys_claimed_total 1"},
+		{url, "/metrics", 404, ""},
+		{url, "/healthz", 200, "ok"},
+		{metricsURL, "/v1/payments/pay_x", 404, ""},
+	} {
+		resp, err := client.Get(tt.url + tt.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tt.want || !strings.Contains(string(b), tt.body) {
+			t.Errorf("GET %s%s: %d, want %d with %q", tt.url, tt.path, resp.StatusCode, tt.want, tt.body)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
 	}
 }
