@@ -287,8 +287,12 @@ func (o *options) fitTimeouts(given map[string]bool) error {
 		}
 		if lower >= o.lockTimeout { // lower bound
 			if given["retention"] {
-				if o.retention-lower < 2 { // no duration strictly between
+				switch {
+				case o.retention-lower >= 2: // a duration strictly between
+				case given[lowerFlag[1:]]:
 					return fmt.Errorf("%s %v leaves no lock timeout shorter than -retention %v: give a longer -retention", lowerFlag, lower, o.retention)
+				default:
+					return fmt.Errorf("-retention %v leaves no lock timeout shorter than it", o.retention)
 				}
 				o.lockTimeout = lower + (o.retention-lower)/2
 				o.adapt("-lock-timeout", o.lockTimeout, fmt.Sprintf("halfway between %s %v and -retention %v", lowerFlag, lower, o.retention))

@@ -477,6 +477,7 @@ func TestFitTimeouts(t *testing.T) {
 		{"lock equal to retention, both given", []string{"-lock-timeout", "1h", "-retention", "1h"}, 0, 0, nil, "-lock-timeout 1h0m0s", "-retention 1h0m0s"},
 		{"processor slower than the given lock", []string{"-processor-delay", "5s", "-lock-timeout", "2s"}, 0, 0, nil, "-processor-delay 5s", "-lock-timeout 2s"},
 		{"processor slower than the given retention", []string{"-processor-delay", "5s", "-retention", "2s"}, 0, 0, nil, "-processor-delay 5s", "-retention 2s"},
+		{"retention too short for any lock", []string{"-retention", "1ns"}, 0, 0, nil, "-retention 1ns leaves no lock timeout", ""},
 		{"negative shutdown timeout", []string{"-shutdown-timeout", "-1s"}, 0, 0, nil, "-shutdown-timeout -1s", ""},
 		{"negative wait for completion", []string{"-wait-for-completion", "-1ms"}, 0, 0, nil, "-wait-for-completion -1ms", ""},
 		{"negative processor delay", []string{"-processor-delay", "-1s"}, 0, 0, nil, "-processor-delay -1s", ""},
