@@ -7,6 +7,7 @@ import (
 	"strings"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"time"
 )
 
 // ParseAPIKeys parses the -api-keys flag: comma-separated token:client_id
@@ -48,18 +49,36 @@ func redact(s string) string {
 // Authorization: Bearer <token> header, tokens mapping to client ids, and
 // stores the client id in the request context ([idempotency.WithClientID]),
 // where the middleware's default [idempotency.Options.ClientID] finds it. A
-// request without a known token gets 401 [idempotency.ProblemUnauthorized]
-// with a
-// WWW-Authenticate challenge. The tokens map must not change afterwards; the
-// middleware is safe for concurrent use.
+// request without a known token, or with more than one Authorization line
+// (ambiguous credentials), gets 401 [idempotency.ProblemUnauthorized] with
+// a WWW-Authenticate challenge.
+//
+// The 401 is written without reading the request body, and the connection
+// is closed after it (Connection: close, and no more is read from it): an
+// unauthenticated client cannot make the server wait for, or read, a body
+// it announced. The tokens map must not change afterwards; the middleware
+// is safe for concurrent use.
 func BearerAuth(tokens map[string]string) func(http.Handler) http.Handler {
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			client, ok := lookupToken(tokens, r.Header.Get("Authorization"))
+			lines := r.Header.Values("Authorization")
+			client, ok := "", false
+			if len(lines) == 1 {
+				client, ok = lookupToken(tokens, lines[0])
+			}
 			if !ok {
+				// Without Connection: close, net/http reads up to 256 KiB
+				// of the unread body before it writes the response, to
+				// reuse the connection; and after it, it reads the rest
+				// again unless the read deadline has passed.
+				w.Header().Set("Connection", "close")
+				http.NewResponseController(w).SetReadDeadline(time.Now()) // not supported by a recorder: nothing to stop there
 				w.Header().Set("WWW-Authenticate", `Bearer realm="idem"`)
-				writeProblem(w, r, idempotency.ProblemUnauthorized, http.StatusUnauthorized,
-					"Send a valid API key as Authorization: Bearer <token>.")
+				detail := "Send a valid API key as Authorization: Bearer <token>."
+				if len(lines) > 1 {
+					detail = "Send one Authorization header: this request has several, which is ambiguous."
+				}
+				writeProblem(w, r, idempotency.ProblemUnauthorized, http.StatusUnauthorized, detail)
 				return
 			}
 			next.ServeHTTP(w, r.WithContext(idempotency.WithClientID(r.Context(), client)))

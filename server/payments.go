@@ -17,6 +17,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 
@@ -66,6 +68,28 @@ type paymentInput struct {
 }
 
 var currencyRE = regexp.MustCompile(`^[a-z]{3}$`)
+
+// maxCustomerLen is the longest customer id accepted, in bytes.
+const maxCustomerLen = 255
+
+// textProblem says what is wrong with s as text the API stores, or returns
+// "" if nothing is. Stored text is valid UTF-8 without control characters
+// (C0, DEL and C1: U+0000 to U+001F, U+007F to U+009F). PostgreSQL itself
+// refuses only invalid UTF-8 and NUL, and it refuses them at the insert,
+// after the card was charged; the other control characters are refused
+// too because no id the API stores holds them and they make logs and
+// client displays ambiguous (a newline in a customer id forges a log line).
+func textProblem(s string) string {
+	if !utf8.ValidString(s) {
+		return "must be valid UTF-8"
+	}
+	for _, r := range s {
+		if unicode.IsControl(r) {
+			return fmt.Sprintf("must not hold control characters (U+0000 to U+001F, U+007F to U+009F); found %U", r)
+		}
+	}
+	return ""
+}
 
 // derive returns a value derived from the client and the claim's operation:
 // hex SHA-256 of purpose, client id and operation id, NUL-separated.
@@ -220,6 +244,16 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	}
 	// Inside the key's unit of work: it commits with the stored outcome.
 	if err := a.store.CreatePayment(ctx, p); err != nil {
+		if errors.Is(err, ErrDuplicatePayment) && o.key != "" {
+			// The payment of this operation is already stored: a retry
+			// took the key over while this request ran, and committed
+			// first. This request's completion would be fenced anyway.
+			log.Warn("payments: the operation's payment was stored by a retry that took the key over")
+			w.Header().Set("Retry-After", "1")
+			writeProblem(w, r, idempotency.ProblemKeyInUse, http.StatusConflict,
+				"A retry with this Idempotency-Key took this request over and stored its payment. Retry the same request with the same key to get the outcome.")
+			return
+		}
 		log.Error("payments: storing the payment failed", "err", err)
 		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError,
 			"The payment could not be stored. "+a.retryHint(o)+".")
@@ -229,9 +263,32 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	writeJSON(w, http.StatusCreated, resource(p))
 }
 
+// isPaymentID reports whether id has the shape of the ids paymentID makes:
+// "pay_" and 24 lowercase hex digits.
+func isPaymentID(id string) bool {
+	hexDigits, ok := strings.CutPrefix(id, "pay_")
+	if !ok || len(hexDigits) != 24 {
+		return false
+	}
+	for i := 0; i < len(hexDigits); i++ {
+		if c := hexDigits[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
 func (a *payments) get(w http.ResponseWriter, r *http.Request) {
 	clientID, _ := idempotency.ClientIDFromContext(r.Context())
-	p, err := a.store.GetPayment(r.Context(), clientID, r.PathValue("id"))
+	id := r.PathValue("id")
+	var p Payment
+	err := ErrNotFound
+	// An id of another shape names no payment, and the store is not asked
+	// about it: PostgreSQL would fail on NUL or invalid UTF-8 (a 500 where
+	// the memory store says 404).
+	if isPaymentID(id) {
+		p, err = a.store.GetPayment(r.Context(), clientID, id)
+	}
 	switch {
 	case errors.Is(err, ErrNotFound):
 		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "No payment with this id belongs to your account. Check the id in the Location of the payment you created.")
@@ -262,7 +319,7 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError) {
 	var buf bytes.Buffer
 	if _, err := buf.ReadFrom(r.Body); err != nil {
-		return paymentInput{}, http.StatusBadRequest, []idempotency.FieldError{{"body", "could not be read"}}
+		return paymentInput{}, http.StatusBadRequest, []idempotency.FieldError{{Field: "body", Detail: "could not be read"}}
 	}
 	mt := "application/json"
 	if ct := r.Header.Get("Content-Type"); ct != "" {
@@ -280,7 +337,7 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 		fields, errs = formFields(buf.String())
 	default:
 		return paymentInput{}, http.StatusUnsupportedMediaType,
-			[]idempotency.FieldError{{"Content-Type", fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
+			[]idempotency.FieldError{{Field: "Content-Type", Detail: fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
 	}
 	if errs != nil {
 		return paymentInput{}, http.StatusBadRequest, errs
@@ -289,21 +346,26 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 	amount, ok := fields["amount"]
 	switch n, err := strconv.ParseInt(amount, 10, 64); {
 	case !ok:
-		errs = append(errs, idempotency.FieldError{"amount", "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, idempotency.FieldError{Field: "amount", Detail: "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	case err != nil || n <= 0:
-		errs = append(errs, idempotency.FieldError{"amount", "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, idempotency.FieldError{Field: "amount", Detail: "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	default:
 		in.Amount = n
 	}
 	if in.Currency = fields["currency"]; !currencyRE.MatchString(in.Currency) {
-		errs = append(errs, idempotency.FieldError{"currency", "must be a three-letter ISO 4217 code in lowercase, such as usd"})
+		errs = append(errs, idempotency.FieldError{Field: "currency", Detail: "must be a three-letter ISO 4217 code in lowercase, such as usd"})
 	}
-	if in.Customer = fields["customer"]; in.Customer == "" || len(in.Customer) > 255 {
-		errs = append(errs, idempotency.FieldError{"customer", "is required: the customer's id, such as cus_123 (at most 255 characters)"})
+	// Every text field pay writes is checked here, before anything is
+	// charged: the currency by its pattern, the customer below.
+	switch in.Customer = fields["customer"]; {
+	case in.Customer == "" || len(in.Customer) > maxCustomerLen:
+		errs = append(errs, idempotency.FieldError{Field: "customer", Detail: fmt.Sprintf("is required: the customer's id, such as cus_123 (at most %d bytes)", maxCustomerLen)})
+	case textProblem(in.Customer) != "":
+		errs = append(errs, idempotency.FieldError{Field: "customer", Detail: textProblem(in.Customer) + ": the customer's id, such as cus_123"})
 	}
 	for name := range fields {
 		if name != "amount" && name != "currency" && name != "customer" {
-			errs = append(errs, idempotency.FieldError{name, "is not a payment field (amount, currency, customer)"})
+			errs = append(errs, idempotency.FieldError{Field: name, Detail: "is not a payment field (amount, currency, customer)"})
 		}
 	}
 	if errs != nil {
@@ -320,7 +382,7 @@ func jsonFields(body []byte) (map[string]string, []idempotency.FieldError) {
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	if err := dec.Decode(&raw); err != nil || raw == nil {
-		return nil, []idempotency.FieldError{{"body", "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
+		return nil, []idempotency.FieldError{{Field: "body", Detail: "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
 	}
 	fields := make(map[string]string, len(raw))
 	var errs []idempotency.FieldError
@@ -330,28 +392,68 @@ func jsonFields(body []byte) (map[string]string, []idempotency.FieldError) {
 		switch {
 		case name == "amount" && len(v) > 0 && v[0] != '"' && json.Unmarshal(v, &n) == nil:
 			fields[name] = n.String()
+		case name != "amount" && !validJSONText(v):
+			// encoding/json would replace these with U+FFFD: the
+			// stored text would not be what the client sent.
+			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be valid UTF-8, without unpaired surrogate escapes such as \\ud800"})
 		case name != "amount" && json.Unmarshal(v, &s) == nil:
 			fields[name] = s
 		case name == "amount":
-			errs = append(errs, idempotency.FieldError{name, "must be a JSON number: a positive integer"})
+			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be a JSON number: a positive integer"})
 		default:
-			errs = append(errs, idempotency.FieldError{name, "must be a JSON string"})
+			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be a JSON string"})
 		}
 	}
 	return fields, errs
+}
+
+// validJSONText reports whether the JSON value v, a string or not, is
+// valid UTF-8 and escapes no unpaired UTF-16 surrogate (\ud800 alone):
+// whether encoding/json decodes it without replacing anything by U+FFFD.
+func validJSONText(v []byte) bool {
+	if !utf8.Valid(v) {
+		return false
+	}
+	surrogate := func(i int) rune { // the \uXXXX escape at v[i:], if any
+		if i+6 > len(v) || v[i] != '\\' || v[i+1] != 'u' {
+			return -1
+		}
+		n, err := strconv.ParseUint(string(v[i+2:i+6]), 16, 16)
+		if err != nil {
+			return -1
+		}
+		return rune(n)
+	}
+	for i := 0; i < len(v); i++ {
+		if v[i] != '\\' {
+			continue
+		}
+		switch r := surrogate(i); {
+		case r >= 0xd800 && r < 0xdc00: // high: a low one must follow
+			if lo := surrogate(i + 6); lo < 0xdc00 || lo > 0xdfff {
+				return false
+			}
+			i += 11
+		case r >= 0xdc00 && r <= 0xdfff: // low, alone
+			return false
+		default:
+			i++ // skip the escaped character
+		}
+	}
+	return true
 }
 
 // formFields reads a form-encoded payment; each field may appear once.
 func formFields(body string) (map[string]string, []idempotency.FieldError) {
 	values, err := url.ParseQuery(body)
 	if err != nil {
-		return nil, []idempotency.FieldError{{"body", "is not valid application/x-www-form-urlencoded"}}
+		return nil, []idempotency.FieldError{{Field: "body", Detail: "is not valid application/x-www-form-urlencoded"}}
 	}
 	fields := make(map[string]string, len(values))
 	var errs []idempotency.FieldError
 	for name, vs := range values {
 		if len(vs) != 1 {
-			errs = append(errs, idempotency.FieldError{name, "must be given once"})
+			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be given once"})
 			continue
 		}
 		fields[name] = vs[0]

@@ -104,6 +104,12 @@ type Config struct {
 	// the pool is created.
 	DBRoundTrips *DBRoundTrips
 
+	// NoMetricsRoute leaves GET /metrics out of the handler, for a service
+	// that serves [Server.Metrics] on a listener of its own (idem-server's
+	// -metrics-addr): the route needs no authentication, so anyone who can
+	// reach it reads the counters.
+	NoMetricsRoute bool
+
 	// Logger receives the server's structured logs. If nil, slog.Default
 	// is used.
 	Logger *slog.Logger
@@ -114,7 +120,8 @@ type Config struct {
 //	POST /v1/payments        create a payment; needs Authorization and Idempotency-Key
 //	GET  /v1/payments/{id}   read one of the client's payments
 //	GET  /healthz            liveness: 200 "ok"
-//	GET  /metrics            Prometheus counters ([Metrics])
+//	GET  /metrics            Prometheus counters ([Metrics]), unauthenticated;
+//	                         left out with [Config.NoMetricsRoute]
 //
 // with the payments routes behind [BearerAuth] and [idempotency.Middleware],
 // built on the library exactly as any service would be. Run its purge job
@@ -229,7 +236,9 @@ func New(cfg Config) (*Server, error) {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
 		w.Write([]byte("ok\n"))
 	})
-	root.Handle("GET /metrics", s.metrics.Handler())
+	if !cfg.NoMetricsRoute {
+		root.Handle("GET /metrics", s.metrics.Handler())
+	}
 	root.Handle("/v1/", BearerAuth(cfg.APIKeys)(v1))
 	root.HandleFunc("/", notFound)
 	s.handler = root

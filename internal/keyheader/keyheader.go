@@ -6,7 +6,9 @@
 // travels quoted: Idempotency-Key: "8e03978e-40d5-43e8-bc93-6894a57f9324".
 // Stripe and most SDKs send the bare value instead. Parse accepts both: a
 // value that starts with a double quote is parsed as an sf-string, anything
-// else is taken as the bare key.
+// else is taken as the bare key. An sf-string with parameters
+// ("abc";x=1) is refused ([ErrParams]): the draft defines none, and
+// dropping them would make "abc";x=1 and "abc";x=2 one key.
 package keyheader
 
 import (
@@ -28,11 +30,23 @@ var (
 	ErrTooLong  = fmt.Errorf("idempotency key is longer than %d characters", MaxLen)
 	ErrInvalid  = errors.New("idempotency key has characters outside visible ASCII")
 	ErrSyntax   = errors.New("idempotency key is not a valid structured-field string")
+	// ErrParams is returned for an sf-string with parameters. It is also
+	// an [ErrSyntax], for callers that tell only the two forms apart.
+	ErrParams error = paramsError{}
 )
+
+type paramsError struct{}
+
+func (paramsError) Error() string {
+	return "idempotency key has structured-field parameters (;name=value), which are not part of the key"
+}
+
+func (paramsError) Is(target error) bool { return target == ErrSyntax }
 
 // Parse returns the key carried by the header lines values (as in
 // http.Header.Values). It accepts one line holding either a bare key or an
-// RFC 9651 sf-string, and validates the key with [Validate].
+// RFC 9651 sf-string without parameters, and validates the key with
+// [Validate].
 func Parse(values []string) (string, error) {
 	switch len(values) {
 	case 0:
@@ -50,6 +64,9 @@ func Parse(values []string) (string, error) {
 		s, ok := item.Value.(string)
 		if !ok {
 			return "", ErrSyntax
+		}
+		if item.Params != nil && len(item.Params.Names()) > 0 {
+			return "", ErrParams
 		}
 		v = s
 	}

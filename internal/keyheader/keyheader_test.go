@@ -18,7 +18,12 @@ var parseTests = []struct {
 	{"sf-string uuid", []string{`"8e03978e-40d5-43e8-bc93-6894a57f9324"`}, "8e03978e-40d5-43e8-bc93-6894a57f9324", nil},
 	{"bare with ows", []string{"  abc\t"}, "abc", nil},
 	{"sf-string with escapes", []string{`"a\"b\\c"`}, `a"b\c`, nil},
-	{"sf-string with params", []string{`"abc";v=1`}, "abc", nil},
+	{"sf-string with params", []string{`"abc";v=1`}, "", ErrParams},
+	{"sf-string with a boolean param", []string{`"abc";v`}, "", ErrParams},
+	{"sf-string with two params", []string{`"abc";a=1;b="x"`}, "", ErrParams},
+	{"sf-string with params after ows", []string{`"abc";  v=1`}, "", ErrParams},
+	{"sf-string, space before params", []string{`"abc" ;v=1`}, "", ErrSyntax},
+	{"bare with a semicolon", []string{"abc;v=1"}, "abc;v=1", nil},
 	{"bare token-like", []string{"key_123:x"}, "key_123:x", nil},
 	{"missing", nil, "", ErrMissing},
 	{"two lines", []string{"a", "b"}, "", ErrMultiple},
@@ -47,6 +52,22 @@ func TestParse(t *testing.T) {
 				t.Errorf("Parse(%q) = %q, want %q", tt.values, got, tt.want)
 			}
 		})
+	}
+}
+
+// TestErrParams checks that ErrParams is also an ErrSyntax, so a caller
+// that knows only ErrSyntax still classifies it, and no other sentinel.
+func TestErrParams(t *testing.T) {
+	if !errors.Is(ErrParams, ErrSyntax) || !errors.Is(ErrParams, ErrParams) {
+		t.Error("ErrParams is not both ErrParams and ErrSyntax")
+	}
+	for _, other := range []error{ErrMissing, ErrMultiple, ErrEmpty, ErrTooLong, ErrInvalid} {
+		if errors.Is(ErrParams, other) {
+			t.Errorf("ErrParams is %v", other)
+		}
+	}
+	if errors.Is(ErrSyntax, ErrParams) {
+		t.Error("ErrSyntax is ErrParams")
 	}
 }
 
@@ -83,6 +104,11 @@ func FuzzParse(f *testing.F) {
 		}
 		if Validate(key) != nil {
 			t.Fatalf("Parse(%q) returned invalid key %q", v, key)
+		}
+		// An accepted sf-string is exactly what Format writes: nothing in
+		// the header (a parameter, say) was dropped from the key.
+		if sf := strings.Trim(v, " \t"); strings.HasPrefix(sf, `"`) && Format(key, true) != sf {
+			t.Fatalf("Parse(%q) = %q, which formats as %q: part of the header is not in the key", v, key, Format(key, true))
 		}
 		// Whatever was accepted formats and parses back to itself, both ways.
 		for _, sf := range []bool{false, true} {

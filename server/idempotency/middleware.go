@@ -297,6 +297,7 @@ var keyDetails = []struct {
 	{keyheader.ErrEmpty, "The Idempotency-Key header is empty. Send a unique key per operation, such as a random UUIDv4."},
 	{keyheader.ErrTooLong, fmt.Sprintf("The Idempotency-Key is longer than %d characters. Use a random UUIDv4.", keyheader.MaxLen)},
 	{keyheader.ErrInvalid, "The Idempotency-Key may hold only visible ASCII characters (0x21 to 0x7E). Use a random UUIDv4."},
+	{keyheader.ErrParams, `The Idempotency-Key carries structured-field parameters (;name=value), which are not part of the key. Send the key alone, bare or as one quoted string such as "8e03978e-40d5-43e8-bc93-6894a57f9324".`},
 	{keyheader.ErrSyntax, `The Idempotency-Key header starts with a double quote but is not a valid structured-field string. Send the bare key, or one quoted string such as "8e03978e-40d5-43e8-bc93-6894a57f9324".`},
 }
 

@@ -11,8 +11,21 @@
 // -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
 // -processor-failure-rate, -processor-url, -store-server-errors,
-// -wait-for-completion, -max-body-bytes, -shutdown-timeout, -log-level,
-// -log-format, -no-idempotency, -cpuprofile.
+// -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
+// -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
+// -no-idempotency, -cpuprofile.
+//
+// Slow clients are bounded: a request's headers and body must arrive within
+// -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
+// be written within -write-timeout (10s) of the handler's first write, and
+// an idle keep-alive connection is closed after -idle-timeout (2m, above
+// the 60-90s idle timeouts of common load balancers and HTTP clients, so
+// that they, not the server, close first). The write timeout counts from
+// the first write, not from the request, so a payment that is slow to
+// process (a slow processor, a duplicate held by -wait-for-completion) is
+// never cut: cutting it would make the client retry a payment that was
+// done. A request that fails authentication is answered without reading
+// its body, and its connection is closed.
 //
 // The database pool holds at most -db-max-conns connections (16), unless
 // the DSN sets pool_max_conns, which then decides; setting both is an
@@ -41,6 +54,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"flag"
@@ -82,6 +96,14 @@ func main() {
 // defaultDBMaxConns is the default of -db-max-conns; see the package doc.
 const defaultDBMaxConns = 16
 
+// Defaults of the HTTP server's timeouts; see the package doc.
+const (
+	defaultReadTimeout   = 10 * time.Second
+	defaultWriteTimeout  = 10 * time.Second
+	defaultIdleTimeout   = 2 * time.Minute
+	maxReadHeaderTimeout = 10 * time.Second
+)
+
 // options are the parsed flags.
 type options struct {
 	addr                 string
@@ -102,6 +124,10 @@ type options struct {
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
 	maxBodyBytes         int64
+	metricsAddr          string
+	readTimeout          time.Duration
+	writeTimeout         time.Duration
+	idleTimeout          time.Duration
 	shutdownTimeout      time.Duration
 	logLevel             slog.Level
 	logFormat            string
@@ -129,16 +155,18 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", idempotency.DefaultRetention,
-		"how long a key is kept; older keys count as absent and the purge job deletes them")
+		"how long a key is kept after its request finished; older keys count as absent and the purge job deletes them. "+
+			"Stored with each key, so a replica's -retention applies to the keys it finishes")
 	fs.DurationVar(&o.lockTimeout, "lock-timeout", idempotency.DefaultLockTimeout,
-		"a started key older than this may be taken over by a retry")
+		"the lease of a running request, renewed every third of it while the request runs (so a slow request keeps its key); "+
+			"a key whose owner stopped renewing it for this long (crashed, or cut off from the database) may be taken over by a retry")
 	fs.DurationVar(&o.purgeInterval, "purge-interval", idempotency.DefaultPurgeInterval, "how often the purge job runs")
 	fs.IntVar(&o.purgeBatch, "purge-batch", idempotency.DefaultPurgeBatch,
 		"most expired keys deleted by one purge statement; smaller batches are shorter bursts of work for the requests running meanwhile")
 	fs.Float64Var(&o.purgeDutyCycle, "purge-duty-cycle", idempotency.DefaultPurgeDutyCycle,
 		"share of its time, in (0, 1], the purge job spends deleting while it works through a backlog: "+
 			"after a batch that took d it pauses d×(1-share)/share; 1: no pause. Retention stays exact: an expired key counts as absent before it is deleted")
-	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor")
+	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor; 0: none")
 	fs.Float64Var(&o.processorFailureRate, "processor-failure-rate", 0,
 		"share of charge requests the fake processor fails with 503, in [0, 1]")
 	fs.StringVar(&o.processorURL, "processor-url", "",
@@ -146,10 +174,23 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.BoolVar(&o.storeServerErrors, "store-server-errors", false,
 		"store and replay 5xx answers (Stripe's behaviour); default: a 5xx releases the key so a retry runs again")
 	fs.DurationVar(&o.waitForCompletion, "wait-for-completion", 0,
-		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once")
-	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", idempotency.DefaultMaxBodyBytes, "largest request body; larger ones get 413")
+		"hold a duplicate request up to this long for the first to finish and replay its outcome; 0: answer 409 at once; negative values are refused")
+	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", idempotency.DefaultMaxBodyBytes,
+		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
+			"0: the default, 1 MiB; negative: no limit (only -read-timeout bounds the body then)")
+	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
+		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
+			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
+	fs.DurationVar(&o.readTimeout, "read-timeout", defaultReadTimeout,
+		"longest time to read a request, headers and body; a client that sends slower is cut off. "+
+			"The headers alone get at most 10s. 0: no limit on the body")
+	fs.DurationVar(&o.writeTimeout, "write-timeout", defaultWriteTimeout,
+		"longest time to write a response, counted from the handler's first write, so a slow payment is never cut; "+
+			"a client that reads slower is cut off. 0: no limit")
+	fs.DurationVar(&o.idleTimeout, "idle-timeout", defaultIdleTimeout,
+		"how long a keep-alive connection may wait for its next request. 0: -read-timeout, or no limit if that is 0")
 	fs.DurationVar(&o.shutdownTimeout, "shutdown-timeout", 30*time.Second,
-		"how long a graceful stop waits for in-flight requests")
+		"how long a graceful stop waits for in-flight requests before cutting them; 0: it does not wait; negative values are refused")
 	fs.TextVar(&o.logLevel, "log-level", slog.LevelInfo, "log `level`: debug, info, warn or error")
 	fs.StringVar(&o.logFormat, "log-format", "text", "log `format`: text or json")
 	fs.BoolVar(&o.noIdempotency, "no-idempotency", false,
@@ -160,7 +201,9 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
-	fs.Visit(func(f *flag.Flag) { o.dbMaxConnsSet = o.dbMaxConnsSet || f.Name == "db-max-conns" })
+	given := make(map[string]bool)
+	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	o.dbMaxConnsSet = given["db-max-conns"]
 	switch {
 	case fs.NArg() > 0:
 		return o, fmt.Errorf("unexpected arguments %q", fs.Args())
@@ -170,8 +213,16 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-processor-failure-rate %v: want a value in [0, 1]", o.processorFailureRate)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
-	case o.lockTimeout >= o.retention:
-		return o, errors.New("-lock-timeout must be shorter than -retention")
+	case o.processorDelay < 0:
+		return o, fmt.Errorf("-processor-delay %v: want 0 or more", o.processorDelay)
+	case o.waitForCompletion < 0:
+		return o, fmt.Errorf("-wait-for-completion %v: want 0 (answer 409 at once) or more", o.waitForCompletion)
+	case o.shutdownTimeout < 0:
+		return o, fmt.Errorf("-shutdown-timeout %v: want 0 (do not wait) or more", o.shutdownTimeout)
+	case o.metricsAddr != "" && o.metricsAddr == o.addr && !strings.HasSuffix(o.addr, ":0"): // :0 is two free ports
+		return o, fmt.Errorf("-metrics-addr %s is -addr %s: give the metrics their own address, or leave -metrics-addr empty to serve them on -addr", o.metricsAddr, o.addr)
+	case o.readTimeout < 0 || o.writeTimeout < 0 || o.idleTimeout < 0:
+		return o, fmt.Errorf("-read-timeout %v, -write-timeout %v, -idle-timeout %v: want 0 (no limit) or more", o.readTimeout, o.writeTimeout, o.idleTimeout)
 	case o.purgeBatch < 1:
 		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
 	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
@@ -327,6 +378,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		PurgeBatch:           o.purgeBatch,
 		PurgeDutyCycle:       o.purgeDutyCycle,
 		NoIdempotency:        o.noIdempotency,
+		NoMetricsRoute:       o.metricsAddr != "",
 		DBRoundTrips:         trips,
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
@@ -342,16 +394,31 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	if err != nil {
 		return err
 	}
-	hs := &http.Server{
-		Handler:           srv,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
-		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	hs := httpServer(srv, o, log)
+	served := make(chan error, 1)
+	metricsServed := make(chan error, 1) // stays empty without -metrics-addr
+	if o.metricsAddr != "" {
+		mln, err := net.Listen("tcp", o.metricsAddr)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("-metrics-addr: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", srv.Metrics().Handler())
+		ms := httpServer(mux, o, log)
+		go func() { metricsServed <- ms.Serve(mln) }()
+		// Nothing on it is worth waiting for at shutdown.
+		defer func() {
+			ms.Close()
+			<-metricsServed
+		}()
+		log.Info("metrics listening", "addr", mln.Addr().String())
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
 		"purge_batch", o.purgeBatch, "purge_duty_cycle", o.purgeDutyCycle,
 		"store_server_errors", o.storeServerErrors, "processor_url", srv.ProcessorURL(),
+		"read_timeout", o.readTimeout, "write_timeout", o.writeTimeout, "idle_timeout", o.idleTimeout,
 		"no_idempotency", o.noIdempotency)
 
 	purgeCtx, stopPurge := context.WithCancel(context.WithoutCancel(ctx))
@@ -365,11 +432,15 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		<-purgeDone
 	}()
 
-	served := make(chan error, 1)
 	go func() { served <- hs.Serve(ln) }()
 	select {
 	case err := <-served:
 		return err
+	case err := <-metricsServed:
+		hs.Close()
+		<-served
+		metricsServed <- err // for the deferred wait
+		return fmt.Errorf("-metrics-addr: %w", err)
 	case <-ctx.Done():
 	}
 
@@ -384,3 +455,69 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	log.Info("stopped")
 	return nil
 }
+
+// httpServer returns the http.Server that serves h with the timeouts of o.
+func httpServer(h http.Handler, o options, log *slog.Logger) *http.Server {
+	return &http.Server{
+		Handler:           boundWrites(h, o.writeTimeout),
+		ReadTimeout:       o.readTimeout,
+		ReadHeaderTimeout: min(maxReadHeaderTimeout, cmp.Or(o.readTimeout, maxReadHeaderTimeout)),
+		IdleTimeout:       o.idleTimeout,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelWarn),
+	}
+}
+
+// boundWrites serves h with a write deadline of d (none if d is 0) that
+// starts at the handler's first write, unlike http.Server.WriteTimeout,
+// which starts when the request's headers are read and so would cut a
+// response that was slow to compute. The deadline of the connection's
+// previous request is cleared first.
+func boundWrites(h http.Handler, d time.Duration) http.Handler {
+	if d <= 0 {
+		return h
+	}
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		rc := http.NewResponseController(w)
+		rc.SetWriteDeadline(time.Time{})
+		h.ServeHTTP(&deadlineWriter{ResponseWriter: w, rc: rc, d: d}, r)
+	})
+}
+
+// deadlineWriter sets the connection's write deadline d ahead at its first
+// WriteHeader, Write or Flush.
+type deadlineWriter struct {
+	http.ResponseWriter
+	rc    *http.ResponseController
+	d     time.Duration
+	armed bool
+}
+
+func (w *deadlineWriter) arm() {
+	if !w.armed {
+		w.armed = true
+		w.rc.SetWriteDeadline(time.Now().Add(w.d))
+	}
+}
+
+func (w *deadlineWriter) WriteHeader(code int) {
+	// A 1xx informational header is not the response: it does not start
+	// the clock.
+	if code >= 200 {
+		w.arm()
+	}
+	w.ResponseWriter.WriteHeader(code)
+}
+
+func (w *deadlineWriter) Write(b []byte) (int, error) {
+	w.arm()
+	return w.ResponseWriter.Write(b)
+}
+
+// Flush implements http.Flusher, for handlers that test for it.
+func (w *deadlineWriter) Flush() {
+	w.arm()
+	w.rc.Flush()
+}
+
+// Unwrap lets http.ResponseController reach the connection.
+func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }

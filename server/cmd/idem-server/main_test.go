@@ -5,7 +5,9 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -265,6 +267,9 @@ func TestRunFlags(t *testing.T) {
 		{"batch completions are gone", []string{"-batch-completions"}, nil, "flag provided but not defined: -batch-completions"},
 		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
 		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
+		{"metrics on the API's address", []string{"-addr", "127.0.0.1:8080", "-metrics-addr", "127.0.0.1:8080"}, nil, "-metrics-addr 127.0.0.1:8080 is -addr"},
+		{"metrics address taken", []string{"-metrics-addr", "256.0.0.1:1"}, nil, "-metrics-addr"},
+		{"negative read timeout", []string{"-read-timeout", "-1s"}, nil, "-read-timeout -1s"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
 		{"database from env", nil, map[string]string{"DATABASE_URL": "postgres://%zz"}, "database"},
 	} {
@@ -499,5 +504,192 @@ func TestRunCPUProfile(t *testing.T) {
 	err = run(context.Background(), []string{"-addr", "127.0.0.1:0", "-cpuprofile", bad}, func(string) string { return "" }, io.Discard)
 	if err == nil || !strings.Contains(err.Error(), "missing") {
 		t.Errorf("run with an uncreatable -cpuprofile: %v, want the file's error", err)
+	}
+}
+
+// TestTimeoutFlags checks that the timeouts a user gives never block the
+// start against each other: a lock timeout is a lease renewed while the
+// request runs, so it needs to be neither longer than the processor's
+// delay nor shorter than the retention, which counts from when a request
+// finished. Only negative values are refused, naming the flag.
+func TestTimeoutFlags(t *testing.T) {
+	for _, tt := range []struct {
+		name       string
+		args       []string
+		lock, keep time.Duration
+		err        string // a substring of the error
+	}{
+		{"defaults", nil, idempotency.DefaultLockTimeout, idempotency.DefaultRetention, ""},
+		{"short retention alone", []string{"-retention", "2s"}, idempotency.DefaultLockTimeout, 2 * time.Second, ""},
+		{"lock over retention", []string{"-lock-timeout", "2h", "-retention", "1h"}, 2 * time.Hour, time.Hour, ""},
+		{"processor slower than the lock", []string{"-processor-delay", "5s", "-lock-timeout", "2s"}, 2 * time.Second, idempotency.DefaultRetention, ""},
+		{"huge lock", []string{"-lock-timeout", "2562047h"}, 2562047 * time.Hour, idempotency.DefaultRetention, ""},
+		{"zero retention", []string{"-retention", "0"}, 0, 0, "-retention, -lock-timeout and -purge-interval must be positive"},
+		{"negative shutdown timeout", []string{"-shutdown-timeout", "-1s"}, 0, 0, "-shutdown-timeout -1s"},
+		{"negative wait for completion", []string{"-wait-for-completion", "-1ms"}, 0, 0, "-wait-for-completion -1ms"},
+		{"negative processor delay", []string{"-processor-delay", "-1s"}, 0, 0, "-processor-delay -1s"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			o, err := parseFlags(tt.args, func(string) string { return "" }, io.Discard)
+			if tt.err != "" {
+				if err == nil || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("parseFlags(%q) = %v, want an error naming %q", tt.args, err, tt.err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("parseFlags(%q): %v", tt.args, err)
+			}
+			if o.lockTimeout != tt.lock || o.retention != tt.keep {
+				t.Errorf("lock timeout %v, retention %v; want %v, %v", o.lockTimeout, o.retention, tt.lock, tt.keep)
+			}
+		})
+	}
+}
+
+// TestRunShortRetention starts the server with -retention 2s alone, which
+// the default lock timeout used to refuse: it starts, with the default lock
+// timeout.
+func TestRunShortRetention(t *testing.T) {
+	_, out, stop := start(t, []string{"-retention", "2s"}, nil)
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
+	}
+	if logs, want := out.String(), "lock_timeout="+idempotency.DefaultLockTimeout.String(); !strings.Contains(logs, want) {
+		t.Errorf("log lacks %q:\n%s", want, logs)
+	}
+}
+
+// rawConn dials the server at base URL u with a generous deadline, which
+// only keeps a regression from hanging the test.
+func rawConn(t *testing.T, u string) net.Conn {
+	t.Helper()
+	conn, err := net.Dial("tcp", strings.TrimPrefix(u, "http://"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	conn.SetDeadline(time.Now().Add(10 * time.Second))
+	return conn
+}
+
+// readToClose reads conn until the server closes it and returns what came;
+// it fails the test if the generous deadline passes first.
+func readToClose(t *testing.T, conn net.Conn) string {
+	t.Helper()
+	b, err := io.ReadAll(conn)
+	if ne, ok := err.(net.Error); ok && ne.Timeout() {
+		t.Fatalf("the server did not close the connection; read so far: %q", b)
+	}
+	return string(b) // EOF, or a reset: closed either way
+}
+
+// TestRunStalledBodyCutOff sends an authenticated payment whose body stalls
+// after a few bytes: -read-timeout cuts it off, and nothing is paid.
+// Before, only the headers had a timeout and such a client held its
+// connection for ever.
+func TestRunStalledBodyCutOff(t *testing.T) {
+	url, _, _ := start(t, []string{"-read-timeout", "300ms"}, nil)
+	conn := rawConn(t, url)
+	io.WriteString(conn, "POST /v1/payments HTTP/1.1\r\nHost: idem\r\nAuthorization: Bearer sk_test_demo\r\n"+
+		"Idempotency-Key: k-stall\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"amount\"")
+	if got := readToClose(t, conn); strings.Contains(got, " 201 ") {
+		t.Errorf("a stalled body was paid:\n%s", got)
+	}
+}
+
+// TestRunIdleTimeout checks that -idle-timeout closes a keep-alive
+// connection that sends no next request.
+func TestRunIdleTimeout(t *testing.T) {
+	url, _, _ := start(t, []string{"-idle-timeout", "200ms"}, nil)
+	conn := rawConn(t, url)
+	io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: idem\r\n\r\n")
+	if got := readToClose(t, conn); !strings.HasPrefix(got, "HTTP/1.1 200 ") || strings.Contains(got, "Connection: close") {
+		t.Errorf("want a keep-alive 200 before the idle close, got:\n%s", got)
+	}
+}
+
+// TestRunWriteTimeoutSparesSlowPayments checks that -write-timeout counts
+// from the response's first write, not from the request: a payment whose
+// processor takes longer than the write timeout is still answered.
+func TestRunWriteTimeoutSparesSlowPayments(t *testing.T) {
+	url, _, _ := start(t, []string{"-write-timeout", "100ms", "-processor-delay", "400ms"}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	resp, b := post(t, &http.Client{Transport: tr}, url, "sk_test_demo", "k-slow", `{"amount": 1, "currency": "usd", "customer": "c"}`)
+	if resp.StatusCode != http.StatusCreated {
+		t.Errorf("slow payment: %d %s, want 201", resp.StatusCode, b)
+	}
+}
+
+// TestBoundWrites checks that a client that does not read its response is
+// cut off once the write timeout has passed since the first write: the
+// handler's Write fails instead of blocking for ever.
+func TestBoundWrites(t *testing.T) {
+	wrote := make(chan error, 1)
+	ts := httptest.NewServer(boundWrites(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		chunk := make([]byte, 1<<20)
+		for range 1 << 10 { // 1 GiB: more than any socket buffers
+			if _, err := w.Write(chunk); err != nil {
+				wrote <- err
+				return
+			}
+		}
+		wrote <- nil
+	}), 200*time.Millisecond))
+	defer ts.Close()
+	conn := rawConn(t, ts.URL)
+	io.WriteString(conn, "GET / HTTP/1.1\r\nHost: idem\r\n\r\n") // and never read
+	select {
+	case err := <-wrote:
+		if err == nil {
+			t.Fatal("1 GiB written to a client that reads nothing")
+		}
+	case <-time.After(10 * time.Second):
+		conn.Close() // lets the handler end
+		<-wrote
+		t.Fatal("the write to a client that reads nothing did not time out")
+	}
+}
+
+var metricsListeningRE = regexp.MustCompile(`msg="metrics listening" addr=(\S+)`)
+
+// TestRunMetricsAddr checks that with -metrics-addr, /metrics, which needs
+// no API key, is served there and only there; the API stays on -addr.
+func TestRunMetricsAddr(t *testing.T) {
+	url, out, stop := start(t, []string{"-metrics-addr", "127.0.0.1:0"}, nil)
+	m := metricsListeningRE.FindStringSubmatch(out.String())
+	if m == nil {
+		t.Fatalf("no metrics listener in the log:\n%s", out)
+	}
+	metricsURL := "http://" + m[1]
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	if resp, b := post(t, client, url, "sk_test_demo", "k-m", `{"amount": 1, "currency": "usd", "customer": "c"}`); resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, b)
+	}
+	for _, tt := range []struct {
+		url, path string
+		want      int
+		body      string
+	}{
+		{metricsURL, "/metrics", 200, "idem_keys_claimed_total 1"},
+		{url, "/metrics", 404, ""},
+		{url, "/healthz", 200, "ok"},
+		{metricsURL, "/v1/payments/pay_x", 404, ""},
+	} {
+		resp, err := client.Get(tt.url + tt.path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != tt.want || !strings.Contains(string(b), tt.body) {
+			t.Errorf("GET %s%s: %d, want %d with %q", tt.url, tt.path, resp.StatusCode, tt.want, tt.body)
+		}
+	}
+	if err := stop(); err != nil {
+		t.Fatalf("run: %v", err)
 	}
 }
