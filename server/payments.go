@@ -231,6 +231,16 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 			panic(http.ErrAbortHandler)
 		}
 	}
+	if errors.Is(context.Cause(r.Context()), idempotency.ErrLeaseLost) {
+		// A retry took the key over while this request was cut off from
+		// the store: the retry records the payment (the charge it finds is
+		// this one), and anything written here would be rolled back.
+		log.Warn("payments: the key was taken over while this request ran; stopping before the payment", "charge", charge.ID)
+		w.Header().Set("Retry-After", "1")
+		writeProblem(w, r, idempotency.ProblemKeyInUse, http.StatusConflict,
+			"A retry with this Idempotency-Key took this request over. Retry the same request with the same key to get the outcome.")
+		return
+	}
 	p := Payment{
 		ID:             paymentID(o.clientID, o.operation),
 		ClientID:       o.clientID,

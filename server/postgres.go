@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -66,8 +67,12 @@ func (s *PostgresStorage) CreatePayment(ctx context.Context, p Payment) error {
 	return interpretError(err)
 }
 
-// GetPayment implements [PaymentStore].
+// GetPayment implements [PaymentStore]. An id or client that is not valid
+// text names no payment (PostgreSQL would refuse to compare it).
 func (s *PostgresStorage) GetPayment(ctx context.Context, clientID, id string) (Payment, error) {
+	if !idempotency.ValidText(id) || !idempotency.ValidText(clientID) {
+		return Payment{}, ErrNotFound
+	}
 	var p Payment
 	err := s.pool.QueryRow(ctx, `
 		SELECT payment_id, client_id, customer_id, amount, currency, idempotency_key,

@@ -253,7 +253,6 @@ func TestRunFlags(t *testing.T) {
 		{"bad api keys from env", nil, map[string]string{"IDEM_API_KEYS": ":x"}, "not token:client_id"},
 		{"unknown flag", []string{"-nope"}, nil, "flag provided but not defined"},
 		{"extra argument", []string{"serve"}, nil, "unexpected arguments"},
-		{"lock timeout over retention", []string{"-lock-timeout", "2h", "-retention", "1h"}, nil, "shorter than -retention"},
 		{"failure rate", []string{"-processor-failure-rate", "2"}, nil, "[0, 1]"},
 		{"log format", []string{"-log-format", "xml"}, nil, "text or json"},
 		{"purge batch", []string{"-purge-batch", "0"}, nil, "-purge-batch 0"},
