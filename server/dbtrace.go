@@ -5,7 +5,6 @@ import (
 	"sync/atomic"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/prometheus/client_golang/prometheus"
 )
 
 // DBRoundTrips counts the round trips that pgx connections make to
@@ -79,21 +78,3 @@ func (c *DBRoundTrips) TraceConnectStart(ctx context.Context, _ pgx.TraceConnect
 
 // TraceConnectEnd implements pgx.ConnectTracer.
 func (c *DBRoundTrips) TraceConnectEnd(context.Context, pgx.TraceConnectEndData) {}
-
-var roundTripsDesc = prometheus.NewDesc("idem_db_round_trips_total",
-	"Round trips to PostgreSQL made by the server's pool, by kind (query, batch, prepare, connect).",
-	[]string{"kind"}, nil)
-
-// roundTripsCollector exposes a DBRoundTrips as idem_db_round_trips_total.
-type roundTripsCollector struct{ c *DBRoundTrips }
-
-func (r roundTripsCollector) Describe(ch chan<- *prometheus.Desc) { ch <- roundTripsDesc }
-
-func (r roundTripsCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, k := range []struct {
-		kind string
-		n    *atomic.Int64
-	}{{"query", &r.c.query}, {"batch", &r.c.batch}, {"prepare", &r.c.prepare}, {"connect", &r.c.connect}} {
-		ch <- prometheus.MustNewConstMetric(roundTripsDesc, prometheus.CounterValue, float64(k.n.Load()), k.kind)
-	}
-}

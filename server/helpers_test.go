@@ -260,22 +260,12 @@ func (ts *testServer) mustSend(t *testing.T, c call) reply {
 	return r
 }
 
-// counter returns the value of a counter of the server's registry.
+// counter returns the value of a counter of the server's /metrics.
 func (ts *testServer) counter(t *testing.T, name string) float64 {
 	t.Helper()
-	families, err := ts.Metrics().Registry().Gather()
-	if err != nil {
-		t.Fatal(err)
+	v, ok := ts.Metrics().Counter(name)
+	if !ok {
+		t.Fatalf("no counter %s", name)
 	}
-	for _, mf := range families {
-		if mf.GetName() == name {
-			var sum float64
-			for _, m := range mf.GetMetric() {
-				sum += m.GetCounter().GetValue()
-			}
-			return sum
-		}
-	}
-	t.Fatalf("no counter %s", name)
-	return 0
+	return v
 }

@@ -1,18 +1,20 @@
 package server
 
 import (
+	"fmt"
+	"maps"
 	"net/http"
-
-	"github.com/prometheus/client_golang/prometheus"
-	"github.com/prometheus/client_golang/prometheus/collectors"
-	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
 
 	"github.com/idemkit/idem/server/idempotency"
 )
 
-// Metrics holds the Prometheus counters of one server on a registry of its
-// own, not the global one, so a process (a test) can run many servers. The
-// counters are:
+// Metrics holds the counters of one server, served on /metrics in the
+// Prometheus text exposition format (version 0.0.4):
 //
 //	idem_keys_claimed_total        keys claimed by a first request (or after expiry or release)
 //	idem_keys_taken_over_total     started keys taken over once their lease ran out
@@ -29,63 +31,122 @@ import (
 //	idem_processor_charges_total   charges of the fake card processor, by result
 //	idem_db_round_trips_total      round trips to PostgreSQL, by kind (with [Config.DBRoundTrips])
 //
-// plus the Go runtime and process collectors. A Metrics is safe for
-// concurrent use.
+// They are counters of this server alone, not of the process (several
+// servers may share one, as tests do), so the Prometheus client library,
+// its registry and its runtime collectors are not needed: the format of a
+// few counters is written here. A Metrics is safe for concurrent use.
 type Metrics struct {
-	registry *prometheus.Registry
-	events   map[idempotency.Event]prometheus.Counter
-	purged   prometheus.Counter
-	charges  *prometheus.CounterVec
+	events  map[idempotency.Event]*atomic.Int64
+	purged  atomic.Int64
+	charges sync.Map // result → *atomic.Int64
+	trips   *DBRoundTrips
+	order   []family
 }
 
-// NewMetrics returns counters registered on a new registry.
+// family is one counter as /metrics shows it: a name, its help, and its
+// samples by label value ("" for none).
+type family struct {
+	name, help, label string
+	samples           func() map[string]int64
+}
+
+// NewMetrics returns zeroed counters.
 func NewMetrics() *Metrics {
-	m := &Metrics{registry: prometheus.NewRegistry(), events: make(map[idempotency.Event]prometheus.Counter)}
-	counter := func(name, help string) prometheus.Counter {
-		c := prometheus.NewCounter(prometheus.CounterOpts{Namespace: "idem", Name: name, Help: help})
-		m.registry.MustRegister(c)
-		return c
+	m := &Metrics{events: make(map[idempotency.Event]*atomic.Int64)}
+	event := func(e idempotency.Event, name, help string) {
+		c := new(atomic.Int64)
+		m.events[e] = c
+		m.order = append(m.order, family{name: name, help: help, samples: func() map[string]int64 { return map[string]int64{"": c.Load()} }})
 	}
-	m.events[idempotency.EventClaimed] = counter("keys_claimed_total", "Idempotency keys claimed by a first request, or after expiry or release.")
-	m.events[idempotency.EventTookOver] = counter("keys_taken_over_total", "Started idempotency keys taken over once their lease ran out.")
-	m.events[idempotency.EventCompleted] = counter("keys_completed_total", "Outcomes stored together with their business writes.")
-	m.events[idempotency.EventReplayed] = counter("replays_total", "Stored outcomes replayed to a retry.")
-	m.events[idempotency.EventConflict] = counter("conflicts_total", "Requests answered 409 because the key's first request was still running.")
-	m.events[idempotency.EventMismatch] = counter("mismatches_total", "Requests answered 422 because the key was used with another request.")
-	m.events[idempotency.EventReleased] = counter("keys_released_total", "Keys released after an outcome that is not stored.")
-	m.events[idempotency.EventFenced] = counter("completions_fenced_total", "Completions rolled back because the request was taken over.")
-	m.events[idempotency.EventRejected] = counter("requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413).")
-	m.events[idempotency.EventRenewed] = counter("leases_renewed_total", "Leases of running requests renewed.")
-	m.events[idempotency.EventLeaseLost] = counter("leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
-	m.purged = counter("keys_purged_total", "Expired idempotency keys deleted by the purge job.")
-	m.charges = prometheus.NewCounterVec(prometheus.CounterOpts{
-		Namespace: "idem", Name: "processor_charges_total",
-		Help: "Charge requests of the fake card processor, by result (created, replayed, failed, mismatch).",
-	}, []string{"result"})
-	m.registry.MustRegister(m.charges,
-		collectors.NewGoCollector(),
-		collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	event(idempotency.EventClaimed, "idem_keys_claimed_total", "Idempotency keys claimed by a first request, or after expiry or release.")
+	event(idempotency.EventTookOver, "idem_keys_taken_over_total", "Started idempotency keys taken over once their lease ran out.")
+	event(idempotency.EventCompleted, "idem_keys_completed_total", "Outcomes stored together with their business writes.")
+	event(idempotency.EventReplayed, "idem_replays_total", "Stored outcomes replayed to a retry.")
+	event(idempotency.EventConflict, "idem_conflicts_total", "Requests answered 409 because the key's first request was still running.")
+	event(idempotency.EventMismatch, "idem_mismatches_total", "Requests answered 422 because the key was used with another request.")
+	event(idempotency.EventReleased, "idem_keys_released_total", "Keys released after an outcome that is not stored.")
+	event(idempotency.EventFenced, "idem_completions_fenced_total", "Completions rolled back because the request was taken over.")
+	event(idempotency.EventRejected, "idem_requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413).")
+	event(idempotency.EventRenewed, "idem_leases_renewed_total", "Leases of running requests renewed.")
+	event(idempotency.EventLeaseLost, "idem_leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
+	m.order = append(m.order,
+		family{name: "idem_keys_purged_total", help: "Expired idempotency keys deleted by the purge job.",
+			samples: func() map[string]int64 { return map[string]int64{"": m.purged.Load()} }},
+		family{name: "idem_processor_charges_total", label: "result",
+			help: "Charge requests of the fake card processor, by result (created, replayed, failed, lost, mismatch, rejected).",
+			samples: func() map[string]int64 {
+				out := make(map[string]int64)
+				m.charges.Range(func(k, v any) bool {
+					out[k.(string)] = v.(*atomic.Int64).Load()
+					return true
+				})
+				return out
+			}},
+	)
 	return m
+}
+
+// countRoundTrips adds the counts of trips to the metrics, as
+// idem_db_round_trips_total. Call it before the metrics are served.
+func (m *Metrics) countRoundTrips(trips *DBRoundTrips) {
+	m.trips = trips
+	m.order = append(m.order, family{name: "idem_db_round_trips_total", label: "kind",
+		help: "Round trips to PostgreSQL made by the server's pool, by kind (query, batch, prepare, connect).",
+		samples: func() map[string]int64 {
+			return map[string]int64{"query": trips.query.Load(), "batch": trips.batch.Load(),
+				"prepare": trips.prepare.Load(), "connect": trips.connect.Load()}
+		}})
 }
 
 // Observe counts one event; it fits [idempotency.Options.OnEvent].
 func (m *Metrics) Observe(e idempotency.Event) {
 	if c, ok := m.events[e]; ok {
-		c.Inc()
+		c.Add(1)
 	}
 }
 
-// AddPurged counts keys deleted by the purge job.
-func (m *Metrics) AddPurged(n int64) { m.purged.Add(float64(n)) }
+// AddPurged counts keys deleted by the purge job; it fits
+// [idempotency.Purger.OnPurged].
+func (m *Metrics) AddPurged(n int64) { m.purged.Add(n) }
 
 // observeCharge counts one charge request of the fake processor.
-func (m *Metrics) observeCharge(result string) { m.charges.WithLabelValues(result).Inc() }
+func (m *Metrics) observeCharge(result string) {
+	c, _ := m.charges.LoadOrStore(result, new(atomic.Int64))
+	c.(*atomic.Int64).Add(1)
+}
 
-// Registry returns the registry the counters are on, to add more
-// collectors or to gather them in tests.
-func (m *Metrics) Registry() *prometheus.Registry { return m.registry }
+// Counter returns the value of the counter name, summed over its labels,
+// and whether there is such a counter.
+func (m *Metrics) Counter(name string) (float64, bool) {
+	for _, f := range m.order {
+		if f.name == name {
+			var sum int64
+			for _, v := range f.samples() {
+				sum += v
+			}
+			return float64(sum), true
+		}
+	}
+	return 0, false
+}
 
 // Handler serves the counters in the Prometheus text format.
 func (m *Metrics) Handler() http.Handler {
-	return promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{Registry: m.registry})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		var b strings.Builder
+		for _, f := range m.order {
+			fmt.Fprintf(&b, "# HELP %s %s\n# TYPE %s counter\n", f.name, f.help, f.name)
+			samples := f.samples()
+			for _, v := range slices.Sorted(maps.Keys(samples)) {
+				if f.label == "" {
+					fmt.Fprintf(&b, "%s %d\n", f.name, samples[v])
+				} else {
+					fmt.Fprintf(&b, "%s{%s=%s} %d\n", f.name, f.label, strconv.Quote(v), samples[v])
+				}
+			}
+		}
+		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+		w.Header().Set("Cache-Control", "no-store")
+		w.Write([]byte(b.String()))
+	})
 }

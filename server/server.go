@@ -168,7 +168,7 @@ func New(cfg Config) (*Server, error) {
 		OnPurged:  s.metrics.AddPurged,
 	}
 	if cfg.DBRoundTrips != nil {
-		s.metrics.registry.MustRegister(roundTripsCollector{cfg.DBRoundTrips})
+		s.metrics.countRoundTrips(cfg.DBRoundTrips)
 	}
 	s.processor = &Processor{
 		Charges:     cfg.Storage.Charges,

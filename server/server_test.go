@@ -82,7 +82,7 @@ func TestServerRoutes(t *testing.T) {
 	}
 	ts.mustSend(t, keyed("k1", payment))
 	r := ts.mustSend(t, call{method: "GET", path: "/metrics", token: "-"})
-	for _, want := range []string{"idem_keys_claimed_total 1", "idem_keys_completed_total 1", `idem_processor_charges_total{result="created"} 1`, "go_goroutines"} {
+	for _, want := range []string{"idem_keys_claimed_total 1", "idem_keys_completed_total 1", `idem_processor_charges_total{result="created"} 1`, "# TYPE idem_replays_total counter"} {
 		if !strings.Contains(string(r.body), want) {
 			t.Errorf("/metrics lacks %q", want)
 		}
