@@ -111,7 +111,10 @@ type Transport struct {
 	budget     *RetryBudget
 }
 
-// Attempt describes one attempt of an operation, for [Transport.OnAttempt].
+// Attempt describes one attempt of a logical operation. [Transport.OnAttempt]
+// gets it after each attempt, with every field set. The base transport sees
+// it while it sends the attempt, through [AttemptFromContext] on the
+// request's context, with Number and Key set and the other fields zero.
 type Attempt struct {
 	Request  *http.Request  // the attempt as sent; do not modify it
 	Key      string         // the operation's key; "" when unkeyed
@@ -354,11 +357,12 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // returned response it must run only once the caller closes the body.
 func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ctx, cancel := op.ctx, func() {}
+	actx := &attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}
+	cancel = func() {}
 	var timer *time.Timer
 	if d := op.policy.AttemptTimeout; d > 0 {
 		var cancelCause context.CancelCauseFunc
-		ctx, cancelCause = context.WithCancelCause(op.ctx)
+		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
 		// A timer rather than WithTimeout: it is stopped once the headers
 		// are in, so a slow read of the final body is not cut off.
 		timer = time.AfterFunc(d, func() { cancelCause(errAttemptTimedOut) })
@@ -368,9 +372,9 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 	// RoundTripper may modify a request, so the URL and the rest can be
 	// shared, and a first-try success saves the allocations of a deep copy.
 	// The caller's request is never modified either way.
-	areq := op.req.WithContext(ctx)
+	areq := op.req.WithContext(actx)
 	if op.keyed {
-		areq.Header = headerWith(op.req.Header, op.header, op.val)
+		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
 	}
 	if areq.Body, err = op.body.open(op.attempts); err != nil {
 		cancel()
@@ -607,14 +611,18 @@ func (c *cancelOnCloseRW) Close() error {
 }
 
 // headerWith returns a copy of h with the header key (in canonical form)
-// set to the single value val, in two allocations: the map and one array
-// that backs every value slice.
-func headerWith(h http.Header, key, val string) http.Header {
+// set to the single value val. Every value slice is backed by scratch when
+// it is long enough, else by one new array, so the copy costs the map and
+// at most one more allocation.
+func headerWith(h http.Header, key, val string, scratch []string) http.Header {
 	n := 1
 	for _, vs := range h {
 		n += len(vs)
 	}
-	backing := make([]string, n)
+	backing := scratch
+	if n > len(backing) {
+		backing = make([]string, n)
+	}
 	out := make(http.Header, len(h)+1)
 	for k, vs := range h {
 		if k == key {
