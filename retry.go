@@ -9,6 +9,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"reflect"
 	"strconv"
 	"strings"
 	"syscall"
@@ -208,6 +209,10 @@ func retryableError(err error) bool {
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		// The server closed the connection before a full response.
 		return true
+	case http2Reason(err) != "":
+		// RoundTrip returns an error only before the response headers,
+		// so the stream ended with no response.
+		return true
 	}
 	var opErr *net.OpError
 	if errors.As(err, &opErr) && opErr.Op == "dial" {
@@ -227,12 +232,74 @@ func errorReason(err error) string {
 		return "connection reset"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return "connection closed before response"
+	case http2Reason(err) != "":
+		return http2Reason(err)
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):
 		return "deadline exceeded"
 	}
 	return "error"
+}
+
+// http2Errors names the HTTP/2 client errors that end a stream before its
+// response, by the package that defines them and the type's name, with
+// the reason they give: net/http's bundled HTTP/2 client, its future home
+// inside the standard library, and golang.org/x/net/http2 (a Transport of
+// that package as the Base).
+var http2Errors = map[[2]string]string{
+	{"net/http", "http2StreamError"}:               "HTTP/2 stream reset",
+	{"net/http", "http2GoAwayError"}:               "HTTP/2 GOAWAY",
+	{"net/http/internal/http2", "StreamError"}:     "HTTP/2 stream reset",
+	{"net/http/internal/http2", "GoAwayError"}:     "HTTP/2 GOAWAY",
+	{"golang.org/x/net/http2", "StreamError"}:      "HTTP/2 stream reset",
+	{"golang.org/x/net/http2", "GoAwayError"}:      "HTTP/2 GOAWAY",
+	{"golang.org/x/net/http2", "ConnectionError"}:  "HTTP/2 connection error",
+	{"net/http", "http2ConnectionError"}:           "HTTP/2 connection error",
+	{"net/http/internal/http2", "ConnectionError"}: "HTTP/2 connection error",
+}
+
+// http2Reason returns the reason for an HTTP/2 stream reset (RST_STREAM),
+// GOAWAY followed by a close, or connection error in err's chain, or "" if
+// there is none. net/http's HTTP/2 error types are unexported and have no
+// method to test for (only Error), so neither errors.As nor an interface
+// reaches them; golang.org/x/net/http2 exports its own, distinct types,
+// which match none of net/http's. The check is therefore on the dynamic
+// type's package and name, not on the message: it holds whatever the
+// message says, and breaks only if the type is renamed, which the wire
+// tests (TestHTTP2FaultsAreRetried) would catch.
+func http2Reason(err error) string {
+	for _, e := range errorChain(err) {
+		t := reflect.TypeOf(e)
+		if t.Kind() == reflect.Pointer {
+			t = t.Elem()
+		}
+		if why, ok := http2Errors[[2]string{t.PkgPath(), t.Name()}]; ok {
+			return why
+		}
+	}
+	return ""
+}
+
+// errorChain returns err and every error it wraps, depth first, as
+// errors.Is walks them.
+func errorChain(err error) []error {
+	var chain []error
+	for err != nil {
+		chain = append(chain, err)
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				chain = append(chain, errorChain(e)...)
+			}
+			return chain
+		default:
+			return chain
+		}
+	}
+	return chain
 }
 
 // maxRetryAfterSeconds bounds the parsed value so the Duration cannot

@@ -34,7 +34,8 @@ const maxDrain = 64 << 10
 //     UUIDv4. Every attempt sends the same key and the same body bytes.
 //   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
 //     as idempotent. Other methods are sent once.
-//   - Connection errors, attempt timeouts, 408, 429, 500, 502, 503 and 504
+//   - Connection errors (HTTP/2 stream resets and GOAWAY before a
+//     response among them), attempt timeouts, 408, 429, 500, 502, 503 and 504
 //     are retried with exponential backoff and jitter, within
 //     [RetryPolicy.MaxAttempts], [RetryPolicy.MaxElapsedTime], the request
 //     context and the [RetryBudget]. Retry-After (seconds or HTTP-date) is
