@@ -59,13 +59,15 @@ func (e *RetryError) Error() string {
 // Unwrap returns e.Err.
 func (e *RetryError) Unwrap() error { return e.Err }
 
-// InProgressError is returned by [Transport.RoundTrip] when the server kept
-// answering 409 Conflict (the first request with the key is still running)
-// until the conflict budget ([RetryPolicy.ConflictTimeout],
-// [RetryPolicy.MaxConflictRetries]) ran out. The outcome of the operation is
-// unknown: it may yet complete. Retry it later with the same key
-// ([WithKey](ctx, e.Key)) to learn its outcome; never with a new key, which
-// could perform it twice.
+// InProgressError is returned by [Transport.RoundTrip] when a keyed
+// operation ends on 409 Conflict (the first request with the key is still
+// running): the conflict budget ([RetryPolicy.ConflictTimeout],
+// [RetryPolicy.MaxConflictRetries]) ran out, the next wait would pass
+// [RetryPolicy.MaxElapsedTime], [RetryPolicy.MaxRetryAfter] or the context's
+// deadline, or the context ended. The outcome of the operation is unknown:
+// it may yet complete. Retry it later with the same key ([WithKey](ctx,
+// e.Key)) to learn its outcome; never with a new key, which could perform
+// it twice.
 type InProgressError struct {
 	Key     string
 	Method  string
@@ -73,13 +75,25 @@ type InProgressError struct {
 	Polls   int           // 409 answers received
 	Waited  time.Duration // time spent waiting on them
 	Problem *Problem      // the last 409's problem details, if any
+	// Err is the context's error when the context ended the waiting, so
+	// that errors.Is(err, context.DeadlineExceeded) holds; else nil.
+	Err error
+
+	reason string // why the waiting stopped, for Error
 }
 
-// Error returns a message with the key and what to do.
+// Error returns a message with the key, why the waiting stopped and what to do.
 func (e *InProgressError) Error() string {
-	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s; its outcome is unknown: retry later with the same key",
-		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond))
+	why := ""
+	if e.reason != "" {
+		why = " (" + e.reason + ")"
+	}
+	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s%s; its outcome is unknown: retry later with the same key",
+		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond), why)
 }
+
+// Unwrap returns e.Err.
+func (e *InProgressError) Unwrap() error { return e.Err }
 
 // KeyReuseError is returned by [Transport.RoundTrip] when the server answers
 // 422 Unprocessable Content to a keyed request: the idempotency key was

@@ -591,7 +591,14 @@ func TestSynctestContextCanceledDuringLongWait(t *testing.T) {
 					t.Errorf("err = %v, want context.Canceled in the chain", err)
 				}
 				var rerr *RetryError
-				if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0] {
+				var inprog *InProgressError
+				switch {
+				case tt.name == "409":
+					// The operation ended on a 409: its outcome is unknown.
+					if !errors.As(err, &inprog) || inprog.Polls != 1 || inprog.Key != srv.keys[0] {
+						t.Errorf("err = %#v, want an InProgressError after 1 poll with the key", err)
+					}
+				case !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0]:
 					t.Errorf("err = %#v, want a RetryError after 1 attempt with the key", err)
 				}
 				if len(srv.at) != 1 {
@@ -801,4 +808,79 @@ func TestSynctestResponseAsContextEndsIsNotRetried(t *testing.T) {
 			t.Errorf("%d attempts, %v tokens left; want 1 attempt and no retry spent", len(srv.at), budget.Tokens())
 		}
 	})
+}
+
+// TestSynctestConflictCutShortIsInProgress checks that a keyed operation
+// that ends on a 409, whatever stops the waiting, ends with an
+// InProgressError carrying the key, never with the raw 409.
+func TestSynctestConflictCutShortIsInProgress(t *testing.T) {
+	tests := []struct {
+		name    string
+		ra      []string // the Retry-After of each 409
+		policy  RetryPolicy
+		timeout time.Duration // of the context; 0: none
+		cancel  bool          // the context is canceled as the 409 arrives
+		wantErr error         // in the chain
+	}{
+		{"context deadline", []string{"10"}, RetryPolicy{}, 5 * time.Second, false, nil},
+		{"MaxElapsedTime", []string{"10"}, RetryPolicy{MaxElapsedTime: 3 * time.Second}, 0, false, nil},
+		{"MaxRetryAfter", []string{"1", "60"}, RetryPolicy{ConflictTimeout: time.Hour}, 0, false, nil},
+		{"20-digit Retry-After", []string{"1", "99999999999999999999"}, RetryPolicy{}, 0, false, nil},
+		{"19-digit Retry-After", []string{"1", "9223372036854775807"}, RetryPolicy{MaxRetryAfter: math.MaxInt64}, 0, false, nil},
+		{"context canceled", []string{"1"}, RetryPolicy{}, 0, true, context.Canceled},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := context.WithCancel(context.Background())
+				if tt.timeout > 0 {
+					ctx, cancel = context.WithTimeout(ctx, tt.timeout)
+				}
+				defer cancel()
+				var script []answer
+				for _, ra := range tt.ra {
+					script = append(script, func(req *http.Request) (*http.Response, error) {
+						if tt.cancel {
+							cancel()
+						}
+						return replyBody(409, "application/problem+json", `{"title":"Request in progress"}`, "Retry-After", ra)(req)
+					})
+				}
+				srv := newFake(script...)
+				resp, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy}, ctx)
+				if resp != nil {
+					resp.Body.Close()
+				}
+				var inprog *InProgressError
+				if !errors.As(err, &inprog) {
+					t.Fatalf("got %v, %v; want an InProgressError", resp, err)
+				}
+				if inprog.Key != srv.keys[0] || inprog.Polls != len(tt.ra) || len(srv.at) != len(tt.ra) || inprog.Problem == nil || inprog.Problem.Title != "Request in progress" {
+					t.Errorf("InProgressError = %+v after %d requests; want the key %s, %d polls, the problem", inprog, len(srv.at), srv.keys[0], len(tt.ra))
+				}
+				if tt.wantErr != nil && !errors.Is(err, tt.wantErr) {
+					t.Errorf("err = %v, want %v in the chain", err, tt.wantErr)
+				}
+			})
+		})
+	}
+}
+
+func TestExceedsDoesNotOverflow(t *testing.T) {
+	tests := []struct {
+		elapsed, wait, limit time.Duration
+		want                 bool
+	}{
+		{0, 5 * time.Second, 10 * time.Second, false},
+		{5 * time.Second, 5 * time.Second, 10 * time.Second, false},
+		{6 * time.Second, 5 * time.Second, 10 * time.Second, true},
+		{time.Second, math.MaxInt64, 10 * time.Second, true},
+		{math.MaxInt64 / 2, math.MaxInt64, math.MaxInt64, true},
+		{time.Hour, time.Hour, math.MaxInt64, false},
+	}
+	for _, tt := range tests {
+		if got := exceeds(tt.elapsed, tt.wait, tt.limit); got != tt.want {
+			t.Errorf("exceeds(%v, %v, %v) = %t, want %t", tt.elapsed, tt.wait, tt.limit, got, tt.want)
+		}
+	}
 }

@@ -201,6 +201,7 @@ type operation struct {
 	header, key, val  string
 
 	body            body
+	problem         *Problem      // of the last 409
 	lastReq         *http.Request // the last attempt sent
 	attempts        int           // attempts sent
 	conflicts       int           // of which answered 409
@@ -233,7 +234,16 @@ func (op *operation) run() (*http.Response, error) {
 	for {
 		resp, cancel, err := op.send()
 		v, reason := decide(op.keyed, resp, err)
-		if op.ctx.Err() != nil && (v == retry || v == conflict) {
+		if v == conflict {
+			// A keyed operation that ends on a 409 ends with an
+			// InProgressError, which carries the last problem details.
+			op.problem, _ = readProblem(resp)
+			resp.Body = http.NoBody
+			if op.ctx.Err() != nil {
+				return op.inProgress(resp, cancel, "409: "+errorReason(op.ctx.Err()), op.ctx.Err())
+			}
+		}
+		if op.ctx.Err() != nil && v == retry {
 			v = done // the caller has given up: nothing more is sent
 		}
 		switch v {
@@ -250,7 +260,7 @@ func (op *operation) run() (*http.Response, error) {
 		case endFinish:
 			return op.finish(resp, err, cancel, why, true)
 		case endInProgress:
-			return op.inProgress(resp, cancel, why)
+			return op.inProgress(resp, cancel, why, nil)
 		case endBudget:
 			return op.fail(ErrBudgetExhausted, resp, err, cancel, why)
 		case endNotReplayable:
@@ -262,6 +272,9 @@ func (op *operation) run() (*http.Response, error) {
 		cancel()
 		op.report(resp, err, true, wait, why)
 		if err := op.sleep(wait); err != nil {
+			if v == conflict {
+				return op.inProgress(nil, func() {}, "409: "+errorReason(err)+" while waiting", err)
+			}
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %s", err, outcome(resp, err))}
 		}
 	}
@@ -273,15 +286,24 @@ type ending int
 const (
 	goOn             ending = iota // no ending: wait and send again
 	endFinish                      // hand the last outcome to the caller
-	endInProgress                  // the conflict budget ran out
+	endInProgress                  // 409 waits cannot go on
 	endBudget                      // the retry budget is empty
 	endNotReplayable               // the body cannot be sent again
 )
 
 // plan returns how long to wait before the next attempt and why, or, when
 // no further attempt may be sent, how to end the operation. (An enum rather
-// than a method value keeps the operation on RoundTrip's stack.)
+// than a method value keeps the operation on RoundTrip's stack.) A 409 that
+// cannot be waited out, for whatever reason, ends in progress.
 func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string, ending) {
+	wait, why, end := op.planNext(v, resp)
+	if v == conflict && end != goOn {
+		end = endInProgress
+	}
+	return wait, why, end
+}
+
+func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, string, ending) {
 	p := &op.policy
 	if !op.idempotent {
 		return 0, op.req.Method + " is not retried", endFinish
@@ -307,7 +329,7 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 			wait = next(&op.conflictBackoff, p)
 		}
 		why = "409: still running, " + why
-		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstConflict)+wait > p.ConflictTimeout {
+		if op.conflicts > p.MaxConflictRetries || exceeds(time.Since(op.firstConflict), wait, p.ConflictTimeout) {
 			return 0, "conflict budget exhausted", endInProgress
 		}
 	} else {
@@ -321,7 +343,7 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 	if hasRA && ra > p.MaxRetryAfter {
 		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
-	if time.Since(op.start)+wait > p.MaxElapsedTime {
+	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime) {
 		return 0, "wait would pass MaxElapsedTime", endFinish
 	}
 	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
@@ -333,6 +355,13 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 		}
 	}
 	return wait, why, goOn
+}
+
+// exceeds reports whether waiting wait after elapsed would pass limit,
+// without computing elapsed+wait, which overflows for a huge Retry-After.
+// elapsed and wait are never negative.
+func exceeds(elapsed, wait, limit time.Duration) bool {
+	return wait > limit-elapsed
 }
 
 // next returns the next computed backoff wait, jittered and capped by
@@ -444,14 +473,21 @@ func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel
 	return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 }
 
-// inProgress ends an operation whose conflict budget ran out.
-func (op *operation) inProgress(resp *http.Response, cancel func(), why string) (*http.Response, error) {
-	problem, _ := readProblem(resp)
+// inProgress ends an operation on a 409 that cannot be waited out: the
+// conflict budget, the operation's time or the context ran out (err is the
+// context's error, if that is why).
+func (op *operation) inProgress(resp *http.Response, cancel func(), why string, err error) (*http.Response, error) {
 	cancel()
-	op.report(resp, nil, false, 0, why)
+	if resp != nil {
+		op.report(resp, nil, false, 0, why)
+	}
+	waited := time.Duration(0)
+	if op.conflicts > 0 {
+		waited = time.Since(op.firstConflict)
+	}
 	return nil, &InProgressError{
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
-		Polls: op.conflicts, Waited: time.Since(op.firstConflict), Problem: problem,
+		Polls: max(op.conflicts, 1), Waited: waited, Problem: op.problem, Err: err, reason: why,
 	}
 }
 
