@@ -80,7 +80,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		problem, raw := readProblem(resp)
+		problem, raw := readProblem(resp, 0) // the caller's context bounds it
 		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Body: raw}
 		if isJSON(resp.Header.Get("Content-Type")) {
 			apiErr.Problem = problem

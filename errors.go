@@ -1,10 +1,10 @@
 package idem
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"mime"
 	"net/http"
 	"strings"
@@ -169,12 +169,14 @@ func (e *APIError) Error() string {
 // maxErrorBody bounds what is read of an error response's body.
 const maxErrorBody = 64 << 10
 
-// readProblem reads (bounded) and closes resp's body and parses it as
-// problem details. It returns a Problem in every case: when the body is not
-// JSON, Title is the status text and Detail the start of the body.
-func readProblem(resp *http.Response) (*Problem, []byte) {
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-	resp.Body.Close()
+// readProblem reads (at most maxErrorBody bytes, within the given time if
+// it is positive) and closes resp's body and parses it as problem details.
+// It returns a Problem in every case: when the body is not JSON, Title is
+// the status text and Detail the start of the body.
+func readProblem(resp *http.Response, within time.Duration) (*Problem, []byte) {
+	var buf bytes.Buffer
+	readBody(&buf, resp, maxErrorBody, within)
+	body := buf.Bytes()
 	p := new(Problem)
 	if isJSON(resp.Header.Get("Content-Type")) && json.Unmarshal(body, p) == nil {
 		if p.Status == 0 {

@@ -26,6 +26,11 @@ const DefaultMaxBufferedBody = 1 << 20
 // error page to the end.
 const maxDrain = 64 << 10
 
+// maxDrainTime bounds the time spent reading the body of a response that is
+// not returned: a retried answer, or a 409's or 422's problem details. A
+// body that stalls longer is given up and its connection closed.
+const maxDrainTime = time.Second
+
 // Transport is an [http.RoundTripper] that makes payment-style calls safe to
 // retry. Each call to RoundTrip is one logical operation:
 //
@@ -52,8 +57,9 @@ const maxDrain = 64 << 10
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
-// responses are drained (up to 64 KiB) and closed so their connections are
-// reused. RoundTrip starts no goroutine that outlives it.
+// responses are drained (up to 64 KiB, for at most a second, less than
+// AttemptTimeout and the operation's time left) and closed so their
+// connections are reused; a body that stalls is closed, with its connection. RoundTrip starts no goroutine that outlives it.
 //
 // The zero value is ready to use. A Transport is safe for concurrent use by
 // multiple goroutines; like [http.Transport], it should be reused rather
@@ -237,7 +243,7 @@ func (op *operation) run() (*http.Response, error) {
 		if v == conflict {
 			// A keyed operation that ends on a 409 ends with an
 			// InProgressError, which carries the last problem details.
-			op.problem, _ = readProblem(resp)
+			op.problem, _ = readProblem(resp, op.drainTime())
 			resp.Body = http.NoBody
 			if op.ctx.Err() != nil {
 				return op.inProgress(resp, cancel, "409: "+errorReason(op.ctx.Err()), op.ctx.Err())
@@ -250,7 +256,7 @@ func (op *operation) run() (*http.Response, error) {
 		case done:
 			return op.finish(resp, err, cancel, reason, false)
 		case keyReuse:
-			problem, _ := readProblem(resp)
+			problem, _ := readProblem(resp, op.drainTime())
 			cancel()
 			op.report(resp, nil, false, 0, "422: key used for another request")
 			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
@@ -267,7 +273,7 @@ func (op *operation) run() (*http.Response, error) {
 			return op.fail(ErrBodyNotReplayable, resp, err, cancel, why)
 		}
 		if resp != nil {
-			drain(resp)
+			op.drain(resp)
 		}
 		cancel()
 		op.report(resp, err, true, wait, why)
@@ -419,7 +425,7 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 		// The attempt ran out of time: the headers came too late, or not
 		// at all. Its context is canceled either way.
 		if resp != nil {
-			drain(resp)
+			op.drain(resp)
 			resp = nil
 		}
 		err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
@@ -461,7 +467,7 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 // the last attempt's outcome.
 func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
 	if resp != nil {
-		drain(resp)
+		op.drain(resp)
 	}
 	cancel()
 	op.report(resp, err, false, 0, why)
@@ -674,11 +680,44 @@ func headerWith(h http.Header, key, val string, scratch []string) http.Header {
 	return out
 }
 
-// drain reads (bounded) and closes the body of a response that will not be
-// returned, so its connection can serve the next attempt.
-func drain(resp *http.Response) {
-	_, _ = io.CopyN(io.Discard, resp.Body, maxDrain)
-	resp.Body.Close()
+// drain reads (bounded in size and time) and closes the body of a response
+// that will not be returned, so its connection can serve the next attempt.
+func (op *operation) drain(resp *http.Response) {
+	readBody(io.Discard, resp, maxDrain, op.drainTime())
+}
+
+// drainTime is how long the body of a response that will not be returned
+// may be read: maxDrainTime, or less if AttemptTimeout is shorter or the
+// operation's time ends sooner.
+func (op *operation) drainTime() time.Duration {
+	d := min(maxDrainTime, op.policy.MaxElapsedTime-time.Since(op.start))
+	if t := op.policy.AttemptTimeout; t > 0 {
+		d = min(d, t)
+	}
+	return max(d, time.Nanosecond) // 0 would mean no bound
+}
+
+// readBody copies at most n bytes of resp's body to w, then closes the
+// body. If within is positive and the copy takes longer, the body is
+// closed under the read, which ends it; http.Transport then closes the
+// connection instead of reusing it. No goroutine outlives readBody.
+func readBody(w io.Writer, resp *http.Response, n int64, within time.Duration) {
+	if within <= 0 {
+		_, _ = io.CopyN(w, resp.Body, n)
+		resp.Body.Close()
+		return
+	}
+	closed := make(chan struct{})
+	timer := time.AfterFunc(within, func() {
+		resp.Body.Close()
+		close(closed)
+	})
+	_, _ = io.CopyN(w, resp.Body, n)
+	if timer.Stop() {
+		resp.Body.Close()
+	} else {
+		<-closed // the timer closed the body: wait for its goroutine
+	}
 }
 
 func closeBody(req *http.Request) {
