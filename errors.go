@@ -22,8 +22,10 @@ var (
 	// the Transport's [RetryBudget] had no token left for a retry.
 	ErrBudgetExhausted = errors.New("idem: retry budget exhausted")
 	// ErrBodyNotReplayable is in the chain of a [*RetryError] returned
-	// because the request body was larger than [Transport.MaxBufferedBody]
-	// and had no GetBody, so it could not be sent again.
+	// because an attempt's outcome called for a retry, which would have
+	// been made, but the request body was larger than
+	// [Transport.MaxBufferedBody] and had no GetBody, so it could not be
+	// sent again. The chain also holds the attempt's outcome.
 	ErrBodyNotReplayable = errors.New("idem: request body cannot be replayed")
 )
 
@@ -35,8 +37,9 @@ var (
 // through it.
 //
 // When an operation ends on an HTTP status instead, RoundTrip returns the
-// last response and no error; only the budget case turns a status into a
-// RetryError. A caller writes:
+// last response and no error; only an empty retry budget
+// ([ErrBudgetExhausted]) and a body that cannot be sent again
+// ([ErrBodyNotReplayable]) turn a status into a RetryError. A caller writes:
 //
 //	var rerr *idem.RetryError
 //	switch {

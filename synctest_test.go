@@ -884,3 +884,72 @@ func TestExceedsDoesNotOverflow(t *testing.T) {
 		}
 	}
 }
+
+// TestSynctestGetBodyFailureIsNotAnAttempt checks that an attempt whose
+// body cannot be reopened is neither counted nor reported, and that the
+// error keeps the outcome of the last attempt sent.
+func TestSynctestGetBodyFailureIsNotAnAttempt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := newFake(fail(readErr(syscall.ECONNRESET)))
+		var as attempts
+		tr := &Transport{Base: srv, OnAttempt: as.hook}
+		req, err := http.NewRequest(http.MethodPost, "https://api.example.com/v1/payments", strings.NewReader(`{"amount":4200}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		reopen := errors.New("the body's file is gone")
+		req.GetBody = func() (io.ReadCloser, error) { return nil, reopen }
+		_, err = tr.RoundTrip(req)
+		var rerr *RetryError
+		if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0] {
+			t.Fatalf("err = %#v, want a RetryError after the 1 attempt sent, with the key", err)
+		}
+		if !errors.Is(err, reopen) || !errors.Is(err, syscall.ECONNRESET) {
+			t.Errorf("err = %v, want both GetBody's error and the last attempt's in the chain", err)
+		}
+		if len(as) != 1 || as[0].Number != 1 || len(srv.at) != 1 {
+			t.Errorf("OnAttempt saw %d attempts, the server %d; want 1", len(as), len(srv.at))
+		}
+	})
+}
+
+// TestSynctestNotReplayableBody checks that a body that cannot be sent
+// again loses the response only when a retry would have been made.
+func TestSynctestNotReplayableBody(t *testing.T) {
+	tests := []struct {
+		name        string
+		policy      RetryPolicy
+		first       answer
+		wantStatus  int   // 0: an error
+		wantInChain error // with the error
+	}{
+		{"MaxAttempts 1", RetryPolicy{MaxAttempts: 1}, reply(503), 503, nil},
+		{"Retry-After past MaxRetryAfter", RetryPolicy{}, reply(503, "Retry-After", "3600"), 503, nil},
+		{"not retried status", RetryPolicy{}, reply(400), 400, nil},
+		{"a retry would be made", RetryPolicy{}, reply(503), 0, ErrBodyNotReplayable},
+		{"error with MaxAttempts 1", RetryPolicy{MaxAttempts: 1}, fail(readErr(syscall.ECONNRESET)), 0, syscall.ECONNRESET},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				srv := newFake(tt.first, reply(201))
+				req, err := http.NewRequest(http.MethodPost, "https://api.example.com/v1/payments", &onceReader{r: strings.NewReader(`{"amount":4200}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp, err := (&Transport{Base: srv, Retry: tt.policy, MaxBufferedBody: -1}).RoundTrip(req)
+				if tt.wantStatus != 0 {
+					if err != nil || resp.StatusCode != tt.wantStatus {
+						t.Fatalf("got %v, %v; want the %d as it came", resp, err, tt.wantStatus)
+					}
+					resp.Body.Close()
+				} else if !errors.Is(err, tt.wantInChain) {
+					t.Errorf("got %v, %v; want an error with %v", resp, err, tt.wantInChain)
+				}
+				if len(srv.at) != 1 {
+					t.Errorf("%d attempts, want 1", len(srv.at))
+				}
+			})
+		})
+	}
+}

@@ -96,9 +96,11 @@ type Transport struct {
 	DisableBudget bool
 
 	// MaxBufferedBody is the largest request body without GetBody that is
-	// buffered in memory to be sent again. A larger one is sent once and
-	// not retried (the operation ends with ErrBodyNotReplayable in a
-	// RetryError if the attempt fails in a retryable way). If zero,
+	// buffered in memory to be sent again. A larger one is sent once: when
+	// its attempt's outcome calls for a retry that would otherwise be made,
+	// the operation ends with a RetryError holding ErrBodyNotReplayable and
+	// the outcome; when no retry would be made anyway (attempts or time
+	// used up, a status not retried), the outcome is returned as it is. If zero,
 	// DefaultMaxBufferedBody is used; a negative value buffers nothing.
 	// Requests made by http.NewRequest from a bytes.Buffer, bytes.Reader or
 	// strings.Reader have GetBody and are never buffered.
@@ -237,8 +239,14 @@ func (op *operation) run() (*http.Response, error) {
 	if err := op.body.init(req, op.t.maxBuffered()); err != nil {
 		return nil, err
 	}
+	var last error // the outcome of the last attempt sent, before a retry
 	for {
-		resp, cancel, err := op.send()
+		body, err := op.body.open(op.attempts + 1)
+		if err != nil {
+			// GetBody failed: the attempt is not sent, nor counted.
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
+		}
+		resp, cancel, err := op.send(body)
 		v, reason := decide(op.keyed, resp, err)
 		if v == conflict {
 			// A keyed operation that ends on a 409 ends with an
@@ -272,7 +280,9 @@ func (op *operation) run() (*http.Response, error) {
 		case endNotReplayable:
 			return op.fail(ErrBodyNotReplayable, resp, err, cancel, why)
 		}
+		last = err
 		if resp != nil {
+			last = errors.New(resp.Status)
 			op.drain(resp)
 		}
 		cancel()
@@ -281,7 +291,7 @@ func (op *operation) run() (*http.Response, error) {
 			if v == conflict {
 				return op.inProgress(nil, func() {}, "409: "+errorReason(err)+" while waiting", err)
 			}
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %s", err, outcome(resp, err))}
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last)}
 		}
 	}
 }
@@ -313,9 +323,6 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 	p := &op.policy
 	if !op.idempotent {
 		return 0, op.req.Method + " is not retried", endFinish
-	}
-	if !op.body.replayable {
-		return 0, "body cannot be replayed", endNotReplayable
 	}
 	ra, hasRA := time.Duration(0), false
 	if resp != nil {
@@ -355,6 +362,11 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
 		return 0, "wait would pass the context deadline", endFinish
 	}
+	if !op.body.replayable {
+		// Checked last: when no retry would be made anyway, the
+		// outcome is returned as it is.
+		return 0, "body cannot be replayed", endNotReplayable
+	}
 	if v == retry {
 		if b := op.t.retryBudget(); b != nil && !b.spend() {
 			return 0, "retry budget exhausted", endBudget
@@ -389,9 +401,10 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 	return min((*b).NextBackOff(), p.MaxInterval)
 }
 
-// send sends one attempt. cancel releases the attempt's context; for a
-// returned response it must run only once the caller closes the body.
-func (op *operation) send() (resp *http.Response, cancel func(), err error) {
+// send sends one attempt with the given body. cancel releases the
+// attempt's context; for a returned response it must run only once the
+// caller closes the body.
+func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
 	actx := &attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}
 	cancel = func() {}
@@ -412,10 +425,7 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 	if op.keyed {
 		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
 	}
-	if areq.Body, err = op.body.open(op.attempts); err != nil {
-		cancel()
-		return nil, cancel, fmt.Errorf("idem: reopening request body: %w", err)
-	}
+	areq.Body = body
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
