@@ -92,7 +92,11 @@ func TestSynctestStalledBodiesAreGivenUp(t *testing.T) {
 						t.Errorf("err = %v, want a KeyReuseError", err)
 					}
 				case tt.policy.MaxElapsedTime > 0:
-					// The time is up: what comes back is TestSynctestMaxElapsedTimeBoundsAttempts's.
+					// Reading the body used up the operation's time.
+					var rerr *RetryError
+					if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0] || !errors.Is(err, context.DeadlineExceeded) || len(srv.at) != 1 {
+						t.Errorf("err = %v after %d requests, want a RetryError after 1 attempt, with the key and DeadlineExceeded", err, len(srv.at))
+					}
 				case err != nil || resp.StatusCode != 201:
 					t.Errorf("got %v, %v; want the retry's 201", resp, err)
 				}

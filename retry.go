@@ -36,8 +36,12 @@ const (
 	// always on; it keeps clients that failed together from retrying
 	// together.
 	DefaultJitter = 0.5
-	// DefaultMaxElapsedTime caps the whole operation, waits included. No
-	// attempt starts, and no wait is begun, that would end past it.
+	// DefaultMaxElapsedTime caps the whole operation, waits and retries
+	// included: no wait is begun that would end past it, and no retry
+	// waits for its response past it. Unlike a MaxElapsedTime set
+	// explicitly, it does not cut the first attempt (that would cost a
+	// timer on every call): bound that with AttemptTimeout or the
+	// context's deadline.
 	DefaultMaxElapsedTime = time.Minute
 	// DefaultMaxRetryAfter is the longest Retry-After honoured. A server
 	// that asks for a longer wait ends the operation at once and the caller
@@ -77,8 +81,13 @@ type RetryPolicy struct {
 	Jitter float64
 	// MaxElapsedTime caps the whole operation, from the start of the first
 	// attempt: no wait is begun that would end past it (the operation ends
-	// at once instead). The request context's deadline caps it the same
-	// way. Defaults to DefaultMaxElapsedTime.
+	// at once instead), and each attempt's deadline for its response
+	// headers is at most the operation's end. An attempt cut there ends the
+	// operation with a [*RetryError] carrying the key, with
+	// context.DeadlineExceeded in its chain; a response whose headers came
+	// in time is returned, its body not cut. The request context's deadline
+	// caps the operation the same way. Defaults to DefaultMaxElapsedTime,
+	// which does not cut the first attempt.
 	MaxElapsedTime time.Duration
 	// AttemptTimeout bounds each attempt, up to the end of the response
 	// headers; the body of the final response may be read for longer. An

@@ -953,3 +953,60 @@ func TestSynctestNotReplayableBody(t *testing.T) {
 		})
 	}
 }
+
+// slowAnswer answers code after d, or fails when the attempt's context
+// ends first, as http.Transport does.
+func slowAnswer(d time.Duration, code int) answer {
+	return func(req *http.Request) (*http.Response, error) {
+		select {
+		case <-time.After(d):
+			return reply(code, "Retry-After", "0")(req)
+		case <-req.Context().Done():
+			return nil, req.Context().Err()
+		}
+	}
+}
+
+// TestSynctestMaxElapsedTimeBoundsAttempts checks that no attempt waits
+// for its response past MaxElapsedTime.
+func TestSynctestMaxElapsedTimeBoundsAttempts(t *testing.T) {
+	tests := []struct {
+		name       string
+		policy     RetryPolicy
+		script     []answer
+		want       time.Duration // RoundTrip's time
+		wantStatus int           // 0: a RetryError with the key
+		attempts   int
+	}{
+		{"second attempt cut", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond}, []answer{slowAnswer(400*time.Millisecond, 503)}, 500 * time.Millisecond, 0, 2},
+		{"first attempt cut, explicit cap", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond, AttemptTimeout: 2 * time.Second}, []answer{slowAnswer(time.Hour, 201)}, 500 * time.Millisecond, 0, 1},
+		{"headers in time", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond}, []answer{slowAnswer(400*time.Millisecond, 503), slowAnswer(50*time.Millisecond, 201)}, 450 * time.Millisecond, 201, 2},
+		{"default cap cuts a retry", RetryPolicy{}, []answer{slowAnswer(50*time.Second, 503)}, DefaultMaxElapsedTime, 0, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				srv := newFake(tt.script...)
+				start := time.Now()
+				resp, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy}, context.Background())
+				if elapsed := time.Since(start); elapsed != tt.want {
+					t.Errorf("RoundTrip took %v, want %v", elapsed, tt.want)
+				}
+				if tt.wantStatus != 0 {
+					if err != nil || resp.StatusCode != tt.wantStatus {
+						t.Fatalf("got %v, %v; want %d", resp, err, tt.wantStatus)
+					}
+					resp.Body.Close()
+					return
+				}
+				var rerr *RetryError
+				if !errors.As(err, &rerr) || rerr.Key != srv.keys[0] || rerr.Attempts != tt.attempts || !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("err = %v, want a RetryError after %d attempts with the key %s and DeadlineExceeded", err, tt.attempts, srv.keys[0])
+				}
+				if len(srv.at) != tt.attempts {
+					t.Errorf("%d attempts sent, want %d", len(srv.at), tt.attempts)
+				}
+			})
+		})
+	}
+}

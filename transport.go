@@ -182,6 +182,12 @@ func (t *Transport) CloseIdleConnections() {
 // RetryPolicy.AttemptTimeout.
 var errAttemptTimedOut = errors.New("attempt timeout")
 
+// errOperationTimedOut is the cancellation cause of an attempt cut at the
+// operation's end (RetryPolicy.MaxElapsedTime), and is in the chain of the
+// error that ends the operation then. It wraps context.DeadlineExceeded,
+// like the error of a request whose context's deadline passed.
+var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.DeadlineExceeded)
+
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
 // [*KeyReuseError], [*InProgressError] or [*RetryError], or the error of a
@@ -239,14 +245,25 @@ func (op *operation) run() (*http.Response, error) {
 	if err := op.body.init(req, op.t.maxBuffered()); err != nil {
 		return nil, err
 	}
-	var last error // the outcome of the last attempt sent, before a retry
+	var last error          // the outcome of the last attempt sent, before a retry
+	var lastVerdict verdict // and what it called for
 	for {
+		if op.attempts > 0 && time.Since(op.start) >= op.policy.MaxElapsedTime {
+			// The wait overran into the operation's end.
+			if lastVerdict == conflict {
+				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
+			}
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last)}
+		}
 		body, err := op.body.open(op.attempts + 1)
 		if err != nil {
 			// GetBody failed: the attempt is not sent, nor counted.
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
 		}
 		resp, cancel, err := op.send(body)
+		if errors.Is(err, errOperationTimedOut) {
+			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
+		}
 		v, reason := decide(op.keyed, resp, err)
 		if v == conflict {
 			// A keyed operation that ends on a 409 ends with an
@@ -280,7 +297,7 @@ func (op *operation) run() (*http.Response, error) {
 		case endNotReplayable:
 			return op.fail(ErrBodyNotReplayable, resp, err, cancel, why)
 		}
-		last = err
+		last, lastVerdict = err, v
 		if resp != nil {
 			last = errors.New(resp.Status)
 			op.drain(resp)
@@ -356,7 +373,9 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 	if hasRA && ra > p.MaxRetryAfter {
 		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
-	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime) {
+	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime-1) {
+		// The wait would end at or past MaxElapsedTime, leaving the next
+		// attempt no time.
 		return 0, "wait would pass MaxElapsedTime", endFinish
 	}
 	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
@@ -409,12 +428,13 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	actx := &attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}
 	cancel = func() {}
 	var timer *time.Timer
-	if d := op.policy.AttemptTimeout; d > 0 {
+	d, cause := op.attemptLimit()
+	if d > 0 {
 		var cancelCause context.CancelCauseFunc
 		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
 		// A timer rather than WithTimeout: it is stopped once the headers
 		// are in, so a slow read of the final body is not cut off.
-		timer = time.AfterFunc(d, func() { cancelCause(errAttemptTimedOut) })
+		timer = time.AfterFunc(d, func() { cancelCause(cause) })
 		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
 	}
 	// A shallow copy with a header of its own, rather than req.Clone: no
@@ -438,10 +458,35 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			op.drain(resp)
 			resp = nil
 		}
-		err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+		if cause == errOperationTimedOut {
+			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.policy.MaxElapsedTime, op.attempts, err)
+		} else {
+			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+		}
 	}
 	op.lastReq = areq
 	return resp, cancel, err
+}
+
+// attemptLimit returns how long the next attempt may wait for its response
+// headers, or 0 for no limit, and the cancellation cause when it runs out:
+// AttemptTimeout, or the operation's end (MaxElapsedTime) if it comes
+// first. The operation's end is not enforced on a first attempt under the
+// default MaxElapsedTime, which would cost a timer on every call; nor when
+// the context's deadline comes first, which net/http enforces.
+func (op *operation) attemptLimit() (time.Duration, error) {
+	d, cause := op.policy.AttemptTimeout, errAttemptTimedOut
+	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
+		return d, cause
+	}
+	end := op.start.Add(op.policy.MaxElapsedTime)
+	if dl, ok := op.ctx.Deadline(); ok && !dl.After(end) {
+		return d, cause
+	}
+	if left := max(time.Until(end), time.Nanosecond); d <= 0 || left < d {
+		d, cause = left, errOperationTimedOut
+	}
+	return d, cause
 }
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
