@@ -723,8 +723,8 @@ func headerWith(h http.Header, key, val string, scratch []string) http.Header {
 	}
 	out := make(http.Header, len(h)+1)
 	for k, vs := range h {
-		if k == key {
-			continue
+		if k == key || strings.EqualFold(k, key) {
+			continue // the key header, however it is spelt, is sent once
 		}
 		m := copy(backing, vs)
 		out[k] = backing[:m:m]

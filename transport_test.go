@@ -174,6 +174,47 @@ func TestKeyPrecedence(t *testing.T) {
 	}
 }
 
+// TestNonCanonicalKeyHeaderWins checks that a key set directly in the
+// header map under another spelling is the operation's key, sent once
+// under the canonical name, on every attempt.
+func TestNonCanonicalKeyHeaderWins(t *testing.T) {
+	for _, name := range []string{"idempotency-key", "IDEMPOTENCY-KEY", "idempotency-Key"} {
+		t.Run(name, func(t *testing.T) {
+			var mu sync.Mutex
+			var lines [][]string
+			srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				lines = append(lines, r.Header.Values("Idempotency-Key"))
+				n := len(lines)
+				mu.Unlock()
+				if n == 1 {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{}`))
+			req.Header[name] = []string{"caller-key-1"}
+			resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			if len(lines) != 2 {
+				t.Fatalf("%d requests, want 2", len(lines))
+			}
+			for i, l := range lines {
+				if len(l) != 1 || l[0] != "caller-key-1" {
+					t.Errorf("attempt %d sent key lines %q, want the caller's key once", i+1, l)
+				}
+			}
+			if len(req.Header) != 1 || req.Header[name][0] != "caller-key-1" {
+				t.Errorf("the caller's request was modified: %v", req.Header)
+			}
+		})
+	}
+}
+
 func TestInvalidPinnedKeyFailsBeforeSending(t *testing.T) {
 	rec := &recorder{script: []int{201}}
 	srv := newServer(t, rec)
