@@ -1010,3 +1010,38 @@ func TestSynctestMaxElapsedTimeBoundsAttempts(t *testing.T) {
 		})
 	}
 }
+
+// TestSynctestBufferingHonoursContext checks that buffering a body without
+// GetBody stops at the context's deadline, not when the producer is done.
+func TestSynctestBufferingHonoursContext(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		pr, pw := io.Pipe()
+		producer := make(chan struct{})
+		defer func() { <-producer }()
+		go func() {
+			defer close(producer)
+			pw.Write([]byte(`{"amount":`))
+			time.Sleep(2 * time.Second)
+			pw.Write([]byte(`4200}`))
+			pw.Close()
+		}()
+		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		defer cancel()
+		srv := newFake(reply(201))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "https://api.example.com/v1/payments", pr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		resp, err := (&Transport{Base: srv}).RoundTrip(req)
+		if elapsed := time.Since(start); elapsed != 150*time.Millisecond {
+			t.Errorf("RoundTrip returned after %v, want at the deadline (150ms)", elapsed)
+		}
+		if resp != nil {
+			resp.Body.Close()
+		}
+		if !errors.Is(err, context.DeadlineExceeded) || len(srv.at) != 0 {
+			t.Errorf("err = %v after %d attempts, want DeadlineExceeded and nothing sent", err, len(srv.at))
+		}
+	})
+}

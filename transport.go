@@ -650,7 +650,7 @@ func (b *body) init(req *http.Request, limit int64) error {
 		size = req.ContentLength + 1 // +1 to see io.EOF without growing
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, min(size, 64<<10)))
-	n, err := io.Copy(buf, io.LimitReader(req.Body, limit+1))
+	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body)
 	if err != nil {
 		req.Body.Close()
 		return fmt.Errorf("idem: reading request body: %w", err)
@@ -670,6 +670,31 @@ func (b *body) init(req *http.Request, limit int64) error {
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
 	return nil
+}
+
+// copyUntilDone copies src to dst until EOF, an error, or the end of ctx.
+// When ctx ends first it closes body, the source's closer, under the read,
+// as net/http does with a request body it stops sending: a pipe or a
+// connection then returns at once. It returns the context's error (its
+// cause) in that case. No goroutine outlives it.
+func copyUntilDone(ctx context.Context, dst io.Writer, src io.Reader, body io.Closer) (int64, error) {
+	if err := context.Cause(ctx); err != nil {
+		return 0, err
+	}
+	if ctx.Done() == nil {
+		return io.Copy(dst, src)
+	}
+	closed := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		body.Close()
+		close(closed)
+	})
+	n, err := io.Copy(dst, src)
+	if !stop() {
+		<-closed
+		return n, context.Cause(ctx)
+	}
+	return n, err
 }
 
 // open returns the body for the given attempt number.
