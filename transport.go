@@ -665,6 +665,11 @@ func (b *body) init(req *http.Request, limit int64) error {
 		return nil
 	}
 	req.Body.Close()
+	if req.ContentLength > 0 && req.ContentLength != n {
+		// net/http refuses such a request; so does the Transport,
+		// rather than send the real length.
+		return fmt.Errorf("idem: http: ContentLength=%d with Body length %d", req.ContentLength, n)
+	}
 	data := buf.Bytes()
 	b.length = int64(len(data))
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -479,6 +480,36 @@ func TestNonRewindableBodyIsBufferedAndReplayed(t *testing.T) {
 	for i, r := range rec.requests() {
 		if r.body != body {
 			t.Errorf("attempt %d body = %q, want %q", i+1, r.body, body)
+		}
+	}
+}
+
+// TestWrongContentLengthIsRefused checks that a body without GetBody whose
+// ContentLength disagrees with its bytes is refused before sending. net/http
+// refuses a body shorter than its ContentLength with the same error; the
+// Transport, which holds the whole body, refuses a longer one too rather
+// than send it cut.
+func TestWrongContentLengthIsRefused(t *testing.T) {
+	newReq := func(url string, cl int64) *http.Request {
+		req, _ := http.NewRequest(http.MethodPost, url, &onceReader{r: strings.NewReader("abc")})
+		req.ContentLength = cl
+		return req
+	}
+	bare := newServer(t, &recorder{script: []int{201}})
+	_, bareErr := newTransport(t, fastPolicy).Base.RoundTrip(newReq(bare.URL, 10))
+	if bareErr == nil || !strings.Contains(bareErr.Error(), "http: ContentLength=10 with Body length 3") {
+		t.Errorf("net/http alone: err = %v, want its ContentLength error", bareErr)
+	}
+	for _, cl := range []int64{2, 10} {
+		rec := &recorder{script: []int{201}}
+		srv := newServer(t, rec)
+		_, err := newTransport(t, fastPolicy).RoundTrip(newReq(srv.URL, cl))
+		want := "http: ContentLength=" + strconv.FormatInt(cl, 10) + " with Body length 3"
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("ContentLength %d: err = %v, want %q", cl, err, want)
+		}
+		if n := len(rec.requests()); n != 0 {
+			t.Errorf("ContentLength %d: the server saw %d requests, want none", cl, n)
 		}
 	}
 }
