@@ -2,6 +2,7 @@ package idem
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -116,11 +117,17 @@ type KeyReuseError struct {
 	Problem *Problem // the server's problem details; never nil
 }
 
-// Error returns a message with the key, the request and the server's problem details.
+// Error returns a message that names the key, the method and URL, says
+// once what went wrong, and ends with the server's detail, if any:
+//
+//	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
 func (e *KeyReuseError) Error() string {
-	msg := fmt.Sprintf("idem: idempotency key %s was already used for a different request (%s %s); this is a bug in the caller: use a new key for a new request", e.Key, e.Method, e.URL)
-	if d := e.Problem.describe(); d != "" {
-		msg += ": server says: " + d
+	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (a bug in the caller)", e.Method, e.URL, e.Key)
+	if e.Problem == nil {
+		return msg
+	}
+	if d := cmp.Or(e.Problem.Detail, e.Problem.Title); d != "" {
+		msg += ": " + d
 	}
 	return msg
 }
