@@ -106,6 +106,17 @@ type Transport struct {
 	// strings.Reader have GetBody and are never buffered.
 	MaxBufferedBody int64
 
+	// Classify, if not nil, sees each attempt's outcome, a response or an
+	// error (the other is nil), and may override what the Transport makes
+	// of it: retry, stop, wait out a conflict, or end on key reuse (see
+	// [Verdict]). VerdictDefault keeps the Transport's own decision. It is
+	// called from the goroutine that called RoundTrip, and must not read or
+	// close the response body: it decides on the status and headers, such
+	// as Stripe's Stripe-Should-Retry. Whatever it says, nothing is sent
+	// once the request's context is done, methods that are not retried are
+	// sent once, and MaxAttempts, the time limits and the retry budget hold.
+	Classify func(resp *http.Response, err error) Verdict
+
 	// OnAttempt, if not nil, is called after every attempt, from the
 	// goroutine that called RoundTrip, with what happened and what comes
 	// next. It must not read or close the response body.
@@ -216,6 +227,7 @@ type operation struct {
 
 	body            body
 	problem         *Problem      // of the last 409
+	indefinite      bool          // the last outcome called for a retry the context stopped
 	lastReq         *http.Request // the last attempt sent
 	attempts        int           // attempts sent
 	conflicts       int           // of which answered 409
@@ -264,7 +276,7 @@ func (op *operation) run() (*http.Response, error) {
 		if errors.Is(err, errOperationTimedOut) {
 			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
 		}
-		v, reason := decide(op.keyed, resp, err)
+		v, reason := op.classify(resp, err)
 		if v == conflict {
 			// A keyed operation that ends on a 409 ends with an
 			// InProgressError, which carries the last problem details.
@@ -275,7 +287,10 @@ func (op *operation) run() (*http.Response, error) {
 			}
 		}
 		if op.ctx.Err() != nil && v == retry {
-			v = done // the caller has given up: nothing more is sent
+			// The caller has given up: nothing more is sent. The outcome
+			// is not a definitive answer, so it earns the budget nothing.
+			op.indefinite = true
+			v = done
 		}
 		switch v {
 		case done:
@@ -502,10 +517,8 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		}
 		return nil, err
 	}
-	if b := op.t.retryBudget(); b != nil {
-		if v, _ := decide(op.keyed, resp, nil); v == done {
-			b.succeed() // a definitive answer, not a failure given up on
-		}
+	if b := op.t.retryBudget(); b != nil && !gaveUp && !op.indefinite {
+		b.succeed() // a definitive answer, not a failure given up on
 	}
 	op.report(resp, nil, false, 0, why)
 	if op.policy.AttemptTimeout > 0 {
