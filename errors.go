@@ -163,6 +163,7 @@ type APIError struct {
 	StatusCode int
 	Method     string
 	URL        string
+	Key        string // the idempotency key sent; "" for unkeyed methods
 	Problem    *Problem
 	Body       []byte
 }
