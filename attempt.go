@@ -1,6 +1,9 @@
 package idem
 
-import "context"
+import (
+	"context"
+	"net/http"
+)
 
 // attemptContext is the context of one attempt's request: the operation's
 // context (or the attempt's own cancelable one), carrying the attempt for
@@ -11,6 +14,14 @@ type attemptContext struct {
 	context.Context
 	attempt Attempt
 	values  [8]string
+}
+
+// attemptRequest is an attempt's request and its context in one
+// allocation: WithContext's copy, inlined, stays on the stack and is copied
+// here, its context field included.
+type attemptRequest struct {
+	req http.Request
+	ctx attemptContext
 }
 
 type attemptContextKey struct{}

@@ -440,7 +440,8 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // caller closes the body.
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	actx := &attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}}
+	actx := &ar.ctx
 	cancel = func() {}
 	var timer *time.Timer
 	d, cause := op.attemptLimit()
@@ -456,7 +457,8 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	// RoundTripper may modify a request, so the URL and the rest can be
 	// shared, and a first-try success saves the allocations of a deep copy.
 	// The caller's request is never modified either way.
-	areq := op.req.WithContext(actx)
+	ar.req = *op.req.WithContext(actx)
+	areq := &ar.req
 	if op.keyed {
 		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
 	}

@@ -712,16 +712,18 @@ func BenchmarkTransportFirstTry(b *testing.B) {
 	payload := []byte(`{"amount":4200,"currency":"usd","customer":"cus_123"}`)
 	for _, bc := range []struct {
 		name   string
+		method string
 		policy RetryPolicy
 	}{
-		{"keyed", RetryPolicy{}},
-		{"keyed AttemptTimeout", RetryPolicy{AttemptTimeout: time.Minute}},
+		{"keyed", http.MethodPost, RetryPolicy{}},
+		{"keyed AttemptTimeout", http.MethodPost, RetryPolicy{AttemptTimeout: time.Minute}},
+		{"unkeyed", http.MethodPut, RetryPolicy{}},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
 			tr := &Transport{Base: base, Retry: bc.policy}
 			b.ReportAllocs()
 			for b.Loop() {
-				req, err := http.NewRequest(http.MethodPost, "http://stub.invalid/v1/payments", bytes.NewReader(payload))
+				req, err := http.NewRequest(bc.method, "http://stub.invalid/v1/payments", bytes.NewReader(payload))
 				if err != nil {
 					b.Fatal(err)
 				}
