@@ -32,10 +32,12 @@ var (
 
 // RetryError is returned by [Transport.RoundTrip] when an operation ends on
 // an error after it was retried, or when an error that would be retried
-// could not be: attempts, time or retry budget ran out, or the context ended
-// while waiting. Err is the reason, with the last attempt's error in its
-// chain, so errors.Is(err, context.DeadlineExceeded) and the like work
-// through it.
+// could not be: attempts, time or retry budget ran out, the context ended
+// while waiting, the request body could not be reopened (GetBody failed),
+// or MaxElapsedTime cut an attempt short. Err is the reason, with the last
+// attempt's outcome in its chain, so errors.Is(err,
+// context.DeadlineExceeded) and the like work through it. Attempts counts
+// only the attempts sent.
 //
 // When an operation ends on an HTTP status instead, RoundTrip returns the
 // last response and no error; only an empty retry budget
