@@ -154,6 +154,10 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	if resp.StatusCode >= 400 {
 		span.SetStatus(codes.Error, "")
 	}
+	if resp.Body == nil {
+		span.End() // nothing to read: the call is over
+		return resp, nil
+	}
 	resp.Body = endOnClose(resp.Body, span)
 	return resp, nil
 }
