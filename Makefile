@@ -34,6 +34,7 @@ bench:
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime 30s ./internal/keyheader
 	$(GO) test -run '^$$' -fuzz FuzzParseRetryAfter -fuzztime 30s .
+	$(GO) test -run '^$$' -fuzz FuzzInsertKeyField -fuzztime 30s .
 	$(GO) test -run '^$$' -fuzz FuzzFingerprint -fuzztime 30s ./server
 
 scenarios:

@@ -48,9 +48,10 @@ const (
 	// gets its response, instead of a client stalled for hours.
 	DefaultMaxRetryAfter = 30 * time.Second
 	// DefaultConflictTimeout is the time budget for waiting out 409
-	// Conflict (the first request with the key still running). It matches
-	// the reference server's lock timeout, after which a stuck request is
-	// taken over, so a crashed first attempt is recovered within one call.
+	// Conflict (the first request with the key still running). It is three
+	// times the default lock timeout of idem's server library (10s), after
+	// which a crashed request's key is taken over, so a crashed first
+	// attempt is recovered within one call.
 	DefaultConflictTimeout = 30 * time.Second
 	// DefaultMaxConflictRetries caps the retries made on 409 answers.
 	DefaultMaxConflictRetries = 30

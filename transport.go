@@ -37,6 +37,8 @@ const maxDrainTime = time.Second
 //   - POST and PATCH get an idempotency key: the one already in the
 //     request's key header, else the one pinned with [WithKey], else a new
 //     UUIDv4. Every attempt sends the same key and the same body bytes.
+//     With [Transport.KeyBodyField] the key is also, or only, a field of
+//     the JSON body, and a key already in that field comes first.
 //   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
 //     as idempotent. Other methods are sent once.
 //   - Connection errors (HTTP/2 stream resets and GOAWAY before a
@@ -74,9 +76,28 @@ type Transport struct {
 	Retry RetryPolicy
 
 	// KeyHeader names the header that carries the key. If empty,
-	// DefaultKeyHeader ("Idempotency-Key") is used; some APIs use another
-	// name, such as "PayPal-Request-Id".
+	// DefaultKeyHeader ("Idempotency-Key") is used, unless KeyBodyField is
+	// set: then no key header is sent. Some APIs use another name, such as
+	// "PayPal-Request-Id".
 	KeyHeader string
+
+	// KeyBodyField names a top-level field of the JSON object request body
+	// that carries the key, for APIs that take it there, such as Square's
+	// "idempotency_key" or the "ClientToken" of AWS APIs. If empty, the key
+	// goes only in the header and the body is sent as it is.
+	//
+	// When set, the body of a keyed request must be a JSON object of at
+	// most MaxBufferedBody bytes (GetBody or not); it is read once per
+	// operation, and any other body, an empty one included, is refused
+	// before sending with [ErrKeyBodyField] in the error's chain. A string
+	// already in the field is the key, and the body is sent as it is: it
+	// wins over a key header, [WithKey] and NewKey. Without the field,
+	// idem's key is written as the object's first member, `"field":"key",`
+	// just after the brace, and no other byte changes. Names match exactly
+	// once unescaped; nested objects do not count; a field named twice or
+	// holding something other than a string is refused. A key header is
+	// sent only if KeyHeader is set, and must then agree with the field.
+	KeyBodyField string
 
 	// KeyFormat says how new and pinned keys are written: KeyBare (the
 	// zero value, as Stripe expects) or KeySFString (the IETF draft's
@@ -241,7 +262,8 @@ func (op *operation) run() (*http.Response, error) {
 	method := cmp.Or(req.Method, http.MethodGet)
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
-	if op.keyed {
+	bodyKey := op.keyed && op.t.KeyBodyField != ""
+	if op.keyed && !bodyKey {
 		op.header = textproto.CanonicalMIMEHeaderKey(cmp.Or(op.t.KeyHeader, DefaultKeyHeader))
 		newKey := op.t.NewKey
 		if newKey == nil {
@@ -254,7 +276,11 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, err
 		}
 	}
-	if err := op.body.init(req, op.t.maxBuffered()); err != nil {
+	if bodyKey {
+		if err := op.initBodyKey(); err != nil { // bodykey.go
+			return nil, err
+		}
+	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
 		return nil, err
 	}
 	var last error          // the outcome of the last attempt sent, before a retry
@@ -459,7 +485,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	// The caller's request is never modified either way.
 	ar.req = *op.req.WithContext(actx)
 	areq := &ar.req
-	if op.keyed {
+	if op.header != "" {
 		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
 	}
 	areq.Body = body
