@@ -6,11 +6,12 @@ PKGS        := ./...
 
 .PHONY: test check fmt vet staticcheck bench scenarios fuzz
 
-# bench/ is a module of its own (the peer libraries stay out of ours); its
-# tests run too.
+# bench/ and otel/ are modules of their own (the peer libraries and
+# OpenTelemetry stay out of ours); their tests run too.
 test:
 	$(GO) test -race -count=1 $(PKGS)
 	cd bench && $(GO) test -race -count=1 ./...
+	cd otel && $(GO) test -race -count=1 ./...
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -18,10 +19,12 @@ fmt:
 vet:
 	$(GO) vet $(PKGS)
 	cd bench && $(GO) vet ./...
+	cd otel && $(GO) vet ./...
 
 staticcheck:
 	$(STATICCHECK) $(PKGS)
 	cd bench && $(STATICCHECK) ./...
+	cd otel && $(STATICCHECK) ./...
 
 check: fmt vet staticcheck test
 
@@ -31,6 +34,7 @@ bench:
 fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime 30s ./internal/keyheader
 	$(GO) test -run '^$$' -fuzz FuzzParseRetryAfter -fuzztime 30s .
+	$(GO) test -run '^$$' -fuzz FuzzInsertKeyField -fuzztime 30s .
 	$(GO) test -run '^$$' -fuzz FuzzFingerprint -fuzztime 30s ./server
 
 scenarios:

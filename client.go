@@ -33,7 +33,8 @@ type Client struct {
 
 // Post sends in as JSON to path and decodes the answer into out (if not
 // nil). Pin the operation's key with [WithKey] on ctx to retry it across
-// calls; otherwise each call is a new operation with a new key.
+// calls; otherwise each call is a new operation with a new key, which the
+// error names if the call fails.
 func (c *Client) Post(ctx context.Context, path string, in, out any) (*http.Response, error) {
 	return c.Do(ctx, http.MethodPost, path, in, out)
 }
@@ -49,7 +50,21 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // [Replayed]). A non-2xx answer is returned as an [*APIError]; the
 // Transport's own errors ([*KeyReuseError], [*InProgressError],
 // [*RetryError]) come back inside a *url.Error, reachable with errors.As.
+//
+// A POST or PATCH whose ctx pins no key ([WithKey]) gets a new key
+// ([NewKey]) pinned for the call: every attempt and every redirect of the
+// call sends it, and every error of the call names it (APIError.Key, and
+// the message of any other error, even http.Client.Timeout's), so that a
+// failed call can be retried with the same key.
 func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*http.Response, error) {
+	var key string
+	if method == http.MethodPost || method == http.MethodPatch {
+		var pinned bool
+		if key, pinned = KeyFromContext(ctx); !pinned {
+			key = NewKey()
+			ctx = WithKey(ctx, key)
+		}
+	}
 	var body io.Reader
 	if in != nil {
 		data, err := json.Marshal(in)
@@ -76,12 +91,15 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
+		if key != "" {
+			return nil, fmt.Errorf("idem: %s %s with idempotency key %s: %w", method, redact(req), key, err)
+		}
 		return nil, err
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		problem, raw := readProblem(resp)
-		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Body: raw}
+		problem, raw := readProblem(resp, 0) // the caller's context bounds it
+		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Key: key, Body: raw}
 		if isJSON(resp.Header.Get("Content-Type")) {
 			apiErr.Problem = problem
 		}

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 )
 
 type payment struct {
@@ -350,4 +351,52 @@ func TestClientReplayed(t *testing.T) {
 	if replays[0] || !replays[1] {
 		t.Errorf("Replayed = %v, want [false true]", replays)
 	}
+}
+
+// TestClientPinsOneKeyPerCall checks that a Client call keeps one key over
+// its redirects and names it in its errors, even when http.Client.Timeout
+// replaces the Transport's error.
+func TestClientPinsOneKeyPerCall(t *testing.T) {
+	t.Run("redirect", func(t *testing.T) {
+		url, requests := apiServer(t, func(w http.ResponseWriter, r *http.Request) {
+			if r.URL.Path == "/v1/payments" {
+				w.Header().Set("Location", "/v2/payments")
+				w.WriteHeader(http.StatusPermanentRedirect)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+		if _, err := newClient(t, url).Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil); err != nil {
+			t.Fatal(err)
+		}
+		reqs := requests()
+		if len(reqs) != 2 || reqs[1].path != "/v2/payments" || reqs[0].header.Get("Idempotency-Key") == "" || reqs[0].header.Get("Idempotency-Key") != reqs[1].header.Get("Idempotency-Key") {
+			t.Errorf("requests %+v, want one key on both hops", reqs)
+		}
+	})
+
+	t.Run("http.Client.Timeout", func(t *testing.T) {
+		url, requests := apiServer(t, func(w http.ResponseWriter, r *http.Request) {
+			<-r.Context().Done()
+		})
+		c := newClient(t, url)
+		c.HTTPClient.Timeout = 50 * time.Millisecond
+		_, err := c.Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil)
+		reqs := requests()
+		if len(reqs) == 0 {
+			t.Fatalf("err = %v and no request reached the server", err)
+		}
+		if key := reqs[0].header.Get("Idempotency-Key"); err == nil || key == "" || !strings.Contains(err.Error(), key) {
+			t.Errorf("err = %v, want it to name the key sent (%s)", err, key)
+		}
+	})
+
+	t.Run("APIError", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusBadRequest, "application/problem+json", `{"title":"Bad Request"}`))
+		_, err := newClient(t, url).Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil)
+		var apiErr *APIError
+		if !errors.As(err, &apiErr) || apiErr.Key == "" || apiErr.Key != requests()[0].header.Get("Idempotency-Key") {
+			t.Errorf("err = %#v, want an APIError with the key sent", err)
+		}
+	})
 }

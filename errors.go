@@ -1,10 +1,11 @@
 package idem
 
 import (
+	"bytes"
+	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io"
 	"mime"
 	"net/http"
 	"strings"
@@ -22,21 +23,26 @@ var (
 	// the Transport's [RetryBudget] had no token left for a retry.
 	ErrBudgetExhausted = errors.New("idem: retry budget exhausted")
 	// ErrBodyNotReplayable is in the chain of a [*RetryError] returned
-	// because the request body was larger than [Transport.MaxBufferedBody]
-	// and had no GetBody, so it could not be sent again.
+	// because an attempt's outcome called for a retry, which would have
+	// been made, but the request body was larger than
+	// [Transport.MaxBufferedBody] and had no GetBody, so it could not be
+	// sent again. The chain also holds the attempt's outcome.
 	ErrBodyNotReplayable = errors.New("idem: request body cannot be replayed")
 )
 
 // RetryError is returned by [Transport.RoundTrip] when an operation ends on
 // an error after it was retried, or when an error that would be retried
-// could not be: attempts, time or retry budget ran out, or the context ended
-// while waiting. Err is the reason, with the last attempt's error in its
-// chain, so errors.Is(err, context.DeadlineExceeded) and the like work
-// through it.
+// could not be: attempts, time or retry budget ran out, the context ended
+// while waiting, the request body could not be reopened (GetBody failed),
+// or MaxElapsedTime cut an attempt short. Err is the reason, with the last
+// attempt's outcome in its chain, so errors.Is(err,
+// context.DeadlineExceeded) and the like work through it. Attempts counts
+// only the attempts sent.
 //
 // When an operation ends on an HTTP status instead, RoundTrip returns the
-// last response and no error; only the budget case turns a status into a
-// RetryError. A caller writes:
+// last response and no error; only an empty retry budget
+// ([ErrBudgetExhausted]) and a body that cannot be sent again
+// ([ErrBodyNotReplayable]) turn a status into a RetryError. A caller writes:
 //
 //	var rerr *idem.RetryError
 //	switch {
@@ -59,13 +65,15 @@ func (e *RetryError) Error() string {
 // Unwrap returns e.Err.
 func (e *RetryError) Unwrap() error { return e.Err }
 
-// InProgressError is returned by [Transport.RoundTrip] when the server kept
-// answering 409 Conflict (the first request with the key is still running)
-// until the conflict budget ([RetryPolicy.ConflictTimeout],
-// [RetryPolicy.MaxConflictRetries]) ran out. The outcome of the operation is
-// unknown: it may yet complete. Retry it later with the same key
-// ([WithKey](ctx, e.Key)) to learn its outcome; never with a new key, which
-// could perform it twice.
+// InProgressError is returned by [Transport.RoundTrip] when a keyed
+// operation ends on 409 Conflict (the first request with the key is still
+// running): the conflict budget ([RetryPolicy.ConflictTimeout],
+// [RetryPolicy.MaxConflictRetries]) ran out, the next wait would pass
+// [RetryPolicy.MaxElapsedTime], [RetryPolicy.MaxRetryAfter] or the context's
+// deadline, or the context ended. The outcome of the operation is unknown:
+// it may yet complete. Retry it later with the same key ([WithKey](ctx,
+// e.Key)) to learn its outcome; never with a new key, which could perform
+// it twice.
 type InProgressError struct {
 	Key     string
 	Method  string
@@ -73,13 +81,25 @@ type InProgressError struct {
 	Polls   int           // 409 answers received
 	Waited  time.Duration // time spent waiting on them
 	Problem *Problem      // the last 409's problem details, if any
+	// Err is the context's error when the context ended the waiting, so
+	// that errors.Is(err, context.DeadlineExceeded) holds; else nil.
+	Err error
+
+	reason string // why the waiting stopped, for Error
 }
 
-// Error returns a message with the key and what to do.
+// Error returns a message with the key, why the waiting stopped and what to do.
 func (e *InProgressError) Error() string {
-	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s; its outcome is unknown: retry later with the same key",
-		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond))
+	why := ""
+	if e.reason != "" {
+		why = " (" + e.reason + ")"
+	}
+	return fmt.Sprintf("idem: %s %s with idempotency key %s is still in progress after %d conflict%s over %s%s; its outcome is unknown: retry later with the same key",
+		e.Method, e.URL, e.Key, e.Polls, plural(e.Polls), e.Waited.Round(time.Millisecond), why)
 }
+
+// Unwrap returns e.Err.
+func (e *InProgressError) Unwrap() error { return e.Err }
 
 // KeyReuseError is returned by [Transport.RoundTrip] when the server answers
 // 422 Unprocessable Content to a keyed request: the idempotency key was
@@ -99,11 +119,17 @@ type KeyReuseError struct {
 	Problem *Problem // the server's problem details; never nil
 }
 
-// Error returns a message with the key, the request and the server's problem details.
+// Error returns a message that names the key, the method and URL, says
+// once what went wrong, and ends with the server's detail, if any:
+//
+//	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
 func (e *KeyReuseError) Error() string {
-	msg := fmt.Sprintf("idem: idempotency key %s was already used for a different request (%s %s); this is a bug in the caller: use a new key for a new request", e.Key, e.Method, e.URL)
-	if d := e.Problem.describe(); d != "" {
-		msg += ": server says: " + d
+	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (a bug in the caller)", e.Method, e.URL, e.Key)
+	if e.Problem == nil {
+		return msg
+	}
+	if d := cmp.Or(e.Problem.Detail, e.Problem.Title); d != "" {
+		msg += ": " + d
 	}
 	return msg
 }
@@ -139,6 +165,7 @@ type APIError struct {
 	StatusCode int
 	Method     string
 	URL        string
+	Key        string // the idempotency key sent; "" for unkeyed methods
 	Problem    *Problem
 	Body       []byte
 }
@@ -155,12 +182,14 @@ func (e *APIError) Error() string {
 // maxErrorBody bounds what is read of an error response's body.
 const maxErrorBody = 64 << 10
 
-// readProblem reads (bounded) and closes resp's body and parses it as
-// problem details. It returns a Problem in every case: when the body is not
-// JSON, Title is the status text and Detail the start of the body.
-func readProblem(resp *http.Response) (*Problem, []byte) {
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, maxErrorBody))
-	resp.Body.Close()
+// readProblem reads (at most maxErrorBody bytes, within the given time if
+// it is positive) and closes resp's body and parses it as problem details.
+// It returns a Problem in every case: when the body is not JSON, Title is
+// the status text and Detail the start of the body.
+func readProblem(resp *http.Response, within time.Duration) (*Problem, []byte) {
+	var buf bytes.Buffer
+	readBody(&buf, resp, maxErrorBody, within)
+	body := buf.Bytes()
 	p := new(Problem)
 	if isJSON(resp.Header.Get("Content-Type")) && json.Unmarshal(body, p) == nil {
 		if p.Status == 0 {

@@ -142,6 +142,66 @@ func ExampleTransport_OnAttempt() {
 	// one key for all attempts: true
 }
 
+// stripeShouldRetry follows Stripe's Stripe-Should-Retry header, which
+// overrides the status: "true" asks for a retry, "false" forbids one.
+func stripeShouldRetry(resp *http.Response, err error) idem.Verdict {
+	if resp == nil {
+		return idem.VerdictDefault
+	}
+	switch resp.Header.Get("Stripe-Should-Retry") {
+	case "true":
+		return idem.VerdictRetry
+	case "false":
+		return idem.VerdictStop
+	}
+	return idem.VerdictDefault
+}
+
+// Classify lets the API say what to retry: here Stripe's
+// Stripe-Should-Retry header turns a 400 into a retry and a 500 into a
+// final answer.
+func ExampleTransport_Classify() {
+	var mu sync.Mutex
+	answers := []struct {
+		status      int
+		shouldRetry string
+	}{
+		{http.StatusBadRequest, "true"},           // a lock timeout: retry
+		{http.StatusCreated, ""},                  // the first payment
+		{http.StatusInternalServerError, "false"}, // a decline that must not be retried
+	}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		mu.Lock()
+		a := answers[0]
+		answers = answers[1:]
+		mu.Unlock()
+		if a.shouldRetry != "" {
+			w.Header().Set("Stripe-Should-Retry", a.shouldRetry)
+			w.Header().Set("Retry-After", "0")
+		}
+		w.WriteHeader(a.status)
+	}))
+	defer srv.Close()
+
+	client := &http.Client{Transport: &idem.Transport{
+		Classify: stripeShouldRetry,
+		OnAttempt: func(a idem.Attempt) {
+			fmt.Printf("attempt %d: %s, retry %t\n", a.Number, a.Response.Status, a.Retry)
+		},
+	}}
+	for range 2 {
+		resp, err := client.Post(srv.URL+"/v1/charges", "application/json", strings.NewReader(`{"amount": 4200}`))
+		if err != nil {
+			log.Fatal(err)
+		}
+		resp.Body.Close()
+	}
+	// Output:
+	// attempt 1: 400 Bad Request, retry true
+	// attempt 2: 201 Created, retry false
+	// attempt 1: 500 Internal Server Error, retry false
+}
+
 // Client posts JSON with a bearer token and decodes the answer; every POST
 // is keyed and retried by the Transport.
 func ExampleClient() {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"strings"
 
 	"github.com/google/uuid"
 
@@ -14,9 +15,13 @@ import (
 // [Transport.KeyHeader] names another.
 const DefaultKeyHeader = "Idempotency-Key"
 
-// MaxKeyLen is the longest key idem sends or accepts, in bytes. It is
+// MaxKeyLen is the longest key idem sends or accepts: 255 bytes. It is
 // Stripe's limit and the reference server's.
-const MaxKeyLen = keyheader.MaxLen
+const MaxKeyLen = 255
+
+// The reference server's limit is the same.
+var _ [MaxKeyLen - keyheader.MaxLen]struct{}
+var _ [keyheader.MaxLen - MaxKeyLen]struct{}
 
 // KeyFormat says how the key is written in its header.
 type KeyFormat int
@@ -58,11 +63,26 @@ func KeyFromContext(ctx context.Context) (string, bool) {
 	return key, ok
 }
 
+// headerValues returns the values of the header name (canonical) in h,
+// also those set directly in the map under another spelling, such as
+// h["idempotency-key"], which http.Header's methods do not see but
+// net/http sends.
+func headerValues(h http.Header, name string) []string {
+	vs := h[name]
+	for k, more := range h {
+		if k != name && strings.EqualFold(k, name) {
+			vs = append(vs[:len(vs):len(vs)], more...)
+		}
+	}
+	return vs
+}
+
 // keyFor returns the key of the operation req starts and the header value
-// to send, in this order of precedence: the key header already on req, the
-// key pinned on its context, a new key from newKey.
+// to send, in this order of precedence: the key header already on req
+// (under its canonical name or any other spelling), the key pinned on its
+// context, a new key from newKey.
 func keyFor(req *http.Request, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
-	if vs := req.Header.Values(header); len(vs) > 0 {
+	if vs := headerValues(req.Header, header); len(vs) > 0 {
 		key, err := keyheader.Parse(vs)
 		if err != nil {
 			return "", "", fmt.Errorf("idem: the request's %s header: %w", header, err)

@@ -9,6 +9,7 @@ import (
 	"math"
 	"net"
 	"net/http"
+	"reflect"
 	"strconv"
 	"strings"
 	"syscall"
@@ -35,17 +36,22 @@ const (
 	// always on; it keeps clients that failed together from retrying
 	// together.
 	DefaultJitter = 0.5
-	// DefaultMaxElapsedTime caps the whole operation, waits included. No
-	// attempt starts, and no wait is begun, that would end past it.
+	// DefaultMaxElapsedTime caps the whole operation, waits and retries
+	// included: no wait is begun that would end past it, and no retry
+	// waits for its response past it. Unlike a MaxElapsedTime set
+	// explicitly, it does not cut the first attempt (that would cost a
+	// timer on every call): bound that with AttemptTimeout or the
+	// context's deadline.
 	DefaultMaxElapsedTime = time.Minute
 	// DefaultMaxRetryAfter is the longest Retry-After honoured. A server
 	// that asks for a longer wait ends the operation at once and the caller
 	// gets its response, instead of a client stalled for hours.
 	DefaultMaxRetryAfter = 30 * time.Second
 	// DefaultConflictTimeout is the time budget for waiting out 409
-	// Conflict (the first request with the key still running). It matches
-	// the reference server's lock timeout, after which a stuck request is
-	// taken over, so a crashed first attempt is recovered within one call.
+	// Conflict (the first request with the key still running). It is three
+	// times the default lock timeout of idem's server library (10s), after
+	// which a crashed request's key is taken over, so a crashed first
+	// attempt is recovered within one call.
 	DefaultConflictTimeout = 30 * time.Second
 	// DefaultMaxConflictRetries caps the retries made on 409 answers.
 	DefaultMaxConflictRetries = 30
@@ -76,8 +82,13 @@ type RetryPolicy struct {
 	Jitter float64
 	// MaxElapsedTime caps the whole operation, from the start of the first
 	// attempt: no wait is begun that would end past it (the operation ends
-	// at once instead). The request context's deadline caps it the same
-	// way. Defaults to DefaultMaxElapsedTime.
+	// at once instead), and each attempt's deadline for its response
+	// headers is at most the operation's end. An attempt cut there ends the
+	// operation with a [*RetryError] carrying the key, with
+	// context.DeadlineExceeded in its chain; a response whose headers came
+	// in time is returned, its body not cut. The request context's deadline
+	// caps the operation the same way. Defaults to DefaultMaxElapsedTime,
+	// which does not cut the first attempt.
 	MaxElapsedTime time.Duration
 	// AttemptTimeout bounds each attempt, up to the end of the response
 	// headers; the body of the final response may be read for longer. An
@@ -208,6 +219,10 @@ func retryableError(err error) bool {
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		// The server closed the connection before a full response.
 		return true
+	case http2Reason(err) != "":
+		// RoundTrip returns an error only before the response headers,
+		// so the stream ended with no response.
+		return true
 	}
 	var opErr *net.OpError
 	if errors.As(err, &opErr) && opErr.Op == "dial" {
@@ -227,12 +242,74 @@ func errorReason(err error) string {
 		return "connection reset"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
 		return "connection closed before response"
+	case http2Reason(err) != "":
+		return http2Reason(err)
 	case errors.Is(err, context.Canceled):
 		return "canceled"
 	case errors.Is(err, context.DeadlineExceeded):
 		return "deadline exceeded"
 	}
 	return "error"
+}
+
+// http2Errors names the HTTP/2 client errors that end a stream before its
+// response, by the package that defines them and the type's name, with
+// the reason they give: net/http's bundled HTTP/2 client, its future home
+// inside the standard library, and golang.org/x/net/http2 (a Transport of
+// that package as the Base).
+var http2Errors = map[[2]string]string{
+	{"net/http", "http2StreamError"}:               "HTTP/2 stream reset",
+	{"net/http", "http2GoAwayError"}:               "HTTP/2 GOAWAY",
+	{"net/http/internal/http2", "StreamError"}:     "HTTP/2 stream reset",
+	{"net/http/internal/http2", "GoAwayError"}:     "HTTP/2 GOAWAY",
+	{"golang.org/x/net/http2", "StreamError"}:      "HTTP/2 stream reset",
+	{"golang.org/x/net/http2", "GoAwayError"}:      "HTTP/2 GOAWAY",
+	{"golang.org/x/net/http2", "ConnectionError"}:  "HTTP/2 connection error",
+	{"net/http", "http2ConnectionError"}:           "HTTP/2 connection error",
+	{"net/http/internal/http2", "ConnectionError"}: "HTTP/2 connection error",
+}
+
+// http2Reason returns the reason for an HTTP/2 stream reset (RST_STREAM),
+// GOAWAY followed by a close, or connection error in err's chain, or "" if
+// there is none. net/http's HTTP/2 error types are unexported and have no
+// method to test for (only Error), so neither errors.As nor an interface
+// reaches them; golang.org/x/net/http2 exports its own, distinct types,
+// which match none of net/http's. The check is therefore on the dynamic
+// type's package and name, not on the message: it holds whatever the
+// message says, and breaks only if the type is renamed, which the wire
+// tests (TestHTTP2FaultsAreRetried) would catch.
+func http2Reason(err error) string {
+	for _, e := range errorChain(err) {
+		t := reflect.TypeOf(e)
+		if t.Kind() == reflect.Pointer {
+			t = t.Elem()
+		}
+		if why, ok := http2Errors[[2]string{t.PkgPath(), t.Name()}]; ok {
+			return why
+		}
+	}
+	return ""
+}
+
+// errorChain returns err and every error it wraps, depth first, as
+// errors.Is walks them.
+func errorChain(err error) []error {
+	var chain []error
+	for err != nil {
+		chain = append(chain, err)
+		switch u := err.(type) {
+		case interface{ Unwrap() error }:
+			err = u.Unwrap()
+		case interface{ Unwrap() []error }:
+			for _, e := range u.Unwrap() {
+				chain = append(chain, errorChain(e)...)
+			}
+			return chain
+		default:
+			return chain
+		}
+	}
+	return chain
 }
 
 // maxRetryAfterSeconds bounds the parsed value so the Duration cannot

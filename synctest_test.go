@@ -591,7 +591,14 @@ func TestSynctestContextCanceledDuringLongWait(t *testing.T) {
 					t.Errorf("err = %v, want context.Canceled in the chain", err)
 				}
 				var rerr *RetryError
-				if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0] {
+				var inprog *InProgressError
+				switch {
+				case tt.name == "409":
+					// The operation ended on a 409: its outcome is unknown.
+					if !errors.As(err, &inprog) || inprog.Polls != 1 || inprog.Key != srv.keys[0] {
+						t.Errorf("err = %#v, want an InProgressError after 1 poll with the key", err)
+					}
+				case !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0]:
 					t.Errorf("err = %#v, want a RetryError after 1 attempt with the key", err)
 				}
 				if len(srv.at) != 1 {
@@ -799,6 +806,242 @@ func TestSynctestResponseAsContextEndsIsNotRetried(t *testing.T) {
 		}
 		if len(srv.at) != 1 || budget.Tokens() != 1 {
 			t.Errorf("%d attempts, %v tokens left; want 1 attempt and no retry spent", len(srv.at), budget.Tokens())
+		}
+	})
+}
+
+// TestSynctestConflictCutShortIsInProgress checks that a keyed operation
+// that ends on a 409, whatever stops the waiting, ends with an
+// InProgressError carrying the key, never with the raw 409.
+func TestSynctestConflictCutShortIsInProgress(t *testing.T) {
+	tests := []struct {
+		name    string
+		ra      []string // the Retry-After of each 409
+		policy  RetryPolicy
+		timeout time.Duration // of the context; 0: none
+		cancel  bool          // the context is canceled as the 409 arrives
+		wantErr error         // in the chain
+	}{
+		{"context deadline", []string{"10"}, RetryPolicy{}, 5 * time.Second, false, nil},
+		{"MaxElapsedTime", []string{"10"}, RetryPolicy{MaxElapsedTime: 3 * time.Second}, 0, false, nil},
+		{"MaxRetryAfter", []string{"1", "60"}, RetryPolicy{ConflictTimeout: time.Hour}, 0, false, nil},
+		{"20-digit Retry-After", []string{"1", "99999999999999999999"}, RetryPolicy{}, 0, false, nil},
+		{"19-digit Retry-After", []string{"1", "9223372036854775807"}, RetryPolicy{MaxRetryAfter: math.MaxInt64}, 0, false, nil},
+		{"context canceled", []string{"1"}, RetryPolicy{}, 0, true, context.Canceled},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := context.WithCancel(context.Background())
+				if tt.timeout > 0 {
+					ctx, cancel = context.WithTimeout(ctx, tt.timeout)
+				}
+				defer cancel()
+				var script []answer
+				for _, ra := range tt.ra {
+					script = append(script, func(req *http.Request) (*http.Response, error) {
+						if tt.cancel {
+							cancel()
+						}
+						return replyBody(409, "application/problem+json", `{"title":"Request in progress"}`, "Retry-After", ra)(req)
+					})
+				}
+				srv := newFake(script...)
+				resp, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy}, ctx)
+				if resp != nil {
+					resp.Body.Close()
+				}
+				var inprog *InProgressError
+				if !errors.As(err, &inprog) {
+					t.Fatalf("got %v, %v; want an InProgressError", resp, err)
+				}
+				if inprog.Key != srv.keys[0] || inprog.Polls != len(tt.ra) || len(srv.at) != len(tt.ra) || inprog.Problem == nil || inprog.Problem.Title != "Request in progress" {
+					t.Errorf("InProgressError = %+v after %d requests; want the key %s, %d polls, the problem", inprog, len(srv.at), srv.keys[0], len(tt.ra))
+				}
+				if tt.wantErr != nil && !errors.Is(err, tt.wantErr) {
+					t.Errorf("err = %v, want %v in the chain", err, tt.wantErr)
+				}
+			})
+		})
+	}
+}
+
+func TestExceedsDoesNotOverflow(t *testing.T) {
+	tests := []struct {
+		elapsed, wait, limit time.Duration
+		want                 bool
+	}{
+		{0, 5 * time.Second, 10 * time.Second, false},
+		{5 * time.Second, 5 * time.Second, 10 * time.Second, false},
+		{6 * time.Second, 5 * time.Second, 10 * time.Second, true},
+		{time.Second, math.MaxInt64, 10 * time.Second, true},
+		{math.MaxInt64 / 2, math.MaxInt64, math.MaxInt64, true},
+		{time.Hour, time.Hour, math.MaxInt64, false},
+	}
+	for _, tt := range tests {
+		if got := exceeds(tt.elapsed, tt.wait, tt.limit); got != tt.want {
+			t.Errorf("exceeds(%v, %v, %v) = %t, want %t", tt.elapsed, tt.wait, tt.limit, got, tt.want)
+		}
+	}
+}
+
+// TestSynctestGetBodyFailureIsNotAnAttempt checks that an attempt whose
+// body cannot be reopened is neither counted nor reported, and that the
+// error keeps the outcome of the last attempt sent.
+func TestSynctestGetBodyFailureIsNotAnAttempt(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := newFake(fail(readErr(syscall.ECONNRESET)))
+		var as attempts
+		tr := &Transport{Base: srv, OnAttempt: as.hook}
+		req, err := http.NewRequest(http.MethodPost, "https://api.example.com/v1/payments", strings.NewReader(`{"amount":4200}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		reopen := errors.New("the body's file is gone")
+		req.GetBody = func() (io.ReadCloser, error) { return nil, reopen }
+		_, err = tr.RoundTrip(req)
+		var rerr *RetryError
+		if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key != srv.keys[0] {
+			t.Fatalf("err = %#v, want a RetryError after the 1 attempt sent, with the key", err)
+		}
+		if !errors.Is(err, reopen) || !errors.Is(err, syscall.ECONNRESET) {
+			t.Errorf("err = %v, want both GetBody's error and the last attempt's in the chain", err)
+		}
+		if len(as) != 1 || as[0].Number != 1 || len(srv.at) != 1 {
+			t.Errorf("OnAttempt saw %d attempts, the server %d; want 1", len(as), len(srv.at))
+		}
+	})
+}
+
+// TestSynctestNotReplayableBody checks that a body that cannot be sent
+// again loses the response only when a retry would have been made.
+func TestSynctestNotReplayableBody(t *testing.T) {
+	tests := []struct {
+		name        string
+		policy      RetryPolicy
+		first       answer
+		wantStatus  int   // 0: an error
+		wantInChain error // with the error
+	}{
+		{"MaxAttempts 1", RetryPolicy{MaxAttempts: 1}, reply(503), 503, nil},
+		{"Retry-After past MaxRetryAfter", RetryPolicy{}, reply(503, "Retry-After", "3600"), 503, nil},
+		{"not retried status", RetryPolicy{}, reply(400), 400, nil},
+		{"a retry would be made", RetryPolicy{}, reply(503), 0, ErrBodyNotReplayable},
+		{"error with MaxAttempts 1", RetryPolicy{MaxAttempts: 1}, fail(readErr(syscall.ECONNRESET)), 0, syscall.ECONNRESET},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				srv := newFake(tt.first, reply(201))
+				req, err := http.NewRequest(http.MethodPost, "https://api.example.com/v1/payments", &onceReader{r: strings.NewReader(`{"amount":4200}`)})
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp, err := (&Transport{Base: srv, Retry: tt.policy, MaxBufferedBody: -1}).RoundTrip(req)
+				if tt.wantStatus != 0 {
+					if err != nil || resp.StatusCode != tt.wantStatus {
+						t.Fatalf("got %v, %v; want the %d as it came", resp, err, tt.wantStatus)
+					}
+					resp.Body.Close()
+				} else if !errors.Is(err, tt.wantInChain) {
+					t.Errorf("got %v, %v; want an error with %v", resp, err, tt.wantInChain)
+				}
+				if len(srv.at) != 1 {
+					t.Errorf("%d attempts, want 1", len(srv.at))
+				}
+			})
+		})
+	}
+}
+
+// slowAnswer answers code after d, or fails when the attempt's context
+// ends first, as http.Transport does.
+func slowAnswer(d time.Duration, code int) answer {
+	return func(req *http.Request) (*http.Response, error) {
+		select {
+		case <-time.After(d):
+			return reply(code, "Retry-After", "0")(req)
+		case <-req.Context().Done():
+			return nil, req.Context().Err()
+		}
+	}
+}
+
+// TestSynctestMaxElapsedTimeBoundsAttempts checks that no attempt waits
+// for its response past MaxElapsedTime.
+func TestSynctestMaxElapsedTimeBoundsAttempts(t *testing.T) {
+	tests := []struct {
+		name       string
+		policy     RetryPolicy
+		script     []answer
+		want       time.Duration // RoundTrip's time
+		wantStatus int           // 0: a RetryError with the key
+		attempts   int
+	}{
+		{"second attempt cut", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond}, []answer{slowAnswer(400*time.Millisecond, 503)}, 500 * time.Millisecond, 0, 2},
+		{"first attempt cut, explicit cap", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond, AttemptTimeout: 2 * time.Second}, []answer{slowAnswer(time.Hour, 201)}, 500 * time.Millisecond, 0, 1},
+		{"headers in time", RetryPolicy{MaxElapsedTime: 500 * time.Millisecond}, []answer{slowAnswer(400*time.Millisecond, 503), slowAnswer(50*time.Millisecond, 201)}, 450 * time.Millisecond, 201, 2},
+		{"default cap cuts a retry", RetryPolicy{}, []answer{slowAnswer(50*time.Second, 503)}, DefaultMaxElapsedTime, 0, 2},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				srv := newFake(tt.script...)
+				start := time.Now()
+				resp, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy}, context.Background())
+				if elapsed := time.Since(start); elapsed != tt.want {
+					t.Errorf("RoundTrip took %v, want %v", elapsed, tt.want)
+				}
+				if tt.wantStatus != 0 {
+					if err != nil || resp.StatusCode != tt.wantStatus {
+						t.Fatalf("got %v, %v; want %d", resp, err, tt.wantStatus)
+					}
+					resp.Body.Close()
+					return
+				}
+				var rerr *RetryError
+				if !errors.As(err, &rerr) || rerr.Key != srv.keys[0] || rerr.Attempts != tt.attempts || !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("err = %v, want a RetryError after %d attempts with the key %s and DeadlineExceeded", err, tt.attempts, srv.keys[0])
+				}
+				if len(srv.at) != tt.attempts {
+					t.Errorf("%d attempts sent, want %d", len(srv.at), tt.attempts)
+				}
+			})
+		})
+	}
+}
+
+// TestSynctestBufferingHonoursContext checks that buffering a body without
+// GetBody stops at the context's deadline, not when the producer is done.
+func TestSynctestBufferingHonoursContext(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		pr, pw := io.Pipe()
+		producer := make(chan struct{})
+		defer func() { <-producer }()
+		go func() {
+			defer close(producer)
+			pw.Write([]byte(`{"amount":`))
+			time.Sleep(2 * time.Second)
+			pw.Write([]byte(`4200}`))
+			pw.Close()
+		}()
+		ctx, cancel := context.WithTimeout(context.Background(), 150*time.Millisecond)
+		defer cancel()
+		srv := newFake(reply(201))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, "https://api.example.com/v1/payments", pr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		start := time.Now()
+		resp, err := (&Transport{Base: srv}).RoundTrip(req)
+		if elapsed := time.Since(start); elapsed != 150*time.Millisecond {
+			t.Errorf("RoundTrip returned after %v, want at the deadline (150ms)", elapsed)
+		}
+		if resp != nil {
+			resp.Body.Close()
+		}
+		if !errors.Is(err, context.DeadlineExceeded) || len(srv.at) != 0 {
+			t.Errorf("err = %v after %d attempts, want DeadlineExceeded and nothing sent", err, len(srv.at))
 		}
 	})
 }

@@ -26,15 +26,23 @@ const DefaultMaxBufferedBody = 1 << 20
 // error page to the end.
 const maxDrain = 64 << 10
 
+// maxDrainTime bounds the time spent reading the body of a response that is
+// not returned: a retried answer, or a 409's or 422's problem details. A
+// body that stalls longer is given up and its connection closed.
+const maxDrainTime = time.Second
+
 // Transport is an [http.RoundTripper] that makes payment-style calls safe to
 // retry. Each call to RoundTrip is one logical operation:
 //
 //   - POST and PATCH get an idempotency key: the one already in the
 //     request's key header, else the one pinned with [WithKey], else a new
 //     UUIDv4. Every attempt sends the same key and the same body bytes.
+//     With [Transport.KeyBodyField] the key is also, or only, a field of
+//     the JSON body, and a key already in that field comes first.
 //   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
 //     as idempotent. Other methods are sent once.
-//   - Connection errors, attempt timeouts, 408, 429, 500, 502, 503 and 504
+//   - Connection errors (HTTP/2 stream resets and GOAWAY before a
+//     response among them), attempt timeouts, 408, 429, 500, 502, 503 and 504
 //     are retried with exponential backoff and jitter, within
 //     [RetryPolicy.MaxAttempts], [RetryPolicy.MaxElapsedTime], the request
 //     context and the [RetryBudget]. Retry-After (seconds or HTTP-date) is
@@ -51,8 +59,9 @@ const maxDrain = 64 << 10
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
-// responses are drained (up to 64 KiB) and closed so their connections are
-// reused. RoundTrip starts no goroutine that outlives it.
+// responses are drained (up to 64 KiB, for at most a second, less than
+// AttemptTimeout and the operation's time left) and closed so their
+// connections are reused; a body that stalls is closed, with its connection. RoundTrip starts no goroutine that outlives it.
 //
 // The zero value is ready to use. A Transport is safe for concurrent use by
 // multiple goroutines; like [http.Transport], it should be reused rather
@@ -67,9 +76,28 @@ type Transport struct {
 	Retry RetryPolicy
 
 	// KeyHeader names the header that carries the key. If empty,
-	// DefaultKeyHeader ("Idempotency-Key") is used; some APIs use another
-	// name, such as "PayPal-Request-Id".
+	// DefaultKeyHeader ("Idempotency-Key") is used, unless KeyBodyField is
+	// set: then no key header is sent. Some APIs use another name, such as
+	// "PayPal-Request-Id".
 	KeyHeader string
+
+	// KeyBodyField names a top-level field of the JSON object request body
+	// that carries the key, for APIs that take it there, such as Square's
+	// "idempotency_key" or the "ClientToken" of AWS APIs. If empty, the key
+	// goes only in the header and the body is sent as it is.
+	//
+	// When set, the body of a keyed request must be a JSON object of at
+	// most MaxBufferedBody bytes (GetBody or not); it is read once per
+	// operation, and any other body, an empty one included, is refused
+	// before sending with [ErrKeyBodyField] in the error's chain. A string
+	// already in the field is the key, and the body is sent as it is: it
+	// wins over a key header, [WithKey] and NewKey. Without the field,
+	// idem's key is written as the object's first member, `"field":"key",`
+	// just after the brace, and no other byte changes. Names match exactly
+	// once unescaped; nested objects do not count; a field named twice or
+	// holding something other than a string is refused. A key header is
+	// sent only if KeyHeader is set, and must then agree with the field.
+	KeyBodyField string
 
 	// KeyFormat says how new and pinned keys are written: KeyBare (the
 	// zero value, as Stripe expects) or KeySFString (the IETF draft's
@@ -89,13 +117,26 @@ type Transport struct {
 	DisableBudget bool
 
 	// MaxBufferedBody is the largest request body without GetBody that is
-	// buffered in memory to be sent again. A larger one is sent once and
-	// not retried (the operation ends with ErrBodyNotReplayable in a
-	// RetryError if the attempt fails in a retryable way). If zero,
+	// buffered in memory to be sent again. A larger one is sent once: when
+	// its attempt's outcome calls for a retry that would otherwise be made,
+	// the operation ends with a RetryError holding ErrBodyNotReplayable and
+	// the outcome; when no retry would be made anyway (attempts or time
+	// used up, a status not retried), the outcome is returned as it is. If zero,
 	// DefaultMaxBufferedBody is used; a negative value buffers nothing.
 	// Requests made by http.NewRequest from a bytes.Buffer, bytes.Reader or
 	// strings.Reader have GetBody and are never buffered.
 	MaxBufferedBody int64
+
+	// Classify, if not nil, sees each attempt's outcome, a response or an
+	// error (the other is nil), and may override what the Transport makes
+	// of it: retry, stop, wait out a conflict, or end on key reuse (see
+	// [Verdict]). VerdictDefault keeps the Transport's own decision. It is
+	// called from the goroutine that called RoundTrip, and must not read or
+	// close the response body: it decides on the status and headers, such
+	// as Stripe's Stripe-Should-Retry. Whatever it says, nothing is sent
+	// once the request's context is done, methods that are not retried are
+	// sent once, and MaxAttempts, the time limits and the retry budget hold.
+	Classify func(resp *http.Response, err error) Verdict
 
 	// OnAttempt, if not nil, is called after every attempt, from the
 	// goroutine that called RoundTrip, with what happened and what comes
@@ -111,7 +152,10 @@ type Transport struct {
 	budget     *RetryBudget
 }
 
-// Attempt describes one attempt of an operation, for [Transport.OnAttempt].
+// Attempt describes one attempt of a logical operation. [Transport.OnAttempt]
+// gets it after each attempt, with every field set. The base transport sees
+// it while it sends the attempt, through [AttemptFromContext] on the
+// request's context, with Number and Key set and the other fields zero.
 type Attempt struct {
 	Request  *http.Request  // the attempt as sent; do not modify it
 	Key      string         // the operation's key; "" when unkeyed
@@ -170,6 +214,12 @@ func (t *Transport) CloseIdleConnections() {
 // RetryPolicy.AttemptTimeout.
 var errAttemptTimedOut = errors.New("attempt timeout")
 
+// errOperationTimedOut is the cancellation cause of an attempt cut at the
+// operation's end (RetryPolicy.MaxElapsedTime), and is in the chain of the
+// error that ends the operation then. It wraps context.DeadlineExceeded,
+// like the error of a request whose context's deadline passed.
+var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.DeadlineExceeded)
+
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
 // [*KeyReuseError], [*InProgressError] or [*RetryError], or the error of a
@@ -197,6 +247,8 @@ type operation struct {
 	header, key, val  string
 
 	body            body
+	problem         *Problem      // of the last 409
+	indefinite      bool          // the last outcome called for a retry the context stopped
 	lastReq         *http.Request // the last attempt sent
 	attempts        int           // attempts sent
 	conflicts       int           // of which answered 409
@@ -210,7 +262,8 @@ func (op *operation) run() (*http.Response, error) {
 	method := cmp.Or(req.Method, http.MethodGet)
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
-	if op.keyed {
+	bodyKey := op.keyed && op.t.KeyBodyField != ""
+	if op.keyed && !bodyKey {
 		op.header = textproto.CanonicalMIMEHeaderKey(cmp.Or(op.t.KeyHeader, DefaultKeyHeader))
 		newKey := op.t.NewKey
 		if newKey == nil {
@@ -223,20 +276,53 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, err
 		}
 	}
-	if err := op.body.init(req, op.t.maxBuffered()); err != nil {
+	if bodyKey {
+		if err := op.initBodyKey(); err != nil { // bodykey.go
+			return nil, err
+		}
+	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
 		return nil, err
 	}
+	var last error          // the outcome of the last attempt sent, before a retry
+	var lastVerdict verdict // and what it called for
 	for {
-		resp, cancel, err := op.send()
-		v, reason := decide(op.keyed, resp, err)
-		if op.ctx.Err() != nil && (v == retry || v == conflict) {
-			v = done // the caller has given up: nothing more is sent
+		if op.attempts > 0 && time.Since(op.start) >= op.policy.MaxElapsedTime {
+			// The wait overran into the operation's end.
+			if lastVerdict == conflict {
+				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
+			}
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last)}
+		}
+		body, err := op.body.open(op.attempts + 1)
+		if err != nil {
+			// GetBody failed: the attempt is not sent, nor counted.
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
+		}
+		resp, cancel, err := op.send(body)
+		if errors.Is(err, errOperationTimedOut) {
+			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
+		}
+		v, reason := op.classify(resp, err)
+		if v == conflict {
+			// A keyed operation that ends on a 409 ends with an
+			// InProgressError, which carries the last problem details.
+			op.problem, _ = readProblem(resp, op.drainTime())
+			resp.Body = http.NoBody
+			if op.ctx.Err() != nil {
+				return op.inProgress(resp, cancel, "409: "+errorReason(op.ctx.Err()), op.ctx.Err())
+			}
+		}
+		if op.ctx.Err() != nil && v == retry {
+			// The caller has given up: nothing more is sent. The outcome
+			// is not a definitive answer, so it earns the budget nothing.
+			op.indefinite = true
+			v = done
 		}
 		switch v {
 		case done:
 			return op.finish(resp, err, cancel, reason, false)
 		case keyReuse:
-			problem, _ := readProblem(resp)
+			problem, _ := readProblem(resp, op.drainTime())
 			cancel()
 			op.report(resp, nil, false, 0, "422: key used for another request")
 			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
@@ -246,19 +332,24 @@ func (op *operation) run() (*http.Response, error) {
 		case endFinish:
 			return op.finish(resp, err, cancel, why, true)
 		case endInProgress:
-			return op.inProgress(resp, cancel, why)
+			return op.inProgress(resp, cancel, why, nil)
 		case endBudget:
 			return op.fail(ErrBudgetExhausted, resp, err, cancel, why)
 		case endNotReplayable:
 			return op.fail(ErrBodyNotReplayable, resp, err, cancel, why)
 		}
+		last, lastVerdict = err, v
 		if resp != nil {
-			drain(resp)
+			last = errors.New(resp.Status)
+			op.drain(resp)
 		}
 		cancel()
 		op.report(resp, err, true, wait, why)
 		if err := op.sleep(wait); err != nil {
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %s", err, outcome(resp, err))}
+			if v == conflict {
+				return op.inProgress(nil, func() {}, "409: "+errorReason(err)+" while waiting", err)
+			}
+			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last)}
 		}
 	}
 }
@@ -269,21 +360,27 @@ type ending int
 const (
 	goOn             ending = iota // no ending: wait and send again
 	endFinish                      // hand the last outcome to the caller
-	endInProgress                  // the conflict budget ran out
+	endInProgress                  // 409 waits cannot go on
 	endBudget                      // the retry budget is empty
 	endNotReplayable               // the body cannot be sent again
 )
 
 // plan returns how long to wait before the next attempt and why, or, when
 // no further attempt may be sent, how to end the operation. (An enum rather
-// than a method value keeps the operation on RoundTrip's stack.)
+// than a method value keeps the operation on RoundTrip's stack.) A 409 that
+// cannot be waited out, for whatever reason, ends in progress.
 func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string, ending) {
+	wait, why, end := op.planNext(v, resp)
+	if v == conflict && end != goOn {
+		end = endInProgress
+	}
+	return wait, why, end
+}
+
+func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, string, ending) {
 	p := &op.policy
 	if !op.idempotent {
 		return 0, op.req.Method + " is not retried", endFinish
-	}
-	if !op.body.replayable {
-		return 0, "body cannot be replayed", endNotReplayable
 	}
 	ra, hasRA := time.Duration(0), false
 	if resp != nil {
@@ -303,7 +400,7 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 			wait = next(&op.conflictBackoff, p)
 		}
 		why = "409: still running, " + why
-		if op.conflicts > p.MaxConflictRetries || time.Since(op.firstConflict)+wait > p.ConflictTimeout {
+		if op.conflicts > p.MaxConflictRetries || exceeds(time.Since(op.firstConflict), wait, p.ConflictTimeout) {
 			return 0, "conflict budget exhausted", endInProgress
 		}
 	} else {
@@ -317,11 +414,18 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 	if hasRA && ra > p.MaxRetryAfter {
 		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
-	if time.Since(op.start)+wait > p.MaxElapsedTime {
+	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime-1) {
+		// The wait would end at or past MaxElapsedTime, leaving the next
+		// attempt no time.
 		return 0, "wait would pass MaxElapsedTime", endFinish
 	}
 	if d, ok := op.ctx.Deadline(); ok && time.Now().Add(wait).After(d) {
 		return 0, "wait would pass the context deadline", endFinish
+	}
+	if !op.body.replayable {
+		// Checked last: when no retry would be made anyway, the
+		// outcome is returned as it is.
+		return 0, "body cannot be replayed", endNotReplayable
 	}
 	if v == retry {
 		if b := op.t.retryBudget(); b != nil && !b.spend() {
@@ -329,6 +433,13 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 		}
 	}
 	return wait, why, goOn
+}
+
+// exceeds reports whether waiting wait after elapsed would pass limit,
+// without computing elapsed+wait, which overflows for a huge Retry-After.
+// elapsed and wait are never negative.
+func exceeds(elapsed, wait, limit time.Duration) bool {
+	return wait > limit-elapsed
 }
 
 // next returns the next computed backoff wait, jittered and capped by
@@ -350,32 +461,34 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 	return min((*b).NextBackOff(), p.MaxInterval)
 }
 
-// send sends one attempt. cancel releases the attempt's context; for a
-// returned response it must run only once the caller closes the body.
-func (op *operation) send() (resp *http.Response, cancel func(), err error) {
+// send sends one attempt with the given body. cancel releases the
+// attempt's context; for a returned response it must run only once the
+// caller closes the body.
+func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ctx, cancel := op.ctx, func() {}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}}
+	actx := &ar.ctx
+	cancel = func() {}
 	var timer *time.Timer
-	if d := op.policy.AttemptTimeout; d > 0 {
+	d, cause := op.attemptLimit()
+	if d > 0 {
 		var cancelCause context.CancelCauseFunc
-		ctx, cancelCause = context.WithCancelCause(op.ctx)
+		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
 		// A timer rather than WithTimeout: it is stopped once the headers
 		// are in, so a slow read of the final body is not cut off.
-		timer = time.AfterFunc(d, func() { cancelCause(errAttemptTimedOut) })
+		timer = time.AfterFunc(d, func() { cancelCause(cause) })
 		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
 	}
 	// A shallow copy with a header of its own, rather than req.Clone: no
 	// RoundTripper may modify a request, so the URL and the rest can be
 	// shared, and a first-try success saves the allocations of a deep copy.
 	// The caller's request is never modified either way.
-	areq := op.req.WithContext(ctx)
-	if op.keyed {
-		areq.Header = headerWith(op.req.Header, op.header, op.val)
+	ar.req = *op.req.WithContext(actx)
+	areq := &ar.req
+	if op.header != "" {
+		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
 	}
-	if areq.Body, err = op.body.open(op.attempts); err != nil {
-		cancel()
-		return nil, cancel, fmt.Errorf("idem: reopening request body: %w", err)
-	}
+	areq.Body = body
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
@@ -385,13 +498,38 @@ func (op *operation) send() (resp *http.Response, cancel func(), err error) {
 		// The attempt ran out of time: the headers came too late, or not
 		// at all. Its context is canceled either way.
 		if resp != nil {
-			drain(resp)
+			op.drain(resp)
 			resp = nil
 		}
-		err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+		if cause == errOperationTimedOut {
+			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.policy.MaxElapsedTime, op.attempts, err)
+		} else {
+			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+		}
 	}
 	op.lastReq = areq
 	return resp, cancel, err
+}
+
+// attemptLimit returns how long the next attempt may wait for its response
+// headers, or 0 for no limit, and the cancellation cause when it runs out:
+// AttemptTimeout, or the operation's end (MaxElapsedTime) if it comes
+// first. The operation's end is not enforced on a first attempt under the
+// default MaxElapsedTime, which would cost a timer on every call; nor when
+// the context's deadline comes first, which net/http enforces.
+func (op *operation) attemptLimit() (time.Duration, error) {
+	d, cause := op.policy.AttemptTimeout, errAttemptTimedOut
+	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
+		return d, cause
+	}
+	end := op.start.Add(op.policy.MaxElapsedTime)
+	if dl, ok := op.ctx.Deadline(); ok && !dl.After(end) {
+		return d, cause
+	}
+	if left := max(time.Until(end), time.Nanosecond); d <= 0 || left < d {
+		d, cause = left, errOperationTimedOut
+	}
+	return d, cause
 }
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
@@ -407,10 +545,8 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		}
 		return nil, err
 	}
-	if b := op.t.retryBudget(); b != nil {
-		if v, _ := decide(op.keyed, resp, nil); v == done {
-			b.succeed() // a definitive answer, not a failure given up on
-		}
+	if b := op.t.retryBudget(); b != nil && !gaveUp && !op.indefinite {
+		b.succeed() // a definitive answer, not a failure given up on
 	}
 	op.report(resp, nil, false, 0, why)
 	if op.policy.AttemptTimeout > 0 {
@@ -427,7 +563,7 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 // the last attempt's outcome.
 func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel func(), why string) (*http.Response, error) {
 	if resp != nil {
-		drain(resp)
+		op.drain(resp)
 	}
 	cancel()
 	op.report(resp, err, false, 0, why)
@@ -439,14 +575,21 @@ func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel
 	return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 }
 
-// inProgress ends an operation whose conflict budget ran out.
-func (op *operation) inProgress(resp *http.Response, cancel func(), why string) (*http.Response, error) {
-	problem, _ := readProblem(resp)
+// inProgress ends an operation on a 409 that cannot be waited out: the
+// conflict budget, the operation's time or the context ran out (err is the
+// context's error, if that is why).
+func (op *operation) inProgress(resp *http.Response, cancel func(), why string, err error) (*http.Response, error) {
 	cancel()
-	op.report(resp, nil, false, 0, why)
+	if resp != nil {
+		op.report(resp, nil, false, 0, why)
+	}
+	waited := time.Duration(0)
+	if op.conflicts > 0 {
+		waited = time.Since(op.firstConflict)
+	}
 	return nil, &InProgressError{
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
-		Polls: op.conflicts, Waited: time.Since(op.firstConflict), Problem: problem,
+		Polls: max(op.conflicts, 1), Waited: waited, Problem: op.problem, Err: err, reason: why,
 	}
 }
 
@@ -548,7 +691,7 @@ func (b *body) init(req *http.Request, limit int64) error {
 		size = req.ContentLength + 1 // +1 to see io.EOF without growing
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, min(size, 64<<10)))
-	n, err := io.Copy(buf, io.LimitReader(req.Body, limit+1))
+	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body)
 	if err != nil {
 		req.Body.Close()
 		return fmt.Errorf("idem: reading request body: %w", err)
@@ -563,11 +706,41 @@ func (b *body) init(req *http.Request, limit int64) error {
 		return nil
 	}
 	req.Body.Close()
+	if req.ContentLength > 0 && req.ContentLength != n {
+		// net/http refuses such a request; so does the Transport,
+		// rather than send the real length.
+		return fmt.Errorf("idem: http: ContentLength=%d with Body length %d", req.ContentLength, n)
+	}
 	data := buf.Bytes()
 	b.length = int64(len(data))
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
 	return nil
+}
+
+// copyUntilDone copies src to dst until EOF, an error, or the end of ctx.
+// When ctx ends first it closes body, the source's closer, under the read,
+// as net/http does with a request body it stops sending: a pipe or a
+// connection then returns at once. It returns the context's error (its
+// cause) in that case. No goroutine outlives it.
+func copyUntilDone(ctx context.Context, dst io.Writer, src io.Reader, body io.Closer) (int64, error) {
+	if err := context.Cause(ctx); err != nil {
+		return 0, err
+	}
+	if ctx.Done() == nil {
+		return io.Copy(dst, src)
+	}
+	closed := make(chan struct{})
+	stop := context.AfterFunc(ctx, func() {
+		body.Close()
+		close(closed)
+	})
+	n, err := io.Copy(dst, src)
+	if !stop() {
+		<-closed
+		return n, context.Cause(ctx)
+	}
+	return n, err
 }
 
 // open returns the body for the given attempt number.
@@ -607,18 +780,22 @@ func (c *cancelOnCloseRW) Close() error {
 }
 
 // headerWith returns a copy of h with the header key (in canonical form)
-// set to the single value val, in two allocations: the map and one array
-// that backs every value slice.
-func headerWith(h http.Header, key, val string) http.Header {
+// set to the single value val. Every value slice is backed by scratch when
+// it is long enough, else by one new array, so the copy costs the map and
+// at most one more allocation.
+func headerWith(h http.Header, key, val string, scratch []string) http.Header {
 	n := 1
 	for _, vs := range h {
 		n += len(vs)
 	}
-	backing := make([]string, n)
+	backing := scratch
+	if n > len(backing) {
+		backing = make([]string, n)
+	}
 	out := make(http.Header, len(h)+1)
 	for k, vs := range h {
-		if k == key {
-			continue
+		if k == key || strings.EqualFold(k, key) {
+			continue // the key header, however it is spelt, is sent once
 		}
 		m := copy(backing, vs)
 		out[k] = backing[:m:m]
@@ -629,11 +806,44 @@ func headerWith(h http.Header, key, val string) http.Header {
 	return out
 }
 
-// drain reads (bounded) and closes the body of a response that will not be
-// returned, so its connection can serve the next attempt.
-func drain(resp *http.Response) {
-	_, _ = io.CopyN(io.Discard, resp.Body, maxDrain)
-	resp.Body.Close()
+// drain reads (bounded in size and time) and closes the body of a response
+// that will not be returned, so its connection can serve the next attempt.
+func (op *operation) drain(resp *http.Response) {
+	readBody(io.Discard, resp, maxDrain, op.drainTime())
+}
+
+// drainTime is how long the body of a response that will not be returned
+// may be read: maxDrainTime, or less if AttemptTimeout is shorter or the
+// operation's time ends sooner.
+func (op *operation) drainTime() time.Duration {
+	d := min(maxDrainTime, op.policy.MaxElapsedTime-time.Since(op.start))
+	if t := op.policy.AttemptTimeout; t > 0 {
+		d = min(d, t)
+	}
+	return max(d, time.Nanosecond) // 0 would mean no bound
+}
+
+// readBody copies at most n bytes of resp's body to w, then closes the
+// body. If within is positive and the copy takes longer, the body is
+// closed under the read, which ends it; http.Transport then closes the
+// connection instead of reusing it. No goroutine outlives readBody.
+func readBody(w io.Writer, resp *http.Response, n int64, within time.Duration) {
+	if within <= 0 {
+		_, _ = io.CopyN(w, resp.Body, n)
+		resp.Body.Close()
+		return
+	}
+	closed := make(chan struct{})
+	timer := time.AfterFunc(within, func() {
+		resp.Body.Close()
+		close(closed)
+	})
+	_, _ = io.CopyN(w, resp.Body, n)
+	if timer.Stop() {
+		resp.Body.Close()
+	} else {
+		<-closed // the timer closed the body: wait for its goroutine
+	}
 }
 
 func closeBody(req *http.Request) {

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -171,6 +172,47 @@ func TestKeyPrecedence(t *testing.T) {
 	}
 	if req.Header.Get("Idempotency-Key") != "from-header" || len(req.Header) != 1 {
 		t.Errorf("the caller's request was modified: %v", req.Header)
+	}
+}
+
+// TestNonCanonicalKeyHeaderWins checks that a key set directly in the
+// header map under another spelling is the operation's key, sent once
+// under the canonical name, on every attempt.
+func TestNonCanonicalKeyHeaderWins(t *testing.T) {
+	for _, name := range []string{"idempotency-key", "IDEMPOTENCY-KEY", "idempotency-Key"} {
+		t.Run(name, func(t *testing.T) {
+			var mu sync.Mutex
+			var lines [][]string
+			srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				mu.Lock()
+				lines = append(lines, r.Header.Values("Idempotency-Key"))
+				n := len(lines)
+				mu.Unlock()
+				if n == 1 {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{}`))
+			req.Header[name] = []string{"caller-key-1"}
+			resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			if len(lines) != 2 {
+				t.Fatalf("%d requests, want 2", len(lines))
+			}
+			for i, l := range lines {
+				if len(l) != 1 || l[0] != "caller-key-1" {
+					t.Errorf("attempt %d sent key lines %q, want the caller's key once", i+1, l)
+				}
+			}
+			if len(req.Header) != 1 || req.Header[name][0] != "caller-key-1" {
+				t.Errorf("the caller's request was modified: %v", req.Header)
+			}
+		})
 	}
 }
 
@@ -442,6 +484,36 @@ func TestNonRewindableBodyIsBufferedAndReplayed(t *testing.T) {
 	}
 }
 
+// TestWrongContentLengthIsRefused checks that a body without GetBody whose
+// ContentLength disagrees with its bytes is refused before sending. net/http
+// refuses a body shorter than its ContentLength with the same error; the
+// Transport, which holds the whole body, refuses a longer one too rather
+// than send it cut.
+func TestWrongContentLengthIsRefused(t *testing.T) {
+	newReq := func(url string, cl int64) *http.Request {
+		req, _ := http.NewRequest(http.MethodPost, url, &onceReader{r: strings.NewReader("abc")})
+		req.ContentLength = cl
+		return req
+	}
+	bare := newServer(t, &recorder{script: []int{201}})
+	_, bareErr := newTransport(t, fastPolicy).Base.RoundTrip(newReq(bare.URL, 10))
+	if bareErr == nil || !strings.Contains(bareErr.Error(), "http: ContentLength=10 with Body length 3") {
+		t.Errorf("net/http alone: err = %v, want its ContentLength error", bareErr)
+	}
+	for _, cl := range []int64{2, 10} {
+		rec := &recorder{script: []int{201}}
+		srv := newServer(t, rec)
+		_, err := newTransport(t, fastPolicy).RoundTrip(newReq(srv.URL, cl))
+		want := "http: ContentLength=" + strconv.FormatInt(cl, 10) + " with Body length 3"
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("ContentLength %d: err = %v, want %q", cl, err, want)
+		}
+		if n := len(rec.requests()); n != 0 {
+			t.Errorf("ContentLength %d: the server saw %d requests, want none", cl, n)
+		}
+	}
+}
+
 func TestOversizedNonRewindableBodyIsSentOnce(t *testing.T) {
 	rec := &recorder{script: []int{503, 201}}
 	srv := newServer(t, rec)
@@ -621,5 +693,48 @@ func TestSwitchingProtocols(t *testing.T) {
 	rw.Close()
 	if attempt.Err() == nil {
 		t.Error("closing the upgraded connection left the attempt's context live")
+	}
+}
+
+// BenchmarkTransportFirstTry measures the first-try path: one attempt
+// answered 201 by an in-memory base, so that allocs/op is the Transport's
+// own cost plus a constant for the request and the canned response.
+func BenchmarkTransportFirstTry(b *testing.B) {
+	created := []byte(`{"id":"pay_123"}`)
+	base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+		_, _ = io.Copy(io.Discard, req.Body)
+		req.Body.Close()
+		return &http.Response{
+			Status: "201 Created", StatusCode: http.StatusCreated, Header: http.Header{},
+			Body: io.NopCloser(bytes.NewReader(created)), ContentLength: int64(len(created)), Request: req,
+		}, nil
+	})
+	payload := []byte(`{"amount":4200,"currency":"usd","customer":"cus_123"}`)
+	for _, bc := range []struct {
+		name   string
+		method string
+		policy RetryPolicy
+	}{
+		{"keyed", http.MethodPost, RetryPolicy{}},
+		{"keyed AttemptTimeout", http.MethodPost, RetryPolicy{AttemptTimeout: time.Minute}},
+		{"unkeyed", http.MethodPut, RetryPolicy{}},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			tr := &Transport{Base: base, Retry: bc.policy}
+			b.ReportAllocs()
+			for b.Loop() {
+				req, err := http.NewRequest(bc.method, "http://stub.invalid/v1/payments", bytes.NewReader(payload))
+				if err != nil {
+					b.Fatal(err)
+				}
+				req.Header["Content-Type"] = []string{"application/json"}
+				resp, err := tr.RoundTrip(req)
+				if err != nil {
+					b.Fatal(err)
+				}
+				_, _ = io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+			}
+		})
 	}
 }

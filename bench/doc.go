@@ -8,6 +8,7 @@
 //
 //	go test -run '^$' -bench 'RoundTrip' -benchmem
 //	./roundtrip.sh 20 results   # interleaved rounds, then benchstat with bare as the base
+//	./instructions.sh 4000 5    # instructions per op under callgrind (valgrind), two op counts differenced
 //
 // Reference server, with the real idem-server binary over loopback:
 //

@@ -1,0 +1,49 @@
+package idem
+
+import (
+	"context"
+	"net/http"
+)
+
+// attemptContext is the context of one attempt's request: the operation's
+// context (or the attempt's own cancelable one), carrying the attempt for
+// AttemptFromContext. It also holds the scratch that backs the values of
+// the attempt's header copy, so that the attempt costs no more
+// allocations than the header copy alone did.
+type attemptContext struct {
+	context.Context
+	attempt Attempt
+	values  [8]string
+}
+
+// attemptRequest is an attempt's request and its context in one
+// allocation: WithContext's copy, inlined, stays on the stack and is copied
+// here, its context field included.
+type attemptRequest struct {
+	req http.Request
+	ctx attemptContext
+}
+
+type attemptContextKey struct{}
+
+// Value returns the context itself for attemptContextKey, so that a lookup
+// allocates nothing, and defers to the parent for any other key.
+func (c *attemptContext) Value(key any) any {
+	if key == (attemptContextKey{}) {
+		return c
+	}
+	return c.Context.Value(key)
+}
+
+// AttemptFromContext returns the attempt carried by a request's context
+// inside [Transport.Base]: the attempt's Number and the operation's Key ("" when
+// the method is not keyed). A base transport that traces, signs or logs
+// requests uses it to tell the attempts of one operation apart. It reports
+// false for a context that did not come from a Transport's attempt.
+func AttemptFromContext(ctx context.Context) (Attempt, bool) {
+	c, ok := ctx.Value(attemptContextKey{}).(*attemptContext)
+	if !ok {
+		return Attempt{}, false
+	}
+	return c.attempt, true
+}

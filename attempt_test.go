@@ -1,0 +1,76 @@
+package idem
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+)
+
+// attemptLog is a base transport that records what AttemptFromContext
+// says of each request it sends, and the key header it carries.
+type attemptLog struct {
+	base     http.RoundTripper
+	mu       sync.Mutex
+	attempts []Attempt
+	keys     []string
+}
+
+func (l *attemptLog) RoundTrip(req *http.Request) (*http.Response, error) {
+	a, ok := AttemptFromContext(req.Context())
+	if !ok {
+		a.Number = -1
+	}
+	l.mu.Lock()
+	l.attempts = append(l.attempts, a)
+	l.keys = append(l.keys, req.Header.Get(DefaultKeyHeader))
+	l.mu.Unlock()
+	return l.base.RoundTrip(req)
+}
+
+func TestAttemptFromContext(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		method string
+		policy RetryPolicy
+	}{
+		{"keyed", http.MethodPost, fastPolicy},
+		{"keyed with AttemptTimeout", http.MethodPost, RetryPolicy{InitialInterval: time.Millisecond, MaxInterval: 5 * time.Millisecond, AttemptTimeout: time.Minute}},
+		{"unkeyed", http.MethodPut, fastPolicy},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, &recorder{script: []int{503, 500, 201}})
+			log := &attemptLog{base: newTransport(t, tt.policy).Base}
+			tr := &Transport{Base: log, Retry: tt.policy}
+			req, err := http.NewRequest(tt.method, srv.URL, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// More header values than the attempt's scratch holds.
+			for i := range 10 {
+				req.Header.Add("X-Many", strconv.Itoa(i))
+			}
+			resp, err := tr.RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			readAll(t, resp)
+			if len(log.attempts) != 3 {
+				t.Fatalf("base saw %d attempts, want 3", len(log.attempts))
+			}
+			for i, a := range log.attempts {
+				if a.Number != i+1 || a.Key != log.keys[i] || (a.Key == "") == (tt.method == http.MethodPost) {
+					t.Errorf("attempt %d: AttemptFromContext = %+v, key header %q; want number %d and the key sent", i+1, a, log.keys[i], i+1)
+				}
+			}
+			if got := resp.Request.Header.Values("X-Many"); len(got) != 10 || got[9] != "9" {
+				t.Errorf("X-Many sent as %q, want the 10 values", got)
+			}
+		})
+	}
+	if a, ok := AttemptFromContext(context.Background()); ok {
+		t.Errorf("AttemptFromContext(Background) = %+v, true; want false", a)
+	}
+}

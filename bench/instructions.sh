@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Counts the instructions per operation of the four peers over loopback with
+# valgrind's callgrind, which, unlike time, does not move with the load of
+# a shared machine.
+#
+#   bench/instructions.sh [OPS] [ROUNDS] [OUTDIR]   (defaults: 4000, 3, bench/results/instructions)
+#
+# Each peer runs TestOps (instructions_test.go: keyed 1 KiB POSTs to an
+# httptest server in the same process, answered 201) twice under
+# callgrind, with OPS/2 and OPS operations. The difference of the two
+# instruction totals divided by OPS/2 is the cost of one operation, with
+# the start-up, the warm-up and the test framework cancelled out. The
+# server's share is in every peer's figure alike. ROUNDS repeats this,
+# interleaving the peers, and the table gives the median round.
+#
+# The binary is built with CGO_ENABLED=0 and runs with GOMAXPROCS=1 and
+# GODEBUG=asyncpreemptoff=1 (valgrind and Go's preemption signals do not
+# mix). Each run at OPS=4000 takes a few seconds; callgrind is some 50
+# times slower than native.
+#
+# OUTDIR gets the callgrind.out files of the last round (for
+# callgrind_annotate, e.g. on callgrind.idem.4000) and instructions.txt,
+# the table.
+set -euo pipefail
+cd "$(dirname "$0")"
+ops=${1:-4000}
+rounds=${2:-3}
+out=${3:-results/instructions}
+half=$((ops / 2))
+if ((half < 1)); then
+	echo "OPS must be at least 2" >&2
+	exit 2
+fi
+command -v valgrind > /dev/null || { echo "valgrind is not installed" >&2; exit 1; }
+mkdir -p "$out"
+bin=$(mktemp -d)/bench.test
+trap 'rm -rf "$(dirname "$bin")"' EXIT
+CGO_ENABLED=0 go test -c -o "$bin" .
+peers=(bare idem retryablehttp failsafe)
+
+# total PEER N runs TestOps with N ops under callgrind and prints the
+# instruction total.
+total() {
+	local f="$out/callgrind.$1.$2"
+	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1 valgrind --tool=callgrind --callgrind-out-file="$f" \
+		"$bin" -test.run '^TestOps$' -test.count 1 -ops "$2" -peer "$1" > "$f.log" 2>&1 ||
+		{ cat "$f.log" >&2; exit 1; }
+	awk '/^summary:/ { print $2 }' "$f"
+}
+
+declare -A per # per[peer] = the per-op figures of the rounds, one a line
+for r in $(seq "$rounds"); do
+	for p in "${peers[@]}"; do
+		a=$(total "$p" "$half")
+		b=$(total "$p" "$ops")
+		v=$(((b - a) / (ops - half)))
+		echo "round $r of $rounds: $p $v instructions/op" >&2
+		per[$p]+="$v"$'\n'
+	done
+done
+
+median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
+{
+	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test TestOps under callgrind, GOMAXPROCS=1)"
+	base=$(printf '%s' "${per[bare]}" | median)
+	printf '%-14s %14s %8s   %s\n' client instructions/op x-bare rounds
+	for p in "${peers[@]}"; do
+		m=$(printf '%s' "${per[$p]}" | median)
+		printf '%-14s %14d %8.3f   %s\n' "$p" "$m" "$(echo "$m / $base" | bc -l)" "$(printf '%s' "${per[$p]}" | tr '\n' ' ')"
+	done
+} | tee "$out/instructions.txt"
