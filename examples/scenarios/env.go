@@ -197,16 +197,10 @@ func (e *env) expectStored(ctx context.Context, customer string, payments, charg
 	return nil
 }
 
-// counter returns the value of one of the server's Prometheus counters.
+// counter returns the value of one of the server's counters (its /metrics).
 func (e *env) counter(name string) (float64, error) {
-	families, err := e.srv.Metrics().Registry().Gather()
-	if err != nil {
-		return 0, err
-	}
-	for _, f := range families {
-		if f.GetName() == name && len(f.GetMetric()) == 1 {
-			return f.GetMetric()[0].GetCounter().GetValue(), nil
-		}
+	if v, ok := e.srv.Metrics().Counter(name); ok {
+		return v, nil
 	}
 	return 0, fmt.Errorf("the server has no counter %s", name)
 }
