@@ -2,112 +2,121 @@ package pgstore
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/idempotency"
 )
 
-// gate is a pgx tracer that holds the first batched completion until
-// open is closed; arrived is closed when it is held.
+// gate is a pgx tracer that holds the first batch of claims until open is
+// closed; arrived is closed when it is held. It counts the batches of
+// claims.
 type gate struct {
 	once          sync.Once
 	arrived, open chan struct{}
+
+	mu      sync.Mutex
+	batches int
 }
 
-func (g *gate) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
-	if strings.Contains(data.SQL, "WITH ORDINALITY AS c(client") { // batchCompleteSQL
-		g.once.Do(func() {
-			close(g.arrived)
-			<-g.open
-		})
+func (g *gate) TraceBatchStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
+	for _, q := range data.Batch.QueuedQueries {
+		if strings.Contains(q.SQL, "FROM unnest(") { // batchClaimSQL
+			g.mu.Lock()
+			g.batches++
+			g.mu.Unlock()
+			g.once.Do(func() {
+				close(g.arrived)
+				<-g.open
+			})
+		}
 	}
 	return ctx
 }
-func (g *gate) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (g *gate) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+func (g *gate) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData)     {}
+func (g *gate) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (g *gate) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
-// TestPostgresBatchCompletionFallsBack completes three keys with
-// BatchCompletions, the second and third in one batch whose payments share
-// an ID: the batch fails as a whole, and the two are run again one at a
-// time, so one completes with its payment and the other gets
-// ErrDuplicatePayment and writes nothing, while the first, in a batch of
-// its own, completes.
-func TestPostgresBatchCompletionFallsBack(t *testing.T) {
+// TestBatchClaimsGathered holds a first batch of claims in flight while
+// more callers arrive: they are gathered into one next batch, one
+// statement for all of them, whatever they hold. Of two callers of one new
+// key in that batch, exactly one gets Claimed, the other (claimSQL's
+// answer) Exists; the other new keys are claimed by the batch alone.
+func TestBatchClaimsGathered(t *testing.T) {
 	ctx := context.Background()
 	g := &gate{arrived: make(chan struct{}), open: make(chan struct{})}
-	pool := migratedTracedPool(t, g, 4)
-	s := NewPostgresStore(pool)
-	var err error
-	s.BatchCompletions = true
+	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 4
+		cfg.ConnConfig.Tracer = g
+	})
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	s := New(pool)
+	s.BatchClaims = true
+	claim := func(key string) idempotency.ClaimRequest {
+		return idempotency.ClaimRequest{ClientID: "cli", Key: key, Method: "POST", Path: "/v1/orders",
+			Fingerprint: []byte("a"), FingerprintVersion: 1, LockTimeout: time.Minute}
+	}
 
-	txs := make([]Tx, 3)
-	claims := make([]Claim, 3)
-	for i, id := range []string{"pay_1", "pay_dup", "pay_dup"} {
-		key := string(rune('a' + i))
-		claims[i] = mustClaim(t, s, claimReq("cli", key, key), Claimed).Claim
-		if txs[i], err = s.Begin(ctx, claims[i]); err != nil {
-			t.Fatal(err)
-		}
-		p := Payment{ID: id, ClientID: "cli", Customer: "cus_" + key, Amount: 100, Currency: "usd",
-			IdempotencyKey: key, OperationID: claims[i].OperationID}
-		if err := s.CreatePayment(ctx, txs[i], p); err != nil {
-			t.Fatal(err)
-		}
-	}
-	errs := make([]error, 3)
+	keys := []string{"first", "twice", "twice", "k1", "k2", "k3"}
+	results := make([]idempotency.ClaimResult, len(keys))
+	errs := make([]error, len(keys))
 	var wg sync.WaitGroup
-	complete := func(i int) {
-		wg.Go(func() { errs[i] = txs[i].Complete(ctx, StoredResponse{Status: 201, Body: []byte(`{}`)}) })
+	run := func(i int) {
+		wg.Go(func() { results[i], errs[i] = s.Claim(ctx, claim(keys[i])) })
 	}
-	complete(0)
-	<-g.arrived // its batch waits at the gate
-	waitQueued := func(n int) {
-		for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
-			s.completions.mu.Lock()
-			queued := len(s.completions.queue)
-			s.completions.mu.Unlock()
-			if queued == n {
-				return
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("%d completions queued, want %d", queued, n)
-			}
+	var opened sync.Once
+	open := func() { opened.Do(func() { close(g.open) }) }
+	defer func() { open(); wg.Wait() }() // nothing left hanging when the test fails
+	run(0)
+	<-g.arrived // the first batch is held in flight
+	for i := 1; i < len(keys); i++ {
+		run(i)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		s.claims.mu.Lock()
+		queued := len(s.claims.queue)
+		s.claims.mu.Unlock()
+		if queued == len(keys)-1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d claims queued, want %d", queued, len(keys)-1)
 		}
 	}
-	complete(1)
-	complete(2)
-	waitQueued(2) // the next batch: both
-	close(g.open)
+	open()
 	wg.Wait()
 
-	if errs[0] != nil {
-		t.Errorf("completion in a batch of its own: %v", errs[0])
+	outcomes := make(map[string][]idempotency.Outcome)
+	for i, r := range results {
+		if errs[i] != nil {
+			t.Fatalf("Claim(%s): %v", keys[i], errs[i])
+		}
+		outcomes[keys[i]] = append(outcomes[keys[i]], r.Outcome)
 	}
-	dup, ok := 0, 0
-	for _, err := range errs[1:] {
-		switch {
-		case err == nil:
-			ok++
-		case errors.Is(err, ErrDuplicatePayment):
-			dup++
-		default:
-			t.Errorf("completion of the failed batch: %v", err)
+	for _, k := range []string{"first", "k1", "k2", "k3"} {
+		if got := outcomes[k]; len(got) != 1 || got[0] != idempotency.Claimed {
+			t.Errorf("%s: %v, want claimed", k, got)
 		}
 	}
-	if ok != 1 || dup != 1 {
-		t.Fatalf("the failed batch's completions: %d succeeded, %d duplicates; want 1 and 1 (errors %v)", ok, dup, errs)
+	if got := outcomes["twice"]; len(got) != 2 || got[0] == got[1] ||
+		(got[0] != idempotency.Claimed && got[1] != idempotency.Claimed) ||
+		(got[0] != idempotency.Exists && got[1] != idempotency.Exists) {
+		t.Errorf("the key twice in one batch: %v, want claimed once and exists once", got)
 	}
-	var completed, payments int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'completed') FROM idempotency_keys`).Scan(&completed); err != nil {
-		t.Fatal(err)
-	}
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM payments`).Scan(&payments); err != nil {
-		t.Fatal(err)
-	}
-	if completed != 2 || payments != 2 {
-		t.Errorf("%d keys completed, %d payments; want 2 and 2", completed, payments)
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.batches != 2 {
+		t.Errorf("%d batches of claims, want 2: the first, then all the others", g.batches)
 	}
 }

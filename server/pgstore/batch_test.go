@@ -13,7 +13,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 // batchHook is a pgx tracer that calls onBatch when a batch starts and
@@ -56,33 +57,31 @@ func (h *batchHook) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.Trac
 func (h *batchHook) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
 func (h *batchHook) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
-// batchStore returns a migrated PostgresStore with BatchClaims on a pool of
+// batchStore returns a migrated Store with BatchClaims on a pool of
 // conns connections traced by hook.
-func batchStore(t *testing.T, hook *batchHook, conns int32) (*server.PostgresStore, *pgxpool.Pool) {
+func batchStore(t *testing.T, hook *batchHook, conns int32) (*pgstore.Store, *pgxpool.Pool) {
 	t.Helper()
 	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = conns
 		cfg.ConnConfig.Tracer = hook
 	})
-	if err := server.Migrate(context.Background(), pool); err != nil {
-		t.Fatal(err)
-	}
-	s := server.NewPostgresStore(pool)
+	migrate(t, pool)
+	s := pgstore.New(pool)
 	s.BatchClaims = true
 	return s, pool
 }
 
-func batchReq(key, body string) server.ClaimRequest {
-	return server.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/payments",
+func batchReq(key, body string) idempotency.ClaimRequest {
+	return idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/payments",
 		Fingerprint: []byte(body), FingerprintVersion: 1}
 }
 
-// TestPostgresBatchClaimCallerGone cancels a caller's context while its
+// TestBatchClaimCallerGone cancels a caller's context while its
 // claim is in a running batch: Claim returns the context's error at once,
 // before the batch has ended, and the batch then releases the key it
 // claimed for the caller as rejected, free for the next request, its own or
 // another, instead of leaving it started (409) until the lock timeout.
-func TestPostgresBatchClaimCallerGone(t *testing.T) {
+func TestBatchClaimCallerGone(t *testing.T) {
 	hook := &batchHook{}
 	s, _ := batchStore(t, hook, 4)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -112,26 +111,26 @@ func TestPostgresBatchClaimCallerGone(t *testing.T) {
 		t.Fatalf("%d batches, want 1", batches)
 	}
 	res, err := s.Claim(context.Background(), batchReq("gone", "b"))
-	if err != nil || res.Outcome != server.Claimed {
+	if err != nil || res.Outcome != idempotency.Claimed {
 		t.Fatalf("another request after the caller left: %+v, %v; want Claimed", res, err)
 	}
 	// A context that has ended before Claim claims nothing.
 	if _, err := s.Claim(ctx, batchReq("never", "a")); !errors.Is(err, context.Canceled) {
 		t.Fatalf("Claim with an ended context: %v", err)
 	}
-	if res, err := s.Claim(context.Background(), batchReq("never", "b")); err != nil || res.Outcome != server.Claimed {
+	if res, err := s.Claim(context.Background(), batchReq("never", "b")); err != nil || res.Outcome != idempotency.Claimed {
 		t.Fatalf("the key of an ended context: %+v, %v; want Claimed (it was never claimed)", res, err)
 	}
 }
 
-// TestPostgresBatchClaimsMixed claims 8 new keys, each by 4 concurrent
+// TestBatchClaimsMixed claims 8 new keys, each by 4 concurrent
 // callers: exactly one caller of each key gets Claimed, whether its batch
 // held the key once or several times, and the tokens differ.
-func TestPostgresBatchClaimsMixed(t *testing.T) {
+func TestBatchClaimsMixed(t *testing.T) {
 	hook := &batchHook{}
 	s, _ := batchStore(t, hook, 8)
 	const keys, callers = 8, 4
-	results := make([]server.ClaimResult, keys*callers)
+	results := make([]idempotency.ClaimResult, keys*callers)
 	errs := make([]error, keys*callers)
 	var wg sync.WaitGroup
 	for i := range results {
@@ -147,14 +146,14 @@ func TestPostgresBatchClaimsMixed(t *testing.T) {
 			t.Fatalf("Claim: %v", errs[i])
 		}
 		switch r.Outcome {
-		case server.Claimed:
+		case idempotency.Claimed:
 			won[r.Claim.Key]++
 			if tokens[r.Claim.Token] {
 				t.Errorf("token %d handed out twice", r.Claim.Token)
 			}
 			tokens[r.Claim.Token] = true
-		case server.Exists:
-			if r.Record.Status != server.StatusStarted {
+		case idempotency.Exists:
+			if r.Record.Status != idempotency.StatusStarted {
 				t.Errorf("a losing claim saw %q, want started", r.Record.Status)
 			}
 		default:
@@ -169,28 +168,28 @@ func TestPostgresBatchClaimsMixed(t *testing.T) {
 	t.Logf("%d claims in %d batches", keys*callers, hook.batches)
 }
 
-// TestPostgresBatchClaimError makes the batch statement fail (a
+// TestBatchClaimError makes the batch statement fail (a
 // fingerprint version out of PostgreSQL's integer range): the caller gets
 // the error of its own claim, the one claimSQL reports, and nothing hangs.
-func TestPostgresBatchClaimError(t *testing.T) {
+func TestBatchClaimError(t *testing.T) {
 	s, _ := batchStore(t, &batchHook{}, 2)
 	req := batchReq("big", "a")
 	req.FingerprintVersion = 1 << 40
 	if _, err := s.Claim(context.Background(), req); err == nil {
 		t.Fatal("Claim with a fingerprint version out of range: no error")
 	}
-	if res, err := s.Claim(context.Background(), batchReq("big", "a")); err != nil || res.Outcome != server.Claimed {
+	if res, err := s.Claim(context.Background(), batchReq("big", "a")); err != nil || res.Outcome != idempotency.Claimed {
 		t.Fatalf("the key after the failed batch: %+v, %v; want Claimed", res, err)
 	}
 }
 
-// TestPostgresBatchClaimCommitFails makes the batch's commit fail after
+// TestBatchClaimCommitFails makes the batch's commit fail after
 // its rows came back (a deferred constraint trigger that refuses the key
 // at commit, as a connection ended during the commit's WAL flush would
 // fail it): the rows are not claims. Claim must not return Claimed for a
 // key that has no row, or the caller would charge under an operation that
 // the next claim of the key replaces, and charge twice.
-func TestPostgresBatchClaimCommitFails(t *testing.T) {
+func TestBatchClaimCommitFails(t *testing.T) {
 	ctx := context.Background()
 	for _, async := range []bool{false, true} {
 		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
@@ -205,41 +204,10 @@ func TestPostgresBatchClaimCommitFails(t *testing.T) {
 			if err == nil || n != 0 {
 				t.Fatalf("Claim whose commit failed: %+v, %v, with %d rows; want an error and no row", res, err, n)
 			}
-			if res, err := s.Claim(ctx, batchReq("fine", "a")); err != nil || res.Outcome != server.Claimed {
+			if res, err := s.Claim(ctx, batchReq("fine", "a")); err != nil || res.Outcome != idempotency.Claimed {
 				t.Fatalf("the next claim: %+v, %v", res, err)
 			}
 		})
-	}
-}
-
-// TestPostgresBatchCompletionCommitFails makes a batched completion's
-// commit fail after its rows came back (a deferred constraint trigger on
-// payments): Complete must not report the key completed.
-func TestPostgresBatchCompletionCommitFails(t *testing.T) {
-	ctx := context.Background()
-	s, pool := batchStore(t, &batchHook{}, 2)
-	s.BatchCompletions = true
-	refuseAtCommit(t, pool, "payments", "payment_id", "pay_boom")
-	res, err := s.Claim(ctx, batchReq("k", "a"))
-	if err != nil || res.Outcome != server.Claimed {
-		t.Fatalf("Claim: %+v, %v", res, err)
-	}
-	tx, err := s.Begin(ctx, res.Claim)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := server.Payment{ID: "pay_boom", ClientID: "cli_a", Customer: "cus", Amount: 1, Currency: "usd",
-		IdempotencyKey: "k", OperationID: res.Claim.OperationID}
-	if err := s.CreatePayment(ctx, tx, p); err != nil {
-		t.Fatal(err)
-	}
-	err = tx.Complete(ctx, server.StoredResponse{Status: 201, Body: []byte(`{}`)})
-	var status string
-	if err := pool.QueryRow(ctx, `SELECT status FROM idempotency_keys WHERE idempotency_key = 'k'`).Scan(&status); err != nil {
-		t.Fatal(err)
-	}
-	if err == nil || status != "started" {
-		t.Fatalf("Complete whose commit failed: %v, key %s; want an error and the key started", err, status)
 	}
 }
 

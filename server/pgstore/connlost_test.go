@@ -19,7 +19,8 @@ import (
 
 	"github.com/idemkit/idem/internal/faultproxy"
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/server"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 // terminator is a pgx tracer that ends, with pg_terminate_backend, the
@@ -125,95 +126,117 @@ func rerun(ctx context.Context, side *pgx.Conn, lost pgx.TraceQueryStartData) er
 }
 
 // terminatedStore returns a store on a fresh schema whose pool runs k.
-func terminatedStore(t *testing.T, k *terminator) (*server.PostgresStore, *pgxpool.Pool) {
+func terminatedStore(t *testing.T, k *terminator) (*pgstore.Store, *pgxpool.Pool) {
 	t.Helper()
-	ctx := context.Background()
 	k.t = t
 	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = 2
 		cfg.ConnConfig.Tracer = k
 	})
 	k.dsn = pool.Config().ConnString()
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	return server.NewPostgresStore(pool), pool
+	migrate(t, pool)
+	return pgstore.New(pool), pool
 }
 
-var lostReq = server.ClaimRequest{ClientID: "cli_a", Key: "key-lost", Method: "POST", Path: "/v1/payments",
+var lostReq = idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-lost", Method: "POST", Path: "/v1/orders",
 	Fingerprint: []byte("fp"), FingerprintVersion: 1, LockTimeout: time.Minute}
 
-// TestPostgresClaimConnLost ends the connection under a claim: lost before
+// TestClaimConnLost ends the connection under a claim: lost before
 // its commit, the retry claims the key; committed with its answer lost, the
 // retry finds the key started, and the key still has one owner.
-func TestPostgresClaimConnLost(t *testing.T) {
+func TestClaimConnLost(t *testing.T) {
 	ctx := context.Background()
 	for _, async := range []bool{false, true} {
 		for _, tt := range []struct {
 			name      string
 			meanwhile func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
-			want      server.Outcome
+			want      idempotency.Outcome
 		}{
-			{"before the commit", nil, server.Claimed},
-			{"answer lost", rerun, server.Exists},
+			{"before the commit", nil, idempotency.Claimed},
+			{"answer lost", rerun, idempotency.Exists},
 		} {
 			t.Run(map[bool]string{false: "sync", true: "async"}[async]+"/"+tt.name, func(t *testing.T) {
 				k := &terminator{prefix: "WITH existing", meanwhile: tt.meanwhile}
-				s, _ := terminatedStore(t, k)
+				s, pool := terminatedStore(t, k)
 				s.AsyncClaims = async
 				res, err := s.Claim(ctx, lostReq)
 				k.check(t)
 				if err != nil || res.Outcome != tt.want {
 					t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
 				}
-				if tt.want == server.Exists {
+				if tt.want == idempotency.Exists {
 					// Started by the lost claim: no second owner.
-					if res.Record.Status != server.StatusStarted {
+					if res.Record.Status != idempotency.StatusStarted {
 						t.Errorf("record status %s, want started", res.Record.Status)
 					}
 					return
 				}
-				mustComplete(t, s, res.Claim)
+				mustComplete(t, s, res.Claim, "w_lost")
+				mustBeWritten(t, pool, "w_lost", true)
 			})
 		}
 	}
 }
 
-// mustComplete completes c with one payment, and checks it was stored.
-func mustComplete(t *testing.T, s *server.PostgresStore, c server.Claim) server.Payment {
+// completePrefix starts the completion of a key whose handler wrote
+// nothing: an UPDATE alone (completeSQL); with writes it is "WITH done"
+// (completeInTxSQL), pipelined with the COMMIT.
+const completePrefix = "UPDATE idempotency_keys SET\n    status = 'completed'"
+
+// takeOver plays, on the side connection, a takeover of lostReq's key.
+func takeOver(ctx context.Context, side *pgx.Conn, _ pgx.TraceQueryStartData) error {
+	_, err := side.Exec(ctx, `UPDATE idempotency_keys SET lock_token = nextval('idempotency_lock_tokens'), locked_at = now()
+		WHERE client_id = $1 AND idempotency_key = $2`, lostReq.ClientID, lostReq.Key)
+	return err
+}
+
+// lostState returns the status of lostReq's key, whether its token is
+// still c's, and whether the handler's row w_lost is committed.
+func lostState(t *testing.T, pool *pgxpool.Pool, c idempotency.Claim) (status string, ours, row bool) {
 	t.Helper()
-	ctx := context.Background()
-	tx, err := s.Begin(ctx, c)
+	key, _ := readKey(t, pool, lostReq.Key)
+	row, err := written(context.Background(), pool, "w_lost")
 	if err != nil {
 		t.Fatal(err)
 	}
-	p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
-		IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
-	if err := s.CreatePayment(ctx, tx, p); err != nil {
-		t.Fatal(err)
-	}
-	if err := tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)}); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
-	if _, err := s.GetPayment(ctx, c.ClientID, p.ID); err != nil {
-		t.Errorf("GetPayment after Complete: %v", err)
-	}
-	return p
+	return key.status, key.token == c.Token, row
 }
 
-// TestPostgresCompleteConnLost ends the connection under a completion.
-// Whether the lost statement committed is unknown to the store, and each
-// case must come out right: not committed, the retry completes; committed
-// with its answer lost, the completion succeeds (a fence here would tell
-// the client that a stored payment was rolled back); taken over meanwhile,
-// it is fenced and stores nothing.
-func TestPostgresCompleteConnLost(t *testing.T) {
-	ctx := context.Background()
-	takeOver := func(ctx context.Context, side *pgx.Conn, _ pgx.TraceQueryStartData) error {
-		_, err := side.Exec(ctx, `UPDATE idempotency_keys SET lock_token = nextval('idempotency_lock_tokens'), locked_at = now()
-			WHERE client_id = $1 AND idempotency_key = $2`, lostReq.ClientID, lostReq.Key)
-		return err
+// checkReplay checks that lostReq's key replays the response of
+// completeLost.
+func checkReplay(t *testing.T, s idempotency.Store) {
+	t.Helper()
+	again, err := s.Claim(context.Background(), lostReq)
+	if err != nil || again.Outcome != idempotency.Exists || again.Record.Response == nil ||
+		string(again.Record.Response.Body) != `{"id":"ord_lost"}` {
+		t.Errorf("replay after the lost completion: %+v, %v", again, err)
 	}
+}
+
+// completeLost completes c, with the handler's row w_lost if withRow.
+func completeLost(t *testing.T, s idempotency.Store, c idempotency.Claim, withRow bool) error {
+	t.Helper()
+	ctx := context.Background()
+	tx, hctx := unitOf(t, s, c)
+	if withRow {
+		if err := write(hctx, "w_lost"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	err := tx.Complete(ctx, created("ord_lost"))
+	if rerr := tx.Rollback(ctx); rerr != nil {
+		t.Errorf("Rollback after Complete: %v", rerr)
+	}
+	return err
+}
+
+// TestCompleteConnLost ends the connection under a completion whose
+// handler wrote nothing. Whether the lost statement committed is unknown
+// to the store, and each case must come out right: not committed, the
+// retry completes; committed with its answer lost, the completion succeeds
+// (a fence here would tell the client that a stored outcome was rolled
+// back); taken over meanwhile, it is fenced and stores nothing.
+func TestCompleteConnLost(t *testing.T) {
 	for _, tt := range []struct {
 		name       string
 		meanwhile  func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
@@ -224,43 +247,93 @@ func TestPostgresCompleteConnLost(t *testing.T) {
 		{"taken over meanwhile", takeOver, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			k := &terminator{prefix: "WITH done", meanwhile: tt.meanwhile}
+			k := &terminator{prefix: completePrefix, meanwhile: tt.meanwhile}
 			s, pool := terminatedStore(t, k)
-			res, err := s.Claim(ctx, lostReq)
-			if err != nil || res.Outcome != server.Claimed {
-				t.Fatalf("Claim = %+v, %v", res, err)
-			}
-			c := res.Claim
-			tx, err := s.Begin(ctx, c)
-			if err != nil {
-				t.Fatal(err)
-			}
-			p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
-				IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
-			if err := s.CreatePayment(ctx, tx, p); err != nil {
-				t.Fatal(err)
-			}
-			err = tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)})
+			c := mustClaim(t, s, lostReq, idempotency.Claimed).Claim
+			err := completeLost(t, s, c, false)
 			k.check(t)
-			var status string
-			var payments int
-			if err := pool.QueryRow(ctx, `SELECT (SELECT status FROM idempotency_keys), (SELECT count(*) FROM payments)`).
-				Scan(&status, &payments); err != nil {
-				t.Fatal(err)
-			}
+			status, ours, _ := lostState(t, pool, c)
 			if tt.wantFenced {
-				if !errors.Is(err, server.ErrFenced) || status != "started" || payments != 0 {
-					t.Errorf("Complete = %v; key %s, %d payments; want ErrFenced, started, 0", err, status, payments)
+				if !errors.Is(err, idempotency.ErrFenced) || status != "started" || ours {
+					t.Errorf("Complete = %v; key %s (ours: %v); want ErrFenced, started under the taker's token", err, status, ours)
 				}
 				return
 			}
-			if err != nil || status != "completed" || payments != 1 {
-				t.Errorf("Complete = %v; key %s, %d payments; want nil, completed, 1", err, status, payments)
+			if err != nil || status != "completed" || !ours {
+				t.Errorf("Complete = %v; key %s (ours: %v); want nil, completed under the claim's token", err, status, ours)
 			}
-			again, err := s.Claim(ctx, lostReq)
-			if err != nil || again.Outcome != server.Exists || again.Record.Response == nil ||
-				string(again.Record.Response.Body) != `{"id":"pay_lost"}` {
-				t.Errorf("replay after the lost completion: %+v, %v", again, err)
+			checkReplay(t, s)
+		})
+	}
+}
+
+// TestCompleteInTxConnLost ends the connection under the completion of a
+// handler that wrote a row, just before the completion and its COMMIT are
+// sent: the handler's transaction dies with its connection, so nothing of
+// it may be committed, and Complete must not report success: it returns
+// an error, the key stays started with no row, and the middleware's
+// release of the key succeeds (the retry of the request runs it again).
+// Taken over meanwhile, nothing is committed either, and the release is
+// fenced.
+func TestCompleteInTxConnLost(t *testing.T) {
+	ctx := context.Background()
+	for _, tt := range []struct {
+		name      string
+		meanwhile func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
+		takenOver bool
+	}{
+		{"before the commit", nil, false},
+		{"taken over meanwhile", takeOver, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			k := &terminator{prefix: "WITH done", meanwhile: tt.meanwhile}
+			s, pool := terminatedStore(t, k)
+			c := mustClaim(t, s, lostReq, idempotency.Claimed).Claim
+			err := completeLost(t, s, c, true)
+			k.check(t)
+			status, ours, row := lostState(t, pool, c)
+			if err == nil || status != "started" || row || ours == tt.takenOver {
+				t.Errorf("Complete = %v; key %s (ours: %v), row committed: %v; want an error, started (ours: %v), no row",
+					err, status, ours, row, !tt.takenOver)
+			}
+			rerr := s.Release(ctx, c, idempotency.ReleaseFailed)
+			if tt.takenOver != errors.Is(rerr, idempotency.ErrFenced) || (!tt.takenOver && rerr != nil) {
+				t.Errorf("Release after the lost completion: %v (taken over: %v)", rerr, tt.takenOver)
+			}
+		})
+	}
+}
+
+// TestRenewConnLost ends the connection under a renewal: lost before its
+// commit or after, the renewal succeeds (a renewal done twice is one) and
+// the lease is renewed; taken over meanwhile, it is fenced.
+func TestRenewConnLost(t *testing.T) {
+	ctx := context.Background()
+	for _, tt := range []struct {
+		name       string
+		meanwhile  func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
+		wantFenced bool
+	}{
+		{"before the commit", nil, false},
+		{"answer lost", rerun, false},
+		{"taken over meanwhile", takeOver, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			k := &terminator{prefix: "UPDATE idempotency_keys SET locked_at", meanwhile: tt.meanwhile}
+			s, pool := terminatedStore(t, k)
+			c := mustClaim(t, s, lostReq, idempotency.Claimed).Claim
+			before, _ := readKey(t, pool, lostReq.Key)
+			err := s.Renew(ctx, c)
+			k.check(t)
+			after, _ := readKey(t, pool, lostReq.Key)
+			if tt.wantFenced {
+				if !errors.Is(err, idempotency.ErrFenced) {
+					t.Errorf("Renew = %v, want ErrFenced", err)
+				}
+				return
+			}
+			if err != nil || after.token != c.Token || !after.lockedAt.After(before.lockedAt) {
+				t.Errorf("Renew = %v; key %+v; want nil, renewed under token %d after %v", err, after, c.Token, before.lockedAt)
 			}
 		})
 	}
@@ -358,7 +431,7 @@ func (r *recorder) checkCut(t *testing.T) {
 
 // proxied is a store whose pool reaches PostgreSQL through a fault proxy.
 type proxied struct {
-	store *server.PostgresStore
+	store *pgstore.Store
 	pool  *pgxpool.Pool
 	proxy *faultproxy.Proxy
 	rec   *recorder
@@ -404,10 +477,8 @@ func proxiedStore(t *testing.T) *proxied {
 		t.Fatal(err)
 	}
 	t.Cleanup(w.pool.Close)
-	if err := server.Migrate(ctx, w.pool); err != nil {
-		t.Fatal(err)
-	}
-	w.store = server.NewPostgresStore(w.pool)
+	migrate(t, w.pool)
+	w.store = pgstore.New(w.pool)
 	return w
 }
 
@@ -439,22 +510,22 @@ var cuts = []struct {
 	fin  bool
 }{{"reset", false}, {"closed", true}}
 
-// TestPostgresClaimConnCut breaks the connection under a claim, with no
+// TestClaimConnCut breaks the connection under a claim, with no
 // word from PostgreSQL: a reset or a plain close, as a network failure, a
 // killed server process or a dead proxy leaves it. Cut before the
 // statement reached PostgreSQL, the retry claims the key; cut after it
 // committed, with its answer lost, the retry finds the key started, and the
 // key still has one owner.
-func TestPostgresClaimConnCut(t *testing.T) {
+func TestClaimConnCut(t *testing.T) {
 	ctx := context.Background()
 	for _, async := range []bool{false, true} {
 		for _, tt := range []struct {
 			name string
 			kind faultproxy.Kind
-			want server.Outcome
+			want idempotency.Outcome
 		}{
-			{"before the server", faultproxy.Reset, server.Claimed},
-			{"answer lost", faultproxy.Drop, server.Exists},
+			{"before the server", faultproxy.Reset, idempotency.Claimed},
+			{"answer lost", faultproxy.Drop, idempotency.Exists},
 		} {
 			for _, cut := range cuts {
 				t.Run(fmt.Sprintf("%s/%s/%s", map[bool]string{false: "sync", true: "async"}[async], tt.name, cut.name), func(t *testing.T) {
@@ -467,25 +538,26 @@ func TestPostgresClaimConnCut(t *testing.T) {
 					if err != nil || res.Outcome != tt.want {
 						t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
 					}
-					if tt.want == server.Exists {
-						if res.Record.Status != server.StatusStarted {
+					if tt.want == idempotency.Exists {
+						if res.Record.Status != idempotency.StatusStarted {
 							t.Errorf("record status %s, want started", res.Record.Status)
 						}
 						return
 					}
-					mustComplete(t, w.store, res.Claim)
+					mustComplete(t, w.store, res.Claim, "w_lost")
+					mustBeWritten(t, w.pool, "w_lost", true)
 				})
 			}
 		}
 	}
 }
 
-// TestPostgresClaimIdleConnsCut cuts every connection of the pool while it
+// TestClaimIdleConnsCut cuts every connection of the pool while it
 // is idle. Reset, the claim's statement fails as it is written, before
 // anything was sent (pgconn.SafeToRetry); closed, the write succeeds and
 // the answer is an EOF. Either way the retry finds a connection that
 // answers.
-func TestPostgresClaimIdleConnsCut(t *testing.T) {
+func TestClaimIdleConnsCut(t *testing.T) {
 	ctx := context.Background()
 	for _, cut := range cuts {
 		t.Run(cut.name, func(t *testing.T) {
@@ -498,75 +570,132 @@ func TestPostgresClaimIdleConnsCut(t *testing.T) {
 			if err := w.rec.first(); !cut.fin && !pgconn.SafeToRetry(err) {
 				t.Errorf("first failed statement: %v, want a failed write", err)
 			}
-			if err != nil || res.Outcome != server.Claimed {
+			if err != nil || res.Outcome != idempotency.Claimed {
 				t.Fatalf("Claim = %+v, %v; want outcome claimed", res, err)
 			}
-			mustComplete(t, w.store, res.Claim)
+			mustComplete(t, w.store, res.Claim, "w_lost")
+			mustBeWritten(t, w.pool, "w_lost", true)
 		})
 	}
 }
 
-// TestPostgresCompleteConnCut breaks the connection under a completion,
-// with no word from PostgreSQL. Cut before the statement reached
-// PostgreSQL, the retry completes; cut after it committed, with its answer
-// lost, the completion succeeds (a fence here would tell the client that a
-// stored payment was rolled back).
-func TestPostgresCompleteConnCut(t *testing.T) {
-	ctx := context.Background()
-	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool) {
-		c := res.Claim
-		tx, err := w.store.Begin(ctx, c)
-		if err != nil {
-			t.Fatal(err)
+// TestCompleteConnCut breaks the connection under a completion whose
+// handler wrote nothing, with no word from PostgreSQL. Cut before the
+// statement reached PostgreSQL, the retry completes; cut after it
+// committed, with its answer lost, the completion succeeds (a fence here
+// would tell the client that a stored outcome was rolled back).
+func TestCompleteConnCut(t *testing.T) {
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
+		sprung := w.arm(t, kind, fin)
+		err := completeLost(t, w.store, res.Claim, false)
+		sprung()
+		w.rec.checkCut(t)
+		status, ours, _ := lostState(t, w.pool, res.Claim)
+		if err != nil || status != "completed" || !ours {
+			t.Errorf("Complete = %v; key %s (ours: %v); want nil, completed under the claim's token", err, status, ours)
 		}
-		p := server.Payment{ID: "pay_lost", ClientID: c.ClientID, Customer: "cus_1", Amount: 4200, Currency: "usd",
-			IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_lost"}
-		if err := w.store.CreatePayment(ctx, tx, p); err != nil {
+		checkReplay(t, w.store)
+	})
+}
+
+// TestCompleteInTxConnCut breaks the connection under the completion of a
+// handler that wrote a row, pipelined with its COMMIT, with no word from
+// PostgreSQL. Complete reports success if and only if the key is completed
+// and the handler's row committed, together. Cut before the pipeline
+// reached PostgreSQL, nothing is committed (the transaction dies with its
+// connection): Complete fails, the key stays started, free for the
+// middleware to release. Cut after the COMMIT was sent, with its answer
+// lost, Complete learns from the key that it committed, and succeeds.
+func TestCompleteInTxConnCut(t *testing.T) {
+	ctx := context.Background()
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
+		c := res.Claim
+		tx, hctx := unitOf(t, w.store, c)
+		if err := write(hctx, "w_lost"); err != nil {
 			t.Fatal(err)
 		}
 		sprung := w.arm(t, kind, fin)
-		err = tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_lost"}`)})
+		err := tx.Complete(ctx, created("ord_lost"))
 		sprung()
 		w.rec.checkCut(t)
-		var status string
-		var payments int
-		if err := w.pool.QueryRow(ctx, `SELECT (SELECT status FROM idempotency_keys), (SELECT count(*) FROM payments)`).
-			Scan(&status, &payments); err != nil {
-			t.Fatal(err)
+		status, ours, row := lostState(t, w.pool, c)
+		committed := status == "completed" && ours && row
+		if (err == nil) != committed {
+			t.Fatalf("Complete = %v, but key %s (ours: %v) and row committed: %v", err, status, ours, row)
 		}
-		if err != nil || status != "completed" || payments != 1 {
-			t.Errorf("Complete = %v; key %s, %d payments; want nil, completed, 1", err, status, payments)
+		if committed != (kind == faultproxy.Drop) {
+			t.Errorf("committed: %v, want %v (cut %v)", committed, kind == faultproxy.Drop, kind)
 		}
-		again, err := w.store.Claim(ctx, lostReq)
-		if err != nil || again.Outcome != server.Exists || again.Record.Response == nil ||
-			string(again.Record.Response.Body) != `{"id":"pay_lost"}` {
-			t.Errorf("replay after the lost completion: %+v, %v", again, err)
+		if committed {
+			checkReplay(t, w.store)
+			return
+		}
+		if status != "started" || !ours || row {
+			t.Errorf("after the failed completion: key %s (ours: %v), row %v; want started, ours, no row", status, ours, row)
+		}
+		if err := w.store.Release(ctx, c, idempotency.ReleaseFailed); err != nil {
+			t.Errorf("Release after the failed completion: %v", err)
+		}
+		again := mustClaim(t, w.store, lostReq, idempotency.Claimed).Claim
+		if again.OperationID != c.OperationID {
+			t.Errorf("retry under operation %s, want %s", again.OperationID, c.OperationID)
+		}
+		mustComplete(t, w.store, again, "w_lost")
+		mustBeWritten(t, w.pool, "w_lost", true)
+	})
+}
+
+// TestRenewConnCut breaks the connection under a renewal, with no word
+// from PostgreSQL: before the statement reached PostgreSQL or after it
+// committed, the retry renews, and Renew succeeds.
+func TestRenewConnCut(t *testing.T) {
+	ctx := context.Background()
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
+		before, _ := readKey(t, w.pool, lostReq.Key)
+		time.Sleep(5 * time.Millisecond)
+		sprung := w.arm(t, kind, fin)
+		err := w.store.Renew(ctx, res.Claim)
+		sprung()
+		w.rec.checkCut(t)
+		after, _ := readKey(t, w.pool, lostReq.Key)
+		if err != nil || after.status != "started" || after.token != res.Claim.Token || !after.lockedAt.After(before.lockedAt) {
+			t.Errorf("Renew = %v; key %+v; want nil, renewed after %v under token %d", err, after, before.lockedAt, res.Claim.Token)
 		}
 	})
 }
 
-// TestPostgresContextDoneNotRetried gives up on a claim and on a completion
+// TestContextDoneNotRetried gives up on a claim and on a completion
 // while PostgreSQL makes them wait on a lock. pgx closes the connection
 // under a statement whose context is done, but the caller gave up: no
 // connection is acquired to run the statement again, and the context's
 // error comes back.
-func TestPostgresContextDoneNotRetried(t *testing.T) {
+func TestContextDoneNotRetried(t *testing.T) {
 	ctx := context.Background()
 	for _, op := range []struct {
 		name   string
 		prefix string // of the statement given up on
-		run    func(ctx context.Context, w *proxied, c server.Claim) error
+		run    func(ctx context.Context, w *proxied, c idempotency.Claim) error
 	}{
-		{"claim", "WITH existing", func(ctx context.Context, w *proxied, _ server.Claim) error {
+		{"claim", "WITH existing", func(ctx context.Context, w *proxied, _ idempotency.Claim) error {
 			_, err := w.store.Claim(ctx, lostReq)
 			return err
 		}},
-		{"complete", "WITH done", func(ctx context.Context, w *proxied, c server.Claim) error {
+		{"complete", completePrefix, func(ctx context.Context, w *proxied, c idempotency.Claim) error {
 			tx, err := w.store.Begin(ctx, c)
 			if err != nil {
 				return err
 			}
-			return tx.Complete(ctx, server.StoredResponse{Status: 201, Body: []byte(`{}`)})
+			return tx.Complete(ctx, idempotency.StoredResponse{Status: 201, Body: []byte(`{}`)})
+		}},
+		{"complete in tx", "WITH done", func(ctx context.Context, w *proxied, c idempotency.Claim) error {
+			tx, err := w.store.Begin(ctx, c)
+			if err != nil {
+				return err
+			}
+			if err := write(idempotency.NewContext(ctx, c, tx), "w_given_up"); err != nil {
+				return err
+			}
+			return tx.Complete(ctx, idempotency.StoredResponse{Status: 201, Body: []byte(`{}`)})
 		}},
 	} {
 		for _, tt := range []struct {
@@ -575,10 +704,10 @@ func TestPostgresContextDoneNotRetried(t *testing.T) {
 		}{{"cancelled", context.Canceled}, {"deadline", context.DeadlineExceeded}} {
 			t.Run(op.name+"/"+tt.name, func(t *testing.T) {
 				w := proxiedStore(t)
-				var c server.Claim
-				if op.name == "complete" {
+				var c idempotency.Claim
+				if op.name != "claim" {
 					res, err := w.store.Claim(ctx, lostReq)
-					if err != nil || res.Outcome != server.Claimed {
+					if err != nil || res.Outcome != idempotency.Claimed {
 						t.Fatalf("Claim = %+v, %v", res, err)
 					}
 					c = res.Claim
@@ -631,22 +760,23 @@ func TestPostgresContextDoneNotRetried(t *testing.T) {
 				if got := acquiresAfter - acquires; got != 1 {
 					t.Errorf("%d connections acquired, want 1: none for a retry", got)
 				}
+				mustBeWritten(t, w.pool, "w_given_up", false)
 			})
 		}
 	}
 }
 
-// TestPostgresReleaseConnCut breaks the connection under a release, with
+// TestReleaseConnCut breaks the connection under a release, with
 // no word from PostgreSQL. Cut before the statement reached PostgreSQL, the
 // retry releases; cut after it committed, with its answer lost, the retry
 // finds the key released under the claim's own token and the release
 // succeeds. Either way the retry of the request resumes the key under the
 // same operation.
-func TestPostgresReleaseConnCut(t *testing.T) {
+func TestReleaseConnCut(t *testing.T) {
 	ctx := context.Background()
-	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool) {
+	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
 		sprung := w.arm(t, kind, fin)
-		err := w.store.Release(ctx, res.Claim, server.ReleaseFailed)
+		err := w.store.Release(ctx, res.Claim, idempotency.ReleaseFailed)
 		sprung()
 		w.rec.checkCut(t)
 		if err != nil {
@@ -657,12 +787,12 @@ func TestPostgresReleaseConnCut(t *testing.T) {
 			t.Fatalf("key status %q, %v; want released", status, err)
 		}
 		again, err := w.store.Claim(ctx, lostReq)
-		if err != nil || again.Outcome != server.Claimed || again.Claim.OperationID != res.Claim.OperationID {
+		if err != nil || again.Outcome != idempotency.Claimed || again.Claim.OperationID != res.Claim.OperationID {
 			t.Errorf("retry after the lost release: %+v, %v; want claimed under operation %s", again, err, res.Claim.OperationID)
 		}
 		// The first claim's token no longer owns the key: releasing
 		// it again is fenced, retry or not.
-		if err := w.store.Release(ctx, res.Claim, server.ReleaseFailed); !errors.Is(err, server.ErrFenced) {
+		if err := w.store.Release(ctx, res.Claim, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
 			t.Errorf("second release under the old token = %v, want ErrFenced", err)
 		}
 	})
@@ -672,7 +802,7 @@ func TestPostgresReleaseConnCut(t *testing.T) {
 // with no word from PostgreSQL (before the statement reaches it, or after
 // it answered; with an RST or a FIN), each on a fresh proxied store where
 // lostReq has just been claimed.
-func eachCutOfClaimed(t *testing.T, f func(t *testing.T, w *proxied, res server.ClaimResult, kind faultproxy.Kind, fin bool)) {
+func eachCutOfClaimed(t *testing.T, f func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool)) {
 	for _, tt := range []struct {
 		name string
 		kind faultproxy.Kind
@@ -684,7 +814,7 @@ func eachCutOfClaimed(t *testing.T, f func(t *testing.T, w *proxied, res server.
 			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
 				w := proxiedStore(t)
 				res, err := w.store.Claim(context.Background(), lostReq)
-				if err != nil || res.Outcome != server.Claimed {
+				if err != nil || res.Outcome != idempotency.Claimed {
 					t.Fatalf("Claim = %+v, %v", res, err)
 				}
 				f(t, w, res, tt.kind, cut.fin)

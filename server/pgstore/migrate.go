@@ -113,15 +113,28 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 				return fmt.Errorf("creating the key table: %w", err)
 			}
 		case isLegacy(found):
+			if diff, err := primaryKeyDiff(ctx, tx); err != nil || diff != "" {
+				return cmpErr(err, fmt.Errorf("the key table of an earlier idem-server has %s: rename it, or migrate into another schema", diff))
+			}
 			if _, err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
 				return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
 			}
 		default:
-			if diff := shapeDiff(found); diff != "" {
+			diff := shapeDiff(found)
+			if diff == "" {
+				diff, err = primaryKeyDiff(ctx, tx)
+				if err != nil {
+					return err
+				}
+			}
+			if diff != "" {
 				return fmt.Errorf("a table idempotency_keys that this package did not create is in the way (%s): rename it, or migrate into another schema", diff)
 			}
 			// The shape of this version, without its record (a restored
-			// dump, say): adopted as it is.
+			// dump, say): adopted, with its sequence and index.
+			if _, err := tx.Exec(ctx, adoptSQL); err != nil {
+				return fmt.Errorf("adopting the key table: %w", err)
+			}
 		}
 		_, err = tx.Exec(ctx, `INSERT INTO idempotency_migrations (version) VALUES ($1)`, schemaVersion)
 		return err
@@ -165,6 +178,34 @@ func isLegacy(found map[string]string) bool {
 		}
 	}
 	return len(found) == len(want)
+}
+
+// adoptSQL creates what a key table of this version's columns may lack
+// when it is adopted without its migration record.
+const adoptSQL = `
+CREATE SEQUENCE IF NOT EXISTS idempotency_lock_tokens AS bigint;
+CREATE INDEX IF NOT EXISTS idempotency_keys_expires_idx ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL`
+
+// primaryKeyDiff says what is wrong with the primary key of the
+// idempotency_keys table of the current schema, or returns "" when it is
+// (client_id, idempotency_key), which every claim's ON CONFLICT needs.
+func primaryKeyDiff(ctx context.Context, tx pgx.Tx) (string, error) {
+	var cols []string
+	err := tx.QueryRow(ctx, `
+		SELECT coalesce(array_agg(a.attname::text ORDER BY k.n), '{}')
+		FROM pg_constraint c
+		CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, n)
+		JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
+		WHERE c.conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND c.contype = 'p'`).Scan(&cols)
+	switch {
+	case err != nil:
+		return "", err
+	case len(cols) == 0:
+		return "no primary key", nil
+	case !slices.Equal(cols, []string{"client_id", "idempotency_key"}):
+		return fmt.Sprintf("primary key (%s), not (client_id, idempotency_key)", strings.Join(cols, ", ")), nil
+	}
+	return "", nil
 }
 
 // shapeDiff describes how found differs from this version's columns, or

@@ -4,38 +4,92 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/server"
-	"github.com/idemkit/idem/server/storetest"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
-// migratedPool returns a pool on a fresh schema holding the embedded schema.
-func migratedPool(t testing.TB) *pgxpool.Pool {
+// writesSQL creates the business table of the tests: one row per write,
+// named, a second write of a name is a unique violation.
+const writesSQL = `CREATE TABLE writes (name text PRIMARY KEY)`
+
+// errNoTx is the error of a write made where TxFromContext finds nothing.
+var errNoTx = errors.New("no pgstore transaction in the context")
+
+// write inserts the row name through the request's transaction, as a
+// handler behind the middleware does.
+func write(ctx context.Context, name string) error {
+	tx, ok := pgstore.TxFromContext(ctx)
+	if !ok {
+		return errNoTx
+	}
+	_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
+	return err
+}
+
+// written reports whether the row name is committed.
+func written(ctx context.Context, pool *pgxpool.Pool, name string) (bool, error) {
+	var ok bool
+	err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM writes WHERE name = $1)`, name).Scan(&ok)
+	return ok, err
+}
+
+// mustBeWritten checks whether the row name is committed.
+func mustBeWritten(t *testing.T, pool *pgxpool.Pool, name string, want bool) {
 	t.Helper()
-	pool := pgtest.Pool(t)
-	if err := server.Migrate(context.Background(), pool); err != nil {
+	got, err := written(context.Background(), pool, name)
+	if err != nil {
+		t.Fatalf("written(%s): %v", name, err)
+	}
+	if got != want {
+		t.Errorf("row %s committed: %v, want %v", name, got, want)
+	}
+}
+
+// migrate migrates pool's schema and creates the writes table in it.
+func migrate(t testing.TB, pool *pgxpool.Pool) {
+	t.Helper()
+	ctx := context.Background()
+	if err := pgstore.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := pool.Exec(ctx, writesSQL); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// migratedPool returns a pool on a fresh schema holding the key table and
+// the writes table, configured by configure if not nil.
+func migratedPool(t testing.TB, configure func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	pool := pgtest.PoolWith(t, configure)
+	migrate(t, pool)
 	return pool
+}
+
+// newStore returns a store on migratedPool(t, configure).
+func newStore(t testing.TB, configure func(*pgxpool.Config)) (*pgstore.Store, *pgxpool.Pool) {
+	t.Helper()
+	pool := migratedPool(t, configure)
+	return pgstore.New(pool), pool
 }
 
 // widePool is migratedPool with conns connections, all open: concurrent
 // claims then reach PostgreSQL at the same time and take the retry paths
-// of the claim and charge statements.
+// of the claim statement.
 func widePool(t testing.TB, conns int32) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
-	pool := pgtest.PoolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = conns })
+	pool := migratedPool(t, func(cfg *pgxpool.Config) { cfg.MaxConns = conns })
 	held := make([]*pgxpool.Conn, conns)
 	var err error
 	for i := range held {
@@ -46,196 +100,86 @@ func widePool(t testing.TB, conns int32) *pgxpool.Pool {
 	for _, c := range held {
 		c.Release()
 	}
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
 	return pool
 }
 
-func TestPostgresStoreConformance(t *testing.T) {
-	storetest.Exercise(t, func(t *testing.T) storetest.Backend {
-		s := server.NewPostgresStore(widePool(t, 16))
-		return storetest.Backend{Store: s, Payments: s, Charges: s}
-	})
+// req returns a claim request of cli_a for key with the fingerprint body,
+// no lease and no retention.
+func req(key, body string) idempotency.ClaimRequest {
+	return idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/orders",
+		Fingerprint: []byte(body), FingerprintVersion: 1}
 }
 
-func TestPostgresStoreAsyncClaimsConformance(t *testing.T) {
-	storetest.Exercise(t, func(t *testing.T) storetest.Backend {
-		s := server.NewPostgresStore(migratedPool(t))
-		s.AsyncClaims = true
-		return storetest.Backend{Store: s, Payments: s, Charges: s}
-	})
+// leased returns r with the given lease and retention.
+func leased(r idempotency.ClaimRequest, lease, keep time.Duration) idempotency.ClaimRequest {
+	r.LockTimeout, r.Retention = lease, keep
+	return r
 }
 
-func TestPostgresStoreBatchConformance(t *testing.T) {
-	for _, async := range []bool{false, true} {
-		t.Run(fmt.Sprintf("async=%v", async), func(t *testing.T) {
-			storetest.Exercise(t, func(t *testing.T) storetest.Backend {
-				s := server.NewPostgresStore(widePool(t, 16))
-				s.BatchClaims, s.BatchCompletions, s.AsyncClaims = true, true, async
-				return storetest.Backend{Store: s, Payments: s, Charges: s}
-			})
-		})
+// mustClaim claims r and checks the outcome.
+func mustClaim(t *testing.T, s idempotency.Store, r idempotency.ClaimRequest, want idempotency.Outcome) idempotency.ClaimResult {
+	t.Helper()
+	res, err := s.Claim(context.Background(), r)
+	if err != nil {
+		t.Fatalf("Claim(%s): %v", r.Key, err)
 	}
+	if res.Outcome != want {
+		t.Fatalf("Claim(%s) = %v (record %+v), want %v", r.Key, res.Outcome, res.Record, want)
+	}
+	return res
 }
 
-func TestMigrateTwiceAndConcurrently(t *testing.T) {
-	ctx := context.Background()
-	pool := pgtest.Pool(t)
-	var wg sync.WaitGroup
-	errs := make([]error, 8)
-	for i := range errs {
-		wg.Go(func() { errs[i] = server.Migrate(ctx, pool) })
+// unitOf begins the unit of work of c and returns it with the context a
+// handler behind the middleware gets.
+func unitOf(t *testing.T, s idempotency.Store, c idempotency.Claim) (idempotency.Tx, context.Context) {
+	t.Helper()
+	tx, err := s.Begin(context.Background(), c)
+	if err != nil {
+		t.Fatalf("Begin: %v", err)
 	}
-	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			t.Fatalf("concurrent Migrate: %v", err)
-		}
+	// A test that fails half-way gives back the connection, which the
+	// pool's Close waits for; after Complete, Rollback does nothing.
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	return tx, idempotency.NewContext(context.Background(), c, tx)
+}
+
+// created is a response worth storing.
+func created(id string) idempotency.StoredResponse {
+	return idempotency.StoredResponse{Status: 201, ContentType: "application/json",
+		Header: map[string]string{"Location": "/v1/orders/" + id}, Body: []byte(`{"id":"` + id + `"}`)}
+}
+
+// keyRow is the stored state of a key, read from the table.
+type keyRow struct {
+	status    string
+	token     int64
+	lockedAt  time.Time
+	expiresAt *time.Time
+	leaseUS   int64
+	keepUS    int64
+}
+
+// readKey reads the row of cli_a's key; ok is false when there is none.
+func readKey(t *testing.T, pool *pgxpool.Pool, key string) (row keyRow, ok bool) {
+	t.Helper()
+	err := pool.QueryRow(context.Background(), `
+		SELECT status, lock_token, locked_at, expires_at, lease_us, retention_us
+		FROM idempotency_keys WHERE client_id = 'cli_a' AND idempotency_key = $1`, key).
+		Scan(&row.status, &row.token, &row.lockedAt, &row.expiresAt, &row.leaseUS, &row.keepUS)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return row, false
 	}
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatalf("Migrate again: %v", err)
-	}
-	var versions int
-	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_schema_migrations`).Scan(&versions); err != nil {
-		t.Fatal(err)
-	}
-	var tables []string
-	rows, err := pool.Query(ctx, `SELECT table_name FROM information_schema.tables
-		WHERE table_schema = current_schema() ORDER BY table_name`)
 	if err != nil {
 		t.Fatal(err)
 	}
-	for rows.Next() {
-		var name string
-		if err := rows.Scan(&name); err != nil {
-			t.Fatal(err)
-		}
-		tables = append(tables, name)
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if got, want := strings.Join(tables, " "), "charges idem_schema_migrations idempotency_keys payments"; got != want {
-		t.Errorf("tables %q, want %q", got, want)
-	}
-	if versions < 1 {
-		t.Errorf("%d versions recorded, want at least 1", versions)
-	}
+	return row, true
 }
 
-// TestMigrateFromVersion1 upgrades a database made by the first schema,
-// with keys in it, as a server of that version left them: the keys
-// survive, a key started before the upgrade can be released and resumed,
-// and the status check still refuses unknown states. Then a database of
-// version 2 with a released key in it (its kind unknown): after the
-// upgrade it takes its own request back, and refuses another (see
-// 003_release_kind.sql).
-func TestMigrateFromVersion1(t *testing.T) {
-	ctx := context.Background()
-	pool := pgtest.Pool(t)
-	schema := func(name string) string {
-		sql, err := os.ReadFile("schema/" + name)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return string(sql)
-	}
-	if _, err := pool.Exec(ctx, schema("001_init.sql")); err != nil {
-		t.Fatal(err)
-	}
-	// As Migrate records a version (see migrate.go), and as a server of
-	// version 1 claims and completes keys.
-	migrations := `
-		CREATE TABLE idem_schema_migrations (
-			version    integer     PRIMARY KEY,
-			name       text        NOT NULL,
-			applied_at timestamptz NOT NULL DEFAULT now()
-		);
-		INSERT INTO idem_schema_migrations (version, name) VALUES (1, '001_init.sql')`
-	if _, err := pool.Exec(ctx, migrations+`;
-		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at)
-		VALUES ('cli_a', 'done', 'POST', '/v1/payments', '\x01', 1, 'completed', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), 201, now(), now())`); err != nil {
-		t.Fatal(err)
-	}
-	var running server.Claim
-	err := pool.QueryRow(ctx, `
-		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
-		VALUES ('cli_a', 'running', 'POST', '/v1/payments', '\x02', 1, 'started', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), now(), now())
-		RETURNING client_id, idempotency_key, lock_token, operation_id::text`).Scan(
-		&running.ClientID, &running.Key, &running.Token, &running.OperationID)
-	if err != nil {
-		t.Fatal(err)
-	}
-
-	for range 2 { // and again: nothing to do
-		if err := server.Migrate(ctx, pool); err != nil {
-			t.Fatalf("Migrate from version 1: %v", err)
-		}
-	}
-	rows, _ := pool.Query(ctx, `SELECT version FROM idem_schema_migrations ORDER BY version`)
-	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
-	if err != nil || fmt.Sprint(versions) != "[1 2 3]" {
-		t.Errorf("versions %v, %v; want [1 2 3]", versions, err)
-	}
-	s := server.NewPostgresStore(pool)
-	req := server.ClaimRequest{ClientID: "cli_a", Key: "running", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte{2}, FingerprintVersion: 1}
-	done := req
-	done.Key, done.Fingerprint = "done", []byte{1}
-	if res, err := s.Claim(ctx, done); err != nil || res.Outcome != server.Exists || res.Record.Status != server.StatusCompleted {
-		t.Errorf("completed key after the upgrade: %+v, %v", res, err)
-	}
-	if err := s.Release(ctx, running, server.ReleaseFailed); err != nil {
-		t.Fatalf("Release of a key claimed before the upgrade: %v", err)
-	}
-	if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != running.OperationID {
-		t.Errorf("claim of the released key: %+v, %v; want Claimed with operation %s", res, err, running.OperationID)
-	}
-	_, err = pool.Exec(ctx, `UPDATE idempotency_keys SET status = 'gone' WHERE idempotency_key = 'running'`)
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || pgErr.ConstraintName != "idempotency_keys_status_check" {
-		t.Errorf("unknown status: %v, want a violation of idempotency_keys_status_check", err)
-	}
-
-	// Version 2, with a key a server of that version released.
-	if _, err := pool.Exec(ctx, `DROP TABLE idem_schema_migrations, idempotency_keys, payments, charges;
-		DROP SEQUENCE idempotency_lock_tokens`); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, schema("001_init.sql")+";"+schema("002_released.sql")); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := pool.Exec(ctx, migrations+`, (2, '002_released.sql')`); err != nil {
-		t.Fatal(err)
-	}
-	var released server.Claim
-	err = pool.QueryRow(ctx, `
-		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, created_at, locked_at)
-		VALUES ('cli_a', 'released', 'POST', '/v1/payments', '\x03', 1, 'released', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), now(), now())
-		RETURNING operation_id::text`).Scan(&released.OperationID)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatalf("Migrate from version 2: %v", err)
-	}
-	other := req
-	other.Key, other.Fingerprint = "released", []byte{4}
-	if res, err := s.Claim(ctx, other); err != nil || res.Outcome != server.Exists || res.Record.Status != server.StatusReleased {
-		t.Errorf("another request on a key released before the upgrade: %+v, %v; want Exists, released", res, err)
-	}
-	same := other
-	same.Fingerprint = []byte{3}
-	if res, err := s.Claim(ctx, same); err != nil || res.Outcome != server.Claimed || res.Claim.OperationID != released.OperationID {
-		t.Errorf("its own request on a key released before the upgrade: %+v, %v; want Claimed with operation %s", res, err, released.OperationID)
-	}
+// keyStatus returns the status of cli_a's key, "" when it has no row.
+func keyStatus(t *testing.T, pool *pgxpool.Pool, key string) string {
+	t.Helper()
+	row, _ := readKey(t, pool, key)
+	return row.status
 }
 
 // sqlRecorder is a pgx tracer that keeps the statements a pool runs.
@@ -265,55 +209,188 @@ func (r *sqlRecorder) last(prefix string) (pgx.TraceQueryStartData, bool) {
 	return pgx.TraceQueryStartData{}, false
 }
 
-// TestPostgresPurgeIsBounded fills the key table, then checks that one
-// Purge deletes exactly its limit of the oldest expired keys, and that its
-// statement is planned as an index walk and a TID scan: no step of it scans
-// the whole table.
-func TestPostgresPurgeIsBounded(t *testing.T) {
+// roundTrips counts the round trips of a pool as server.DBRoundTrips does:
+// a statement is one, a batch (a pipeline) is one.
+type roundTrips struct {
+	n atomic.Int64
+}
+
+func (c *roundTrips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+func (c *roundTrips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *roundTrips) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+func (c *roundTrips) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *roundTrips) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// since returns the round trips counted since the last call.
+func (c *roundTrips) since(last *int64) int64 {
+	n := c.n.Load()
+	d := n - *last
+	*last = n
+	return d
+}
+
+// TestRoundTrips counts the round trips of a first execution whose handler
+// writes one row, and of its replay. The handler's transaction without the
+// middleware (BEGIN, INSERT, COMMIT, on the same pool) is the baseline: the
+// layer adds at most one round trip to it, the claim, since the key's
+// completion travels with the COMMIT. A replay is the claim alone; with
+// BatchClaims it is the batch and the claim. Each store runs a first
+// request beforehand, so that the statements are prepared on the pool's one
+// connection.
+func TestRoundTrips(t *testing.T) {
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
+	for _, tt := range []struct {
+		name         string
+		async, batch bool
+		wantReplay   int64
+	}{
+		{"durable", false, false, 1},
+		{"async claims", true, false, 1},
+		{"batch claims", false, true, 2},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rt := &roundTrips{}
+			s, pool := newStore(t, func(cfg *pgxpool.Config) {
+				cfg.MaxConns = 1
+				cfg.ConnConfig.Tracer = rt
+			})
+			s.AsyncClaims, s.BatchClaims = tt.async, tt.batch
+			var last int64
+			for i := range 2 {
+				rt.since(&last)
+				if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+					_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("plain", i))
+					return err
+				}); err != nil {
+					t.Fatal(err)
+				}
+				baseline := rt.since(&last)
+
+				r := req(fmt.Sprint("key-", i), "a")
+				c := mustClaim(t, s, r, idempotency.Claimed).Claim
+				claim := rt.since(&last)
+				tx, hctx := unitOf(t, s, c)
+				if err := write(hctx, fmt.Sprint("w", i)); err != nil {
+					t.Fatal(err)
+				}
+				handler := rt.since(&last)
+				if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
+					t.Fatal(err)
+				}
+				complete := rt.since(&last)
+				mustClaim(t, s, r, idempotency.Exists)
+				replay := rt.since(&last)
+				if i == 0 {
+					continue // statements prepared meanwhile
+				}
+				first := claim + handler + complete
+				t.Logf("round trips: %d for the handler's transaction alone; %d for a first execution "+
+					"(claim %d, handler %d, completion and COMMIT %d); %d for a replay",
+					baseline, first, claim, handler, complete, replay)
+				if baseline != 3 {
+					t.Errorf("the handler's transaction alone took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", baseline)
+				}
+				if claim != 1 || handler > 2 || complete != 1 || first > baseline+1 {
+					t.Errorf("a first execution took %d round trips (claim %d, handler's BEGIN and INSERT %d, completion and COMMIT %d); "+
+						"want 1, at most 2, 1: at most %d", first, claim, handler, complete, baseline+1)
+				}
+				if replay != tt.wantReplay {
+					t.Errorf("a replay took %d round trips, want %d", replay, tt.wantReplay)
+				}
+			}
+		})
 	}
+}
+
+// TestClaimRefusesInvalidText claims keys whose client, key, method or
+// path holds a NUL byte or invalid UTF-8, which PostgreSQL's text columns
+// refuse: Claim returns an error wrapping idempotency.ErrInvalidText, with
+// or without BatchClaims, and nothing is stored.
+func TestClaimRefusesInvalidText(t *testing.T) {
+	ctx := context.Background()
+	for _, batch := range []bool{false, true} {
+		t.Run(fmt.Sprintf("batch=%v", batch), func(t *testing.T) {
+			s, pool := newStore(t, nil)
+			s.BatchClaims = batch
+			for _, bad := range []string{"a\x00b", "caf\xe9", "\xff"} {
+				for field, set := range map[string]func(*idempotency.ClaimRequest){
+					"client": func(r *idempotency.ClaimRequest) { r.ClientID = bad },
+					"key":    func(r *idempotency.ClaimRequest) { r.Key = bad },
+					"method": func(r *idempotency.ClaimRequest) { r.Method = bad },
+					"path":   func(r *idempotency.ClaimRequest) { r.Path = "/v1/orders/" + bad },
+				} {
+					r := req("key-1", "a")
+					set(&r)
+					res, err := s.Claim(ctx, r)
+					if !errors.Is(err, idempotency.ErrInvalidText) {
+						t.Errorf("Claim with %q in the %s = %+v, %v; want ErrInvalidText", bad, field, res, err)
+					}
+				}
+			}
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			if n != 0 {
+				t.Errorf("%d keys stored, want none", n)
+			}
+			// Valid text that is not ASCII is kept as it is.
+			r := req("clé-ü-日本", "a")
+			r.Path = "/v1/orders/ü"
+			mustClaim(t, s, r, idempotency.Claimed)
+			if rec := mustClaim(t, s, r, idempotency.Exists).Record; rec.Key != r.Key || rec.Path != r.Path {
+				t.Errorf("record %+v, want key %q and path %q", rec, r.Key, r.Path)
+			}
+		})
+	}
+}
+
+// TestPurgeIsBounded fills the key table, then checks that one Purge
+// deletes exactly its limit of the keys that expired first, and that its
+// statement is planned as a walk of the expires_at index and a TID scan: no
+// step of it scans the whole table.
+func TestPurgeIsBounded(t *testing.T) {
+	ctx := context.Background()
 	rec := &sqlRecorder{}
-	cfg.ConnConfig.Tracer = rec
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	// Key g was created g minutes ago: 20000 keys, 19940 older than an hour.
-	const keys, limit = 20000, 100
+	s, pool := newStore(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = rec })
+	// Key g expires 60-g minutes from now, plus 20 seconds: 20000 keys,
+	// the first 60 live, the others expired.
+	const keys, limit, live = 20000, 100, 60
 	if _, err := pool.Exec(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/payments', '\x00', 1, 'completed', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), 201, now() - g * interval '1 minute', now() - g * interval '1 minute'
-		FROM generate_series(1, $1::int) g`, keys); err != nil {
+			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at,
+			lease_us, retention_us, expires_at)
+		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 1, 'completed', gen_random_uuid(),
+			nextval('idempotency_lock_tokens'), 201, now() - interval '2 days', now() - interval '2 days',
+			1000000, 60000000, now() + ($2 - g) * interval '1 minute' + interval '20 seconds'
+		FROM generate_series(1, $1::int) g`, keys, live); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `ANALYZE idempotency_keys`); err != nil {
 		t.Fatal(err)
 	}
 
-	s := server.NewPostgresStore(pool)
-	n, err := s.Purge(ctx, time.Hour, limit)
+	n, err := s.Purge(ctx, limit)
 	if err != nil || n != limit {
-		t.Fatalf("Purge(1h, %d) = %d, %v; want %d", limit, n, err, limit)
+		t.Fatalf("Purge(%d) = %d, %v; want %d", limit, n, err, limit)
 	}
 	var left int
 	var oldest time.Duration
-	if err := pool.QueryRow(ctx, `SELECT count(*), (extract(epoch FROM now() - min(created_at)) * 1e6)::bigint
+	if err := pool.QueryRow(ctx, `SELECT count(*), (extract(epoch FROM now() - min(expires_at)) * 1e6)::bigint
 		FROM idempotency_keys`).Scan(&left, &oldest); err != nil {
 		t.Fatal(err)
 	}
 	oldest *= time.Microsecond
-	if left != keys-limit || oldest.Round(time.Minute) != (keys-limit)*time.Minute {
-		t.Errorf("after Purge: %d keys, the oldest %v old; want %d, %v (the oldest went first)",
-			left, oldest.Round(time.Minute), keys-limit, (keys-limit)*time.Minute)
+	want := (keys - live - limit) * time.Minute
+	if left != keys-limit || oldest.Round(time.Minute) != want {
+		t.Errorf("after Purge: %d keys, the first expired %v ago; want %d, %v (those that expired first went first)",
+			left, oldest.Round(time.Minute), keys-limit, want)
 	}
 
 	purge, ok := rec.last("DELETE")
@@ -330,36 +407,40 @@ func TestPostgresPurgeIsBounded(t *testing.T) {
 	}
 	text := strings.Join(plan, "\n")
 	if strings.Contains(text, "Seq Scan") || !strings.Contains(text, "Tid Scan") ||
-		!strings.Contains(text, "idempotency_keys_created_idx") {
-		t.Errorf("Purge's plan scans the table or skips the created_at index:\n%s", text)
+		!strings.Contains(text, "idempotency_keys_expires_idx") {
+		t.Errorf("Purge's plan scans the table or skips the expires_at index:\n%s", text)
+	}
+
+	// Everything expired goes, batch by batch; the live keys stay.
+	for {
+		n, err := s.Purge(ctx, 5000)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 0 {
+			break
+		}
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&left); err != nil {
+		t.Fatal(err)
+	}
+	if left != live {
+		t.Errorf("after purging everything expired: %d keys left, want %d", left, live)
+	}
+	if n, err := s.Purge(ctx, 0); n != 0 || err != nil {
+		t.Errorf("Purge(0) = %d, %v; want 0, nil", n, err)
 	}
 }
 
-// TestPostgresAsyncClaimIsLocal checks that AsyncClaims turns off
-// synchronous commit for the claim's transaction only: the connection goes
-// back to the pool with durable commits, for the completions that need them.
-func TestPostgresAsyncClaimIsLocal(t *testing.T) {
+// TestAsyncClaimIsLocal checks that AsyncClaims turns off synchronous
+// commit for the claim's transaction only: the connection goes back to the
+// pool with durable commits, for the completions that need them.
+func TestAsyncClaimIsLocal(t *testing.T) {
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(pgtest.SchemaURL(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1 // every statement below runs on the claim's connection
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(pool.Close)
-	if err := server.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	s := server.NewPostgresStore(pool)
+	// Every statement below runs on the claim's connection.
+	s, pool := newStore(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
 	s.AsyncClaims = true
-	req := server.ClaimRequest{ClientID: "cli_a", Key: "key-1", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte("fp"), FingerprintVersion: 1}
-	if _, err := s.Claim(ctx, req); err != nil {
-		t.Fatal(err)
-	}
+	mustClaim(t, s, req("key-1", "a"), idempotency.Claimed)
 	var setting string
 	if err := pool.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&setting); err != nil {
 		t.Fatal(err)
@@ -371,54 +452,53 @@ func TestPostgresAsyncClaimIsLocal(t *testing.T) {
 
 // benchClaims runs op once per iteration on a fresh store, durable and
 // with AsyncClaims, each time with a claim request for a new key.
-func benchClaims(b *testing.B, op func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, i int)) {
+func benchClaims(b *testing.B, op func(b *testing.B, s *pgstore.Store, r idempotency.ClaimRequest, i int)) {
 	for _, async := range []bool{false, true} {
 		name := map[bool]string{false: "sync", true: "async"}[async]
 		b.Run(name, func(b *testing.B) {
-			s := server.NewPostgresStore(migratedPool(b))
+			s, _ := newStore(b, nil)
 			s.AsyncClaims = async
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
 				i++
-				op(b, s, server.ClaimRequest{ClientID: "cli_bench", Key: fmt.Sprint("key-", i), Method: "POST",
-					Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1}, i)
+				op(b, s, req(fmt.Sprint("key-", i), "a"), i)
 			}
 		})
 	}
 }
 
-// BenchmarkPostgresClaim measures the claim of a new key, which commits one
-// row: durably (one WAL flush) or with AsyncClaims.
-func BenchmarkPostgresClaim(b *testing.B) {
-	benchClaims(b, func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, _ int) {
-		if _, err := s.Claim(context.Background(), req); err != nil {
+// BenchmarkClaim measures the claim of a new key, which commits one row:
+// durably (one WAL flush) or with AsyncClaims.
+func BenchmarkClaim(b *testing.B) {
+	benchClaims(b, func(b *testing.B, s *pgstore.Store, r idempotency.ClaimRequest, _ int) {
+		if _, err := s.Claim(context.Background(), r); err != nil {
 			b.Fatal(err)
 		}
 	})
 }
 
-// BenchmarkPostgresRequest measures a whole first request as the store sees
-// it: claim, then one payment and the completion; then a replayed duplicate.
-func BenchmarkPostgresRequest(b *testing.B) {
+// BenchmarkRequest measures a whole first request as the store sees it:
+// claim, then one row written by the handler and the completion; then a
+// replayed duplicate.
+func BenchmarkRequest(b *testing.B) {
 	ctx := context.Background()
-	benchClaims(b, func(b *testing.B, s *server.PostgresStore, req server.ClaimRequest, i int) {
-		res, err := s.Claim(ctx, req)
+	benchClaims(b, func(b *testing.B, s *pgstore.Store, r idempotency.ClaimRequest, i int) {
+		res, err := s.Claim(ctx, r)
 		if err != nil {
 			b.Fatal(err)
 		}
-		tx, _ := s.Begin(ctx, res.Claim)
-		c := res.Claim
-		p := server.Payment{ID: fmt.Sprint("pay_", i), ClientID: c.ClientID, Customer: "cus_1", Amount: 4200,
-			Currency: "usd", IdempotencyKey: c.Key, OperationID: c.OperationID, ChargeID: "ch_1"}
-		if err := s.CreatePayment(ctx, tx, p); err != nil {
+		tx, err := s.Begin(ctx, res.Claim)
+		if err != nil {
 			b.Fatal(err)
 		}
-		if err := tx.Complete(ctx, server.StoredResponse{Status: 201, ContentType: "application/json",
-			Body: []byte(`{"id":"` + p.ID + `"}`)}); err != nil {
+		if err := write(idempotency.NewContext(ctx, res.Claim, tx), fmt.Sprint("ord_", i)); err != nil {
 			b.Fatal(err)
 		}
-		if res, err := s.Claim(ctx, req); err != nil || res.Outcome != server.Exists {
+		if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
+			b.Fatal(err)
+		}
+		if res, err := s.Claim(ctx, r); err != nil || res.Outcome != idempotency.Exists {
 			b.Fatal(res.Outcome, err)
 		}
 	})

@@ -211,6 +211,11 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	}
 	c := u.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}
+	if u.tx == nil && u.err != nil && resp.Status < 400 {
+		// The handler's first statement failed before its transaction
+		// began: a success stored now would have no writes behind it.
+		return fmt.Errorf("pgstore: the handler answered %d but its transaction failed to begin (%w); nothing was committed", resp.Status, u.err)
+	}
 	if u.tx != nil {
 		switch u.conn.Conn().PgConn().TxStatus() {
 		case 'T': // a transaction in progress: complete and commit it

@@ -1,0 +1,129 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// TestRenewExtendsLease: Renew moves locked_at to now and the expiry with
+// it, by the lease and retention stored with the key; a key claimed with no
+// lease never expires while started. Renew of another token is fenced and
+// changes nothing.
+func TestRenewExtendsLease(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const lease, keep = time.Minute, time.Hour
+	c := mustClaim(t, s, leased(req("key-1", "a"), lease, keep), idempotency.Claimed).Claim
+	before, _ := readKey(t, pool, "key-1")
+	if before.expiresAt == nil || before.leaseUS != lease.Microseconds() || before.keepUS != keep.Microseconds() {
+		t.Fatalf("claimed key %+v: want an expiry, the lease and the retention stored", before)
+	}
+	if got := before.expiresAt.Sub(before.lockedAt); got != lease+keep {
+		t.Errorf("expires_at - locked_at = %v, want lease + retention = %v", got, lease+keep)
+	}
+	time.Sleep(20 * time.Millisecond)
+	if err := s.Renew(ctx, c); err != nil {
+		t.Fatalf("Renew: %v", err)
+	}
+	after, _ := readKey(t, pool, "key-1")
+	if !after.lockedAt.After(before.lockedAt) || !after.expiresAt.After(*before.expiresAt) {
+		t.Errorf("after Renew: locked_at %v, expires_at %v; want both later than %v, %v",
+			after.lockedAt, after.expiresAt, before.lockedAt, before.expiresAt)
+	}
+	if got := after.expiresAt.Sub(after.lockedAt); got != lease+keep {
+		t.Errorf("after Renew: expires_at - locked_at = %v, want %v", got, lease+keep)
+	}
+	if after.status != "started" || after.token != c.Token {
+		t.Errorf("after Renew: %+v, want started under token %d", after, c.Token)
+	}
+
+	other := c
+	other.Token++
+	if err := s.Renew(ctx, other); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Renew under another token: %v, want ErrFenced", err)
+	}
+	if again, _ := readKey(t, pool, "key-1"); !again.lockedAt.Equal(after.lockedAt) {
+		t.Errorf("a fenced Renew moved locked_at from %v to %v", after.lockedAt, again.lockedAt)
+	}
+
+	// No lease: never taken over, never expired while started.
+	c = mustClaim(t, s, leased(req("key-2", "a"), 0, keep), idempotency.Claimed).Claim
+	if err := s.Renew(ctx, c); err != nil {
+		t.Fatalf("Renew of a key with no lease: %v", err)
+	}
+	if row, _ := readKey(t, pool, "key-2"); row.expiresAt != nil {
+		t.Errorf("started key with no lease expires at %v, want never", row.expiresAt)
+	}
+}
+
+// TestLeaseStoredWithKey: the lease is the claimer's, stored with the key,
+// not the one of whoever looks. A key claimed with a long lock timeout is
+// not taken over by a replica passing a short one, however long it waits
+// past that; a key claimed with a short one is, by a replica passing a long
+// one.
+func TestLeaseStoredWithKey(t *testing.T) {
+	s, pool := newStore(t, nil)
+	long := leased(req("key-long", "a"), time.Hour, time.Hour)
+	short := leased(req("key-short", "a"), 100*time.Millisecond, time.Hour)
+	owner := mustClaim(t, s, long, idempotency.Claimed).Claim
+	shortOwner := mustClaim(t, s, short, idempotency.Claimed).Claim
+	time.Sleep(300 * time.Millisecond)
+
+	rec := mustClaim(t, s, leased(long, 100*time.Millisecond, time.Second), idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted {
+		t.Errorf("long-leased key seen as %q, want started", rec.Status)
+	}
+	if row, _ := readKey(t, pool, "key-long"); row.token != owner.Token || row.leaseUS != time.Hour.Microseconds() {
+		t.Errorf("long-leased key %+v, want still its owner's (token %d) with its lease", row, owner.Token)
+	}
+	taker := mustClaim(t, s, leased(short, time.Hour, time.Hour), idempotency.TookOver).Claim
+	if taker.OperationID != shortOwner.OperationID {
+		t.Errorf("takeover under operation %s, want %s", taker.OperationID, shortOwner.OperationID)
+	}
+	// The taker's lease is now the key's: a replica passing a short one
+	// does not take it over either.
+	time.Sleep(300 * time.Millisecond)
+	mustClaim(t, s, short, idempotency.Exists)
+}
+
+// TestFencedAfterTakeover: once a key is taken over, every operation of
+// its previous owner (Renew, Release, Complete, with or without writes) is
+// fenced and changes nothing, while the new owner's succeed.
+func TestFencedAfterTakeover(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	r := leased(req("key-1", "a"), 100*time.Millisecond, time.Hour)
+	old := mustClaim(t, s, r, idempotency.Claimed).Claim
+	oldTx, oldCtx := unitOf(t, s, old)
+	time.Sleep(300 * time.Millisecond)
+	taker := mustClaim(t, s, r, idempotency.TookOver).Claim
+	if taker.Token == old.Token {
+		t.Fatalf("takeover under the same token %d", old.Token)
+	}
+
+	if err := s.Renew(ctx, old); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Renew of the old owner: %v, want ErrFenced", err)
+	}
+	if err := s.Release(ctx, old, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Release of the old owner: %v, want ErrFenced", err)
+	}
+	if err := oldTx.Complete(ctx, created("ord_old")); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Complete of the old owner, no writes: %v, want ErrFenced", err)
+	}
+	if err := write(oldCtx, "w_old"); err == nil {
+		t.Errorf("write after Complete succeeded")
+	}
+	if row, _ := readKey(t, pool, "key-1"); row.status != "started" || row.token != taker.Token {
+		t.Errorf("key %+v, want started under the taker's token %d", row, taker.Token)
+	}
+	if err := s.Renew(ctx, taker); err != nil {
+		t.Errorf("Renew of the taker: %v", err)
+	}
+	mustComplete(t, s, taker, "w_taker")
+	mustBeWritten(t, pool, "w_taker", true)
+	mustBeWritten(t, pool, "w_old", false)
+}

@@ -1,0 +1,203 @@
+package pgstore_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
+)
+
+// The tests below sleep past short leases and retentions and assert only
+// the order of events. A check that needs an event to come before a
+// deadline measures an upper bound of the time the database saw on the
+// test's clock; when the machine stalled past the deadline the check
+// proves nothing, and runs again on a new key (see judged).
+
+// judged runs check on a new key each time until it returns true, which it
+// does unless the machine stalled past one of its deadlines.
+func judged(t *testing.T, check func(key string) bool) {
+	t.Helper()
+	const attempts = 5
+	for attempt := 1; ; attempt++ {
+		if check(fmt.Sprintf("key-%d", attempt)) {
+			return
+		}
+		if attempt == attempts {
+			t.Fatalf("%d attempts, each stalled past its deadlines: cannot be judged on this machine", attempts)
+		}
+		t.Logf("attempt %d stalled past its deadlines; again on a new key", attempt)
+	}
+}
+
+// makeOld moves the creation and the last lock of cli_a's key two days
+// back, as for a key whose operation began long ago.
+func makeOld(t *testing.T, pool *pgxpool.Pool, key string) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `UPDATE idempotency_keys SET created_at = now() - interval '2 days'
+		WHERE client_id = 'cli_a' AND idempotency_key = $1`, key); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRetentionOfTheKeyNotTheReplica: a key completed with a 24h retention
+// is kept by a replica running with a short one: past that short
+// retention, the replica's claim of the key (same request, or another)
+// finds it completed, and its purge deletes nothing.
+func TestRetentionOfTheKeyNotTheReplica(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const short = 200 * time.Millisecond
+	r := leased(req("key-1", "a"), time.Minute, 24*time.Hour)
+	c := mustClaim(t, s, r, idempotency.Claimed).Claim
+	mustComplete(t, s, c, "w1")
+	makeOld(t, pool, "key-1")
+	time.Sleep(2 * short)
+
+	replica := pgstore.New(pool) // another process, with other settings
+	for _, body := range []string{"a", "b"} {
+		rec := mustClaim(t, replica, leased(req("key-1", body), short, short), idempotency.Exists).Record
+		if rec.Status != idempotency.StatusCompleted {
+			t.Errorf("key seen by the short replica with body %s: %q, want completed", body, rec.Status)
+		}
+	}
+	if n, err := replica.Purge(ctx, 100); n != 0 || err != nil {
+		t.Errorf("Purge of the short replica = %d, %v; want 0", n, err)
+	}
+	if row, _ := readKey(t, pool, "key-1"); row.status != "completed" || row.keepUS != (24*time.Hour).Microseconds() {
+		t.Errorf("key %+v, want completed with its 24h retention", row)
+	}
+}
+
+// TestRetentionCountsFromCompletion: a key completed with a short
+// retention counts as absent that long after its completion, however long
+// ago its operation began: kept right after the completion, then claimed
+// as a new operation, and purged.
+func TestRetentionCountsFromCompletion(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const keep = 500 * time.Millisecond
+	judged(t, func(key string) bool {
+		r := leased(req(key, "a"), time.Hour, keep)
+		purged := leased(req(key+"-purged", "a"), time.Hour, keep)
+		c := mustClaim(t, s, r, idempotency.Claimed).Claim
+		cp := mustClaim(t, s, purged, idempotency.Claimed).Claim
+		makeOld(t, pool, key)
+		makeOld(t, pool, key+"-purged")
+		start := time.Now()
+		mustComplete(t, s, c)
+		mustComplete(t, s, cp)
+		rec := mustClaim(t, s, r, idempotency.Exists).Record
+		n, err := s.Purge(ctx, 100)
+		if !before(start, keep) {
+			return false
+		}
+		if rec.Status != idempotency.StatusCompleted || n != 0 || err != nil {
+			t.Fatalf("right after the completion: key %q, Purge = %d, %v; want completed, 0", rec.Status, n, err)
+		}
+		time.Sleep(keep + 200*time.Millisecond)
+		again := mustClaim(t, s, r, idempotency.Claimed).Claim
+		if again.OperationID == c.OperationID {
+			t.Errorf("expired key claimed under its old operation %s, want a new one", c.OperationID)
+		}
+		if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
+			t.Errorf("Purge past the retention = %d, %v; want 1 (the expired key, not the one claimed anew)", n, err)
+		}
+		if _, ok := readKey(t, pool, key+"-purged"); ok {
+			t.Errorf("expired key not purged")
+		}
+		return true
+	})
+}
+
+// before reports whether less than d passed since start.
+func before(start time.Time, d time.Duration) bool { return time.Since(start) < d }
+
+// TestPurgeSparesLiveLease: a started key whose owner renews its lease is
+// never expired nor purged, however old it is and however long it runs
+// past its lease and retention; one with no lease never is either.
+func TestPurgeSparesLiveLease(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const lease, keep = time.Second, 100 * time.Millisecond
+	c := mustClaim(t, s, leased(req("key-1", "a"), lease, keep), idempotency.Claimed).Claim
+	forever := mustClaim(t, s, leased(req("key-2", "a"), 0, keep), idempotency.Claimed).Claim
+	makeOld(t, pool, "key-1")
+	makeOld(t, pool, "key-2")
+	for end := time.Now().Add(2*(lease+keep) + 200*time.Millisecond); time.Now().Before(end); {
+		time.Sleep(lease / 5)
+		if err := s.Renew(ctx, c); err != nil {
+			t.Fatalf("Renew: %v", err)
+		}
+		if n, err := s.Purge(ctx, 100); n != 0 || err != nil {
+			t.Fatalf("Purge while the lease is renewed = %d, %v; want 0", n, err)
+		}
+	}
+	rec := mustClaim(t, s, leased(req("key-1", "a"), lease, keep), idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted {
+		t.Errorf("renewed key %q, want started", rec.Status)
+	}
+	mustClaim(t, s, leased(req("key-2", "a"), lease, keep), idempotency.Exists)
+	mustComplete(t, s, c, "w1")
+	mustComplete(t, s, forever, "w2")
+	mustBeWritten(t, pool, "w1", true)
+	mustBeWritten(t, pool, "w2", true)
+}
+
+// TestResumedKeyOutlivesItsRetention is the regression test of issue 10,
+// defect 2: a released key, old, is resumed by its own request near the
+// end of its retention; while that request runs, past the moment the
+// released key would have expired, a concurrent duplicate must find it
+// started (409), not absent: taken as absent, the duplicate got a new
+// operation and charged a second time. The resumed request then completes.
+func TestResumedKeyOutlivesItsRetention(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const lease, keep = time.Second, 600 * time.Millisecond
+	judged(t, func(key string) bool {
+		r := leased(req(key, "a"), lease, keep)
+		first := mustClaim(t, s, r, idempotency.Claimed).Claim
+		makeOld(t, pool, key)
+		released := time.Now()
+		if err := s.Release(ctx, first, idempotency.ReleaseFailed); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(keep * 2 / 3) // near the end of its retention
+		res, err := s.Claim(ctx, r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !before(released, keep) {
+			return false // expired before the retry: a new operation is right
+		}
+		if res.Outcome != idempotency.Claimed || res.Claim.OperationID != first.OperationID {
+			t.Fatalf("retry of the released key: %+v, want Claimed under operation %s", res, first.OperationID)
+		}
+		resumed, resumedAt := res.Claim, time.Now()
+		time.Sleep(time.Until(released.Add(keep + 200*time.Millisecond))) // the released key would have expired
+		dup, err := s.Claim(ctx, r)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if dup.Outcome == idempotency.Claimed {
+			t.Fatalf("a duplicate of the running resumed request claimed it as absent (operation %s): a second charge", dup.Claim.OperationID)
+		}
+		n, err := s.Purge(ctx, 100)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !before(resumedAt, lease) {
+			return false // the lease ran out: a takeover is right
+		}
+		if dup.Outcome != idempotency.Exists || dup.Record.Status != idempotency.StatusStarted || n != 0 {
+			t.Fatalf("duplicate of the running resumed request: %+v, purged %d; want Exists, started, none purged", dup, n)
+		}
+		mustComplete(t, s, resumed, "w_"+key)
+		mustBeWritten(t, pool, "w_"+key, true)
+		return true
+	})
+}
