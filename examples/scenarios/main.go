@@ -187,7 +187,10 @@ func writeResult(w io.Writer, i, n int, r *result, verbose, color bool) {
 }
 
 // writeSummary prints the table of results and returns the number of
-// scenarios that failed.
+// scenarios that failed. Each figure found in the store stands beside the
+// one the scenario expects, and the last column says why a scenario expects
+// other figures than one payment and one charge, so that a 3 where one
+// might expect a 1 reads as intended at a glance.
 func writeSummary(w io.Writer, results []*result, backend string, elapsed time.Duration, color bool) int {
 	var b strings.Builder
 	rows := [][]string{{"scenario", "result", "attempts", "payments", "charges", "time", ""}}
@@ -198,8 +201,10 @@ func writeSummary(w io.Writer, results []*result, backend string, elapsed time.D
 			res = "FAIL"
 			failed++
 		}
-		rows = append(rows, []string{r.name, res, fmt.Sprint(r.attempts), fmt.Sprint(r.payments),
-			fmt.Sprint(r.charges), fmt.Sprintf("%.2fs", r.elapsed.Seconds()), ""})
+		rows = append(rows, []string{r.name, res, fmt.Sprint(r.attempts),
+			fmt.Sprintf("%d (expected %d)", r.payments, r.want.payments),
+			fmt.Sprintf("%d (expected %d)", r.charges, r.want.charges),
+			fmt.Sprintf("%.2fs", r.elapsed.Seconds()), r.want.why})
 	}
 	b.WriteString("\n")
 	writeSummaryTable(&b, rows, color)
@@ -214,6 +219,7 @@ func writeSummary(w io.Writer, results []*result, backend string, elapsed time.D
 
 // writeSummaryTable aligns the summary: names left, figures right, the
 // result coloured after alignment so escape codes do not count as width.
+// The last cell, the reason, is neither padded nor counted.
 func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 	widths := make([]int, len(rows[0]))
 	for _, row := range rows {
@@ -223,7 +229,8 @@ func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 	}
 	for ri, row := range rows {
 		var line strings.Builder
-		for i, cell := range row[:len(row)-1] {
+		last := len(row) - 1
+		for i, cell := range row[:last] {
 			pad := strings.Repeat(" ", widths[i]-len(cell))
 			switch {
 			case i == 1 && ri > 0:
@@ -235,6 +242,7 @@ func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 			}
 			line.WriteString("  ")
 		}
+		line.WriteString(row[last])
 		b.WriteString(strings.TrimRight(line.String(), " "))
 		b.WriteByte('\n')
 	}

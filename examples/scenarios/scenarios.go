@@ -25,54 +25,64 @@ var scenarios = []scenario{
 		name:  "lost-response",
 		title: "the response is lost after the server committed",
 		run:   lostResponse,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "server-errors",
 		title: "503, 503, then success",
 		run:   serverErrors,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:   "slow-server",
 		title:  "an attempt times out while the server is still working",
 		server: func(c *server.Config) { c.ProcessorDelay = 400 * time.Millisecond },
 		run:    slowServer,
+		want:   expected{1, 1, ""},
 	},
 	{
 		name:  "concurrent",
 		title: "two concurrent requests with one key",
 		run:   concurrent,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "key-reuse",
 		title: "a key reused with another body",
 		run:   keyReuse,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "changed-body",
-		title: "the card is charged but the answer is lost; the app then changes the body under the same key",
+		title: "the card is charged, the server answers 502; the app gives up, re-prices the order under the same key, then resends the original",
 		run:   changedBody,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "missing-key",
 		title: "a request without a key against the raw API",
 		run:   missingKey,
+		want:  expected{0, 0, "refused before anything was done"},
 	},
 	{
 		name:   "crash",
 		title:  "the server crashes mid-request; the stuck key is taken over after the lock timeout",
 		server: func(c *server.Config) { c.LockTimeout = crashLockTimeout },
 		run:    crash,
+		want:   expected{1, 1, ""},
 	},
 	{
 		name:   "retention",
 		title:  "the key expires after retention; the same key starts a new operation",
 		server: func(c *server.Config) { c.Retention = retention },
 		run:    expiry,
+		want:   expected{2, 2, "the same key after retention is a new payment"},
 	},
 	{
 		name:  "key-per-attempt",
 		title: "the classic client bug, a new key per attempt, against one key per operation",
 		run:   keyPerAttempt,
+		want:  expected{3, 3, "2 by the naive loop (the bug shown), 1 by idem"},
 	},
 }
 
@@ -125,7 +135,7 @@ func slowServer(ctx context.Context, e *env) error {
 	}
 	timedOut := e.tl.count(func(ev event) bool { return ev.outcome == "attempt timed out" })
 	e.expect(timedOut >= 1, "attempts timed out: %d", timedOut)
-	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
@@ -232,8 +242,9 @@ func expectKeyReuse(ctx context.Context, e *env, c *idem.Client, op, key string,
 func changedBody(ctx context.Context, e *env) error {
 	proc := e.srv.Processor()
 	proc.LoseNext(1 << 20) // every answer: the server's own retries too
+	e.tl.fault("the card processor charges, but none of its answers reach the server")
 	p := policy
-	p.MaxAttempts = 2
+	p.MaxAttempts = 2 // the app's policy for this call: see the note on the timeline
 	c := e.client(e.transport(p))
 	cus := customer("changed-body")
 	key := idem.NewKey()
@@ -252,16 +263,18 @@ func changedBody(ctx context.Context, e *env) error {
 	e.expect(charged == 1, "the card was charged once nonetheless: %d charge", charged)
 
 	proc.LoseNext(0)
+	e.tl.note("the app shows the error; the order is re-priced to 4300 and sent again with the same key")
 	if !expectKeyReuse(ctx, e, c, "re-priced", key, payment{Amount: 4300, Currency: "usd", Customer: cus}) {
 		return nil
 	}
 
+	e.tl.note("the processor answers again; the app resends the original request (4200) with the same key")
 	out, resp, err := e.pay(ctx, c, "resend", first)
 	if err != nil {
 		return err
 	}
 	e.expect(resp.StatusCode == http.StatusCreated && out.Amount == first.Amount,
-		"the original request, resent, created the payment of %d (%s)", out.Amount, resp.Status)
+		"the original request, resent, created the payment of %d (%s)", out.Amount, statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
@@ -287,7 +300,7 @@ func missingKey(ctx context.Context, e *env) error {
 		return err
 	}
 	ct := resp.Header.Get("Content-Type")
-	e.note(fmt.Sprintf("what the developer sees: %s, Content-Type: %s", resp.Status, ct))
+	e.note(fmt.Sprintf("what the developer sees: %s, Content-Type: %s", statusLine(resp.StatusCode), ct))
 	var pretty bytes.Buffer
 	if json.Indent(&pretty, raw, "", "  ") == nil {
 		e.note(strings.Split(strings.TrimSpace(pretty.String()), "\n")...)
@@ -332,7 +345,7 @@ func crash(ctx context.Context, e *env) error {
 	}
 	e.expect(stuck >= 1, "key stuck: 409 x%d", stuck)
 	e.expect(tookOver == 1, "taken over after the %s lock timeout (takeovers: %v)", crashLockTimeout, tookOver)
-	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 

@@ -139,9 +139,9 @@ func outcome(resp *http.Response, err error) string {
 	case err == nil && resp == nil:
 		return "no response"
 	case err == nil && idem.Replayed(resp):
-		return resp.Status + ", replayed"
+		return statusLine(resp.StatusCode) + ", replayed"
 	case err == nil:
-		return resp.Status
+		return statusLine(resp.StatusCode)
 	case errors.Is(err, idem.ErrAttemptTimeout):
 		return "attempt timed out"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
@@ -152,6 +152,28 @@ func outcome(resp *http.Response, err error) string {
 		return "connection refused"
 	}
 	return err.Error()
+}
+
+// rfc9110Phrases are the reason phrases of RFC 9110 where Go's
+// http.StatusText still has the older ones of RFC 7231 and RFC 4918.
+var rfc9110Phrases = map[int]string{
+	http.StatusRequestEntityTooLarge:        "Content Too Large",
+	http.StatusRequestURITooLong:            "URI Too Long",
+	http.StatusRequestedRangeNotSatisfiable: "Range Not Satisfiable",
+	http.StatusUnprocessableEntity:          "Unprocessable Content",
+}
+
+// statusLine is a status code with its RFC 9110 reason phrase, as the
+// runner prints it: "422 Unprocessable Content", whatever phrase the
+// server sent.
+func statusLine(code int) string {
+	if phrase, ok := rfc9110Phrases[code]; ok {
+		return fmt.Sprintf("%d %s", code, phrase)
+	}
+	if phrase := http.StatusText(code); phrase != "" {
+		return fmt.Sprintf("%d %s", code, phrase)
+	}
+	return fmt.Sprint(code)
 }
 
 type opKey struct{}
