@@ -71,6 +71,7 @@ type expected struct {
 type env struct {
 	url    string // the server's base URL, through the fault injector
 	srv    *server.Server
+	cfg    server.Config // srv's configuration, to start another instance on the same storage
 	faults *faults
 	tl     *timeline
 	ledger ledger
@@ -174,6 +175,24 @@ func (e *env) pay(ctx context.Context, c *idem.Client, op string, in payment) (p
 	var out payment
 	resp, err := c.Post(withOp(ctx, op), "/v1/payments", in, &out)
 	return out, resp, err
+}
+
+// answer is what one payment call returned.
+type answer struct {
+	p    payment
+	resp *http.Response
+	err  error
+}
+
+// payAsync pays like pay, in a goroutine, and sends its answer on the
+// returned channel, for the operations a scenario runs at once.
+func (e *env) payAsync(ctx context.Context, c *idem.Client, op string, in payment) <-chan answer {
+	ch := make(chan answer, 1)
+	go func() {
+		p, resp, err := e.pay(ctx, c, op, in)
+		ch <- answer{p, resp, err}
+	}()
+	return ch
 }
 
 // expect records a check that holds when ok.
@@ -316,6 +335,7 @@ func tell(ctx context.Context, sc scenario, b backend, verbose bool, res *result
 	if sc.server != nil {
 		sc.server(&cfg)
 	}
+	e.cfg = cfg
 	if e.srv, err = server.New(cfg); err != nil {
 		return err
 	}

@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -150,6 +151,12 @@ func outcome(resp *http.Response, err error) string {
 		return "connection reset, no response"
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return "connection refused"
+	}
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		// Without the method and URL, and with the first clause only:
+		// "http2: server sent GOAWAY and closed the connection".
+		msg, _, _ := strings.Cut(ue.Err.Error(), "; ")
+		return msg
 	}
 	return err.Error()
 }
