@@ -1,12 +1,14 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
+	"strings"
 	"sync"
 	"time"
 
@@ -52,6 +54,16 @@ type scenario struct {
 	// run drives the clients and records its checks on e. An error means
 	// the scenario could not be told (not that an invariant failed).
 	run func(ctx context.Context, e *env) error
+	// want is what the store must hold when the story ends: the runner
+	// checks it and the summary shows it beside what was found.
+	want expected
+}
+
+// expected is what a scenario must leave in its store, in all, and why
+// when the figures are not the obvious one payment and one charge.
+type expected struct {
+	payments, charges int
+	why               string
 }
 
 // env is what a scenario runs in: the server behind the fault injector,
@@ -59,6 +71,7 @@ type scenario struct {
 type env struct {
 	url    string // the server's base URL, through the fault injector
 	srv    *server.Server
+	cfg    server.Config // srv's configuration, to start another instance on the same storage
 	faults *faults
 	tl     *timeline
 	ledger ledger
@@ -110,12 +123,21 @@ func (e *env) runAfterCharge(ctx context.Context) error {
 }
 
 // transport returns an idem.Transport that reports its attempts to the
-// timeline.
+// timeline. A policy other than the runner's is shown on the timeline when
+// the transport is made, and an operation that runs out of attempts says
+// how many it had, so a story that stops early reads as intended.
 func (e *env) transport(p idem.RetryPolicy) *idem.Transport {
+	if d := policyDiff(p); d != "" {
+		e.tl.note("this client's retry policy: %s", d)
+	}
+	maxAttempts := cmp.Or(p.MaxAttempts, idem.DefaultMaxAttempts)
 	return &idem.Transport{
 		Base:  e.base,
 		Retry: p,
 		OnAttempt: func(a idem.Attempt) {
+			if a.Reason == "attempts exhausted" {
+				a.Reason = fmt.Sprintf("attempts exhausted (MaxAttempts %d)", maxAttempts)
+			}
 			e.tl.attempt(a)
 			e.mu.Lock()
 			watch := e.watch
@@ -125,6 +147,22 @@ func (e *env) transport(p idem.RetryPolicy) *idem.Transport {
 			}
 		},
 	}
+}
+
+// policyDiff describes how p differs from the runner's policy, with the
+// value it replaces; "" when it does not.
+func policyDiff(p idem.RetryPolicy) string {
+	var d []string
+	if got, def := cmp.Or(p.MaxAttempts, idem.DefaultMaxAttempts), cmp.Or(policy.MaxAttempts, idem.DefaultMaxAttempts); got != def {
+		d = append(d, fmt.Sprintf("MaxAttempts %d, then give up (the default is %d)", got, def))
+	}
+	if p.AttemptTimeout != policy.AttemptTimeout {
+		d = append(d, fmt.Sprintf("AttemptTimeout %s (the default is none)", p.AttemptTimeout))
+	}
+	if p.ConflictTimeout != policy.ConflictTimeout {
+		d = append(d, fmt.Sprintf("ConflictTimeout %s (here %s)", p.ConflictTimeout, policy.ConflictTimeout))
+	}
+	return strings.Join(d, ", ")
 }
 
 // client returns an idem.Client of the payments API over tr.
@@ -137,6 +175,24 @@ func (e *env) pay(ctx context.Context, c *idem.Client, op string, in payment) (p
 	var out payment
 	resp, err := c.Post(withOp(ctx, op), "/v1/payments", in, &out)
 	return out, resp, err
+}
+
+// answer is what one payment call returned.
+type answer struct {
+	p    payment
+	resp *http.Response
+	err  error
+}
+
+// payAsync pays like pay, in a goroutine, and sends its answer on the
+// returned channel, for the operations a scenario runs at once.
+func (e *env) payAsync(ctx context.Context, c *idem.Client, op string, in payment) <-chan answer {
+	ch := make(chan answer, 1)
+	go func() {
+		p, resp, err := e.pay(ctx, c, op, in)
+		ch <- answer{p, resp, err}
+	}()
+	return ch
 }
 
 // expect records a check that holds when ok.
@@ -273,6 +329,7 @@ func tell(ctx context.Context, sc scenario, b backend, verbose bool, res *result
 	if sc.server != nil {
 		sc.server(&cfg)
 	}
+	e.cfg = cfg
 	if e.srv, err = server.New(cfg); err != nil {
 		return err
 	}
@@ -312,6 +369,13 @@ func tell(ctx context.Context, sc scenario, b backend, verbose bool, res *result
 	if res.payments, err = e.payments(ctx, ""); err != nil {
 		return err
 	}
-	res.charges, err = e.charges(ctx)
-	return err
+	if res.charges, err = e.charges(ctx); err != nil {
+		return err
+	}
+	if res.payments != sc.want.payments || res.charges != sc.want.charges {
+		res.checks = append(res.checks, check{ok: false, text: fmt.Sprintf(
+			"the store holds %d payments and %d charges, expected %d and %d",
+			res.payments, res.charges, sc.want.payments, sc.want.charges)})
+	}
+	return nil
 }

@@ -76,8 +76,7 @@ func (f *faults) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case loseResponse:
 		rec := httptest.NewRecorder()
 		f.next.ServeHTTP(rec, r)
-		f.tl.fault("the server answered %d %s; the connection is cut before the client reads it",
-			rec.Code, http.StatusText(rec.Code))
+		f.tl.fault("the server answered %s; the connection is cut before the client reads it", statusLine(rec.Code))
 		conn, _, err := http.NewResponseController(w).Hijack()
 		if err != nil {
 			panic(http.ErrAbortHandler) // closes the connection all the same

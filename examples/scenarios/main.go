@@ -16,6 +16,12 @@
 // With -database-url every scenario runs on PostgreSQL in a schema of its
 // own (idem_scenarios_<run>_<scenario>), created, migrated and dropped by
 // the run; the role needs CREATE on the database.
+//
+// With -target, it runs no scenario: it checks the client-observable part
+// of the contract against any payments endpoint, one verdict per row
+// (conformance.go):
+//
+//	go run ./examples/scenarios -target https://api.example.com/v1/payments -token T [-token2 T2] [-body JSON] [-dry-run]
 package main
 
 import (
@@ -24,6 +30,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"net/url"
 	"os"
 	"os/signal"
 	"regexp"
@@ -58,8 +65,20 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	pattern := fs.String("run", "", "run only the scenarios whose name matches this `regexp`")
 	verbose := fs.Bool("v", false, "show every attempt, and the server's warnings, on the timelines")
 	list := fs.Bool("list", false, "list the scenarios and exit")
+
+	target := fs.String("target", "", "check the payments endpoint at this `URL` against the contract instead of running the scenarios")
+	tok := fs.String("token", "", "with -target: the bearer `token` of the API client the check uses")
+	tok2 := fs.String("token2", "", "with -target: the bearer `token` of a second client, to check that keys are scoped per client")
+	body := fs.String("body", defaultConformanceBody, "with -target: the `JSON` body of a payment the target accepts")
+	slowBody := fs.String("slow-body", "", "with -target: a `JSON` body the target takes over a second to process, to check the answer to a duplicate in flight")
+	maxPayments := fs.Int("max-payments", 10, "with -target: never make more than `N` payments")
+	retention := fs.Duration("retention", 0, "with -target: the `duration` the API publishes it keeps keys for")
+	wait := fs.Bool("wait", false, "with -target and -retention: wait the retention out to check it")
+	dryRun := fs.Bool("dry-run", false, "with -target: print the requests the check would send, and send none")
+	timeout := fs.Duration("timeout", 30*time.Second, "with -target: the longest wait for one answer")
 	fs.Usage = func() {
-		fmt.Fprintf(fs.Output(), "usage: scenarios [-run regexp] [-v] [-database-url URL] [-list]\n\n")
+		fmt.Fprintf(fs.Output(), "usage: scenarios [-run regexp] [-v] [-database-url URL] [-list]\n")
+		fmt.Fprintf(fs.Output(), "       scenarios -target URL -token T [-token2 T2] [-body JSON] [-slow-body JSON] [-max-payments N] [-retention D [-wait]] [-dry-run]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -71,6 +90,26 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	if fs.NArg() > 0 {
 		fs.Usage()
 		return fmt.Errorf("%w: unexpected arguments %q", errUsage, fs.Args())
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	conformanceFlags := []string{"token", "token2", "body", "slow-body", "max-payments", "retention", "wait", "dry-run", "timeout"}
+	if *target != "" {
+		for _, name := range []string{"run", "v", "database-url", "list"} {
+			if set[name] {
+				return fmt.Errorf("%w: -%s runs scenarios; it does not go with -target", errUsage, name)
+			}
+		}
+		cfg, err := conformanceFlagsToConfig(*target, *tok, *tok2, *body, *slowBody, *maxPayments, *retention, *wait, *dryRun, *timeout)
+		if err != nil {
+			return err
+		}
+		return runConformance(ctx, cfg, stdout)
+	}
+	for _, name := range conformanceFlags {
+		if set[name] {
+			return fmt.Errorf("%w: -%s goes with -target", errUsage, name)
+		}
 	}
 	selected, err := selectScenarios(*pattern)
 	if err != nil {
@@ -113,6 +152,39 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		return fmt.Errorf("%d of %d scenarios failed", failed, len(results))
 	}
 	return nil
+}
+
+// conformanceFlagsToConfig checks the -target flags and returns the
+// check's configuration.
+func conformanceFlagsToConfig(target, tok, tok2, body, slowBody string, maxPayments int,
+	retention time.Duration, wait, dryRun bool, timeout time.Duration) (conformanceConfig, error) {
+	u, err := url.Parse(target)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return conformanceConfig{}, fmt.Errorf("%w: -target must be an http or https URL, such as https://api.example.com/v1/payments", errUsage)
+	}
+	cfg := conformanceConfig{target: target, token: tok, token2: tok2, maxPayments: maxPayments,
+		retention: retention, wait: wait, dryRun: dryRun, timeout: timeout}
+	switch {
+	case tok == "":
+		return cfg, fmt.Errorf("%w: -target needs -token, the bearer token of a client of the API", errUsage)
+	case tok2 == tok:
+		return cfg, fmt.Errorf("%w: -token2 must be another client's token than -token", errUsage)
+	case maxPayments < 1:
+		return cfg, fmt.Errorf("%w: -max-payments must be at least 1", errUsage)
+	case retention < 0 || timeout <= 0:
+		return cfg, fmt.Errorf("%w: -retention must not be negative, -timeout must be positive", errUsage)
+	case wait && retention == 0:
+		return cfg, fmt.Errorf("%w: -wait needs -retention, the retention to wait out", errUsage)
+	}
+	if cfg.body, err = checkBody("-body", body); err != nil {
+		return cfg, err
+	}
+	if slowBody != "" {
+		if cfg.slowBody, err = checkBody("-slow-body", slowBody); err != nil {
+			return cfg, err
+		}
+	}
+	return cfg, nil
 }
 
 // selectScenarios returns the scenarios whose name matches pattern.
@@ -187,7 +259,10 @@ func writeResult(w io.Writer, i, n int, r *result, verbose, color bool) {
 }
 
 // writeSummary prints the table of results and returns the number of
-// scenarios that failed.
+// scenarios that failed. Each figure found in the store stands beside the
+// one the scenario expects, and the last column says why a scenario expects
+// other figures than one payment and one charge, so that a 3 where one
+// might expect a 1 reads as intended at a glance.
 func writeSummary(w io.Writer, results []*result, backend string, elapsed time.Duration, color bool) int {
 	var b strings.Builder
 	rows := [][]string{{"scenario", "result", "attempts", "payments", "charges", "time", ""}}
@@ -198,8 +273,10 @@ func writeSummary(w io.Writer, results []*result, backend string, elapsed time.D
 			res = "FAIL"
 			failed++
 		}
-		rows = append(rows, []string{r.name, res, fmt.Sprint(r.attempts), fmt.Sprint(r.payments),
-			fmt.Sprint(r.charges), fmt.Sprintf("%.2fs", r.elapsed.Seconds()), ""})
+		rows = append(rows, []string{r.name, res, fmt.Sprint(r.attempts),
+			fmt.Sprintf("%d (expected %d)", r.payments, r.want.payments),
+			fmt.Sprintf("%d (expected %d)", r.charges, r.want.charges),
+			fmt.Sprintf("%.2fs", r.elapsed.Seconds()), r.want.why})
 	}
 	b.WriteString("\n")
 	writeSummaryTable(&b, rows, color)
@@ -214,6 +291,7 @@ func writeSummary(w io.Writer, results []*result, backend string, elapsed time.D
 
 // writeSummaryTable aligns the summary: names left, figures right, the
 // result coloured after alignment so escape codes do not count as width.
+// The last cell, the reason, is neither padded nor counted.
 func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 	widths := make([]int, len(rows[0]))
 	for _, row := range rows {
@@ -223,7 +301,8 @@ func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 	}
 	for ri, row := range rows {
 		var line strings.Builder
-		for i, cell := range row[:len(row)-1] {
+		last := len(row) - 1
+		for i, cell := range row[:last] {
 			pad := strings.Repeat(" ", widths[i]-len(cell))
 			switch {
 			case i == 1 && ri > 0:
@@ -235,6 +314,7 @@ func writeSummaryTable(b *strings.Builder, rows [][]string, color bool) {
 			}
 			line.WriteString("  ")
 		}
+		line.WriteString(row[last])
 		b.WriteString(strings.TrimRight(line.String(), " "))
 		b.WriteByte('\n')
 	}

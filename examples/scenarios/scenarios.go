@@ -25,54 +25,98 @@ var scenarios = []scenario{
 		name:  "lost-response",
 		title: "the response is lost after the server committed",
 		run:   lostResponse,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "server-errors",
 		title: "503, 503, then success",
 		run:   serverErrors,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:   "slow-server",
 		title:  "an attempt times out while the server is still working",
 		server: func(c *server.Config) { c.ProcessorDelay = 400 * time.Millisecond },
 		run:    slowServer,
+		want:   expected{1, 1, ""},
 	},
 	{
 		name:  "concurrent",
 		title: "two concurrent requests with one key",
 		run:   concurrent,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "key-reuse",
 		title: "a key reused with another body",
 		run:   keyReuse,
+		want:  expected{1, 1, ""},
+	},
+	{
+		name:  "invalid-text",
+		title: "a NUL and invalid UTF-8 in a field: 400 before any charge; the corrected request with the same key pays",
+		run:   invalidText,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "changed-body",
-		title: "the card is charged but the answer is lost; the app then changes the body under the same key",
+		title: "the card is charged, the server answers 502; the app gives up, re-prices the order under the same key, then resends the original",
 		run:   changedBody,
+		want:  expected{1, 1, ""},
 	},
 	{
 		name:  "missing-key",
 		title: "a request without a key against the raw API",
 		run:   missingKey,
+		want:  expected{0, 0, "refused before anything was done"},
 	},
 	{
 		name:   "crash",
 		title:  "the server crashes mid-request; the stuck key is taken over after the lock timeout",
 		server: func(c *server.Config) { c.LockTimeout = crashLockTimeout },
 		run:    crash,
+		want:   expected{1, 1, ""},
+	},
+	{
+		name:   "deploy",
+		title:  "a deploy: instance A drains and stops mid-call (HTTP/2 GOAWAY); the retry reaches instance B on the same storage",
+		server: func(c *server.Config) { c.ProcessorDelay = deployProcessorDelay },
+		run:    deploy,
+		want:   expected{1, 1, ""},
+	},
+	{
+		name:  "slow-alive",
+		title: "a request alive past the lock timeout keeps its key (its lease is renewed): the duplicate waits",
+		server: func(c *server.Config) {
+			c.LockTimeout = aliveLockTimeout
+			c.ProcessorDelay = aliveProcessorDelay
+		},
+		run:  slowAlive,
+		want: expected{1, 1, ""},
 	},
 	{
 		name:   "retention",
 		title:  "the key expires after retention; the same key starts a new operation",
 		server: func(c *server.Config) { c.Retention = retention },
 		run:    expiry,
+		want:   expected{2, 2, "the same key after retention is a new payment"},
+	},
+	{
+		name:  "retention-resume",
+		title: "a failed request resumed after the retention counted from its key's creation: still one charge",
+		server: func(c *server.Config) {
+			c.Retention = retention
+			c.ProcessorDelay = resumeProcessorDelay
+			c.ProcessorRetry = idem.RetryPolicy{MaxAttempts: 3, InitialInterval: 20 * time.Millisecond, MaxInterval: 50 * time.Millisecond}
+		},
+		run:  retentionResume,
+		want: expected{1, 1, ""},
 	},
 	{
 		name:  "key-per-attempt",
 		title: "the classic client bug, a new key per attempt, against one key per operation",
 		run:   keyPerAttempt,
+		want:  expected{3, 3, "2 by the naive loop (the bug shown), 1 by idem"},
 	},
 }
 
@@ -125,7 +169,7 @@ func slowServer(ctx context.Context, e *env) error {
 	}
 	timedOut := e.tl.count(func(ev event) bool { return ev.outcome == "attempt timed out" })
 	e.expect(timedOut >= 1, "attempts timed out: %d", timedOut)
-	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
@@ -157,20 +201,8 @@ func concurrent(ctx context.Context, e *env) error {
 	cus := customer("concurrent")
 	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
 	ctx = idem.WithKey(ctx, idem.NewKey())
-	type answer struct {
-		p    payment
-		resp *http.Response
-		err  error
-	}
-	var answers [2]answer
-	var wg sync.WaitGroup
-	for i, op := range []string{"A", "B"} {
-		wg.Go(func() {
-			p, resp, err := e.pay(ctx, c, op, in)
-			answers[i] = answer{p, resp, err}
-		})
-	}
-	wg.Wait()
+	a, b := e.payAsync(ctx, c, "A", in), e.payAsync(ctx, c, "B", in)
+	answers := [2]answer{<-a, <-b}
 	replays := 0
 	for _, a := range answers {
 		if a.err != nil {
@@ -232,8 +264,9 @@ func expectKeyReuse(ctx context.Context, e *env, c *idem.Client, op, key string,
 func changedBody(ctx context.Context, e *env) error {
 	proc := e.srv.Processor()
 	proc.LoseNext(1 << 20) // every answer: the server's own retries too
+	e.tl.fault("the card processor charges, but none of its answers reach the server")
 	p := policy
-	p.MaxAttempts = 2
+	p.MaxAttempts = 2 // the app's policy for this call: see the note on the timeline
 	c := e.client(e.transport(p))
 	cus := customer("changed-body")
 	key := idem.NewKey()
@@ -252,16 +285,18 @@ func changedBody(ctx context.Context, e *env) error {
 	e.expect(charged == 1, "the card was charged once nonetheless: %d charge", charged)
 
 	proc.LoseNext(0)
+	e.tl.note("the app shows the error; the order is re-priced to 4300 and sent again with the same key")
 	if !expectKeyReuse(ctx, e, c, "re-priced", key, payment{Amount: 4300, Currency: "usd", Customer: cus}) {
 		return nil
 	}
 
+	e.tl.note("the processor answers again; the app resends the original request (4200) with the same key")
 	out, resp, err := e.pay(ctx, c, "resend", first)
 	if err != nil {
 		return err
 	}
 	e.expect(resp.StatusCode == http.StatusCreated && out.Amount == first.Amount,
-		"the original request, resent, created the payment of %d (%s)", out.Amount, resp.Status)
+		"the original request, resent, created the payment of %d (%s)", out.Amount, statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
@@ -287,7 +322,7 @@ func missingKey(ctx context.Context, e *env) error {
 		return err
 	}
 	ct := resp.Header.Get("Content-Type")
-	e.note(fmt.Sprintf("what the developer sees: %s, Content-Type: %s", resp.Status, ct))
+	e.note(fmt.Sprintf("what the developer sees: %s, Content-Type: %s", statusLine(resp.StatusCode), ct))
 	var pretty bytes.Buffer
 	if json.Indent(&pretty, raw, "", "  ") == nil {
 		e.note(strings.Split(strings.TrimSpace(pretty.String()), "\n")...)
@@ -332,7 +367,7 @@ func crash(ctx context.Context, e *env) error {
 	}
 	e.expect(stuck >= 1, "key stuck: 409 x%d", stuck)
 	e.expect(tookOver == 1, "taken over after the %s lock timeout (takeovers: %v)", crashLockTimeout, tookOver)
-	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", resp.Status)
+	e.expect(resp.StatusCode == http.StatusCreated, "ended in %s", statusLine(resp.StatusCode))
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
@@ -367,6 +402,179 @@ func expiry(ctx context.Context, e *env) error {
 	}
 	e.expect(!idem.Replayed(resp) && later.ID != first.ID, "after retention: new payment %s", later.ID)
 	return e.expectStored(ctx, cus, 2, 2)
+}
+
+// invalidText: a client sends a NUL in the customer (JSON), then invalid
+// UTF-8 in a form field, under one key. Text a database cannot store, or
+// that another system would read otherwise, must be refused with 400
+// before the card is charged: after a charge, the failure would hold the
+// key for that request alone and the corrected one would get 422. A 400
+// releases the key with nothing done, so the corrected request with the
+// same key is a new operation and pays once.
+func invalidText(ctx context.Context, e *env) error {
+	tr := e.transport(policy)
+	c := e.client(tr)
+	cus := customer("invalid-text")
+	ctx = idem.WithKey(ctx, idem.NewKey())
+
+	_, _, err := e.pay(ctx, c, "nul", payment{Amount: 4200, Currency: "usd", Customer: cus + "\x00"})
+	expectInvalid(e, "a NUL in customer (JSON)", err)
+
+	form := "amount=4200&currency=usd&customer=" + cus + "%FF" // %FF: not UTF-8
+	req, err := http.NewRequestWithContext(withOp(ctx, "form"), http.MethodPost, e.url+"/v1/payments", strings.NewReader(form))
+	if err != nil {
+		return err
+	}
+	req.Header.Set("Authorization", "Bearer "+token)
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	if resp, err := (&http.Client{Transport: tr}).Do(req); err == nil {
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+		resp.Body.Close()
+		if resp.StatusCode >= 300 {
+			err = &idem.APIError{StatusCode: resp.StatusCode, Body: raw}
+		}
+		expectInvalid(e, "invalid UTF-8 in customer (form)", err)
+	} else {
+		expectInvalid(e, "invalid UTF-8 in customer (form)", err)
+	}
+
+	charged, err := e.charges(ctx)
+	if err != nil {
+		return err
+	}
+	e.expect(charged == 0, "no charge for either: %d", charged)
+
+	e.tl.note("the app fixes the customer and sends the payment again with the same key")
+	out, resp, err := e.pay(ctx, c, "fixed", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		e.expect(false, "the corrected request succeeded (got %v)", err)
+		return e.expectStored(ctx, cus, 1, 1)
+	}
+	e.expect(resp.StatusCode == http.StatusCreated && out.Customer == cus,
+		"the corrected request created the payment (%s)", statusLine(resp.StatusCode))
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// expectInvalid checks that err is the server's 400 for what, and shows
+// the field errors the developer reads.
+func expectInvalid(e *env, what string, err error) {
+	if err == nil {
+		e.expect(false, "%s refused with 400 (it was accepted)", what)
+		return
+	}
+	var apiErr *idem.APIError
+	if !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusBadRequest {
+		e.expect(false, "%s refused with 400 (got %v)", what, err)
+		return
+	}
+	var problem struct {
+		Errors []struct{ Field, Detail string } `json:"errors"`
+	}
+	_ = json.Unmarshal(apiErr.Body, &problem)
+	for _, fe := range problem.Errors {
+		e.note(fmt.Sprintf("%s: %s %s", what, fe.Field, fe.Detail))
+	}
+	e.expect(true, "%s refused with 400", what)
+}
+
+// aliveLockTimeout is the lock timeout of the slow-alive scenario's
+// server, and aliveProcessorDelay its card processor's latency, five
+// times longer.
+const (
+	aliveLockTimeout    = 300 * time.Millisecond
+	aliveProcessorDelay = 5 * aliveLockTimeout
+)
+
+// slowAlive: the card processor takes five lock timeouts. The request is
+// slow but alive: its lease is renewed while it runs, so a duplicate sent
+// after two lock timeouts gets 409, not the key: no takeover, the
+// duplicate waits and gets the replay, one payment.
+func slowAlive(ctx context.Context, e *env) error {
+	c := e.client(e.transport(policy))
+	cus := customer("slow-alive")
+	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
+	ctx = idem.WithKey(ctx, idem.NewKey())
+	first := e.payAsync(ctx, c, "A", in)
+	for {
+		claimed, err := e.counter("idem_keys_claimed_total")
+		if err != nil {
+			return err
+		}
+		if claimed >= 1 {
+			break
+		}
+		if err := sleep(ctx, 5*time.Millisecond); err != nil {
+			return err
+		}
+	}
+	e.tl.note("A holds the key; its card processor takes %s, the lock timeout is %s", aliveProcessorDelay, aliveLockTimeout)
+	if err := sleep(ctx, 2*aliveLockTimeout); err != nil {
+		return err
+	}
+	e.tl.note("%s later, a duplicate B is sent with the same key", 2*aliveLockTimeout)
+	pb, respB, errB := e.pay(ctx, c, "B", in)
+	a := <-first
+	if a.err != nil {
+		return a.err
+	}
+	if errB != nil {
+		return errB
+	}
+	conflicts := e.tl.count(func(ev event) bool { return ev.op == "B" && strings.HasPrefix(ev.outcome, "409") })
+	tookOver, err := e.counter("idem_keys_taken_over_total")
+	if err != nil {
+		return err
+	}
+	renewed, err := e.counter("idem_leases_renewed_total")
+	if err != nil {
+		return err
+	}
+	e.expect(conflicts >= 1, "B waited: 409 x%d", conflicts)
+	e.expect(tookOver == 0, "the key was not taken over (takeovers: %v)", tookOver)
+	e.expect(renewed >= 1, "A's lease was renewed (renewals: %v)", renewed)
+	e.expect(a.p.ID == pb.ID && !idem.Replayed(a.resp) && idem.Replayed(respB),
+		"A created %s, B got its replay", a.p.ID)
+	return e.expectStored(ctx, cus, 1, 1)
+}
+
+// resumeProcessorDelay is the card processor's latency in the
+// retention-resume scenario: with the server's three tries at the
+// processor, the first request outlives the retention.
+const resumeProcessorDelay = 400 * time.Millisecond
+
+// retentionResume: the card processor charges but its answers are lost;
+// the server tries it three times, longer than the retention, then answers
+// 502 and releases the key, which keeps its operation. The client's retry
+// comes after more than the retention since the key was created, but less
+// since it was released: retention counts from the end of the request, so
+// the retry resumes the operation and finds the charge. Counted from the
+// creation, the key would have expired, and the retry, a new operation,
+// would charge the card again.
+func retentionResume(ctx context.Context, e *env) error {
+	proc := e.srv.Processor()
+	proc.LoseNext(1 << 20)
+	e.tl.fault("the card processor charges, but its answers are lost; the server tries it 3 times, %s each", resumeProcessorDelay)
+	var released, resumed time.Time
+	e.onAttempt(func(a idem.Attempt) {
+		if a.Number == 1 && a.Response != nil && a.Response.StatusCode == http.StatusBadGateway {
+			proc.LoseNext(0)
+			released = time.Now()
+			resumed = released.Add(a.Wait)
+			e.tl.note("the server released the key: it is kept %s from now, with its operation", retention)
+		}
+	})
+	c := e.client(e.transport(policy))
+	cus := customer("retention-resume")
+	start := time.Now()
+	out, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	if err != nil {
+		return err
+	}
+	e.expect(!released.IsZero() && resumed.Sub(start) > retention && resumed.Sub(released) < retention,
+		"the retry came %s after the key was created, %s after it was released (retention %s)",
+		resumed.Sub(start).Round(time.Millisecond), resumed.Sub(released).Round(time.Millisecond), retention)
+	e.expect(resp.StatusCode == http.StatusCreated && out.ID != "", "it resumed the operation: %s", statusLine(resp.StatusCode))
+	return e.expectStored(ctx, cus, 1, 1)
 }
 
 // keyPerAttempt: the same lost response, met by two clients. A naive

@@ -28,16 +28,20 @@ func TestMain(m *testing.M) {
 // stored is what each scenario must leave in its store, stated here apart
 // from the scenario's own checks.
 var stored = map[string]struct{ payments, charges int }{
-	"lost-response":   {1, 1},
-	"server-errors":   {1, 1},
-	"slow-server":     {1, 1},
-	"concurrent":      {1, 1},
-	"key-reuse":       {1, 1},
-	"changed-body":    {1, 1},
-	"missing-key":     {0, 0},
-	"crash":           {1, 1},
-	"retention":       {2, 2},
-	"key-per-attempt": {3, 3}, // 2 by the naive loop (the bug it shows), 1 by idem
+	"lost-response":    {1, 1},
+	"server-errors":    {1, 1},
+	"slow-server":      {1, 1},
+	"concurrent":       {1, 1},
+	"key-reuse":        {1, 1},
+	"changed-body":     {1, 1},
+	"missing-key":      {0, 0},
+	"crash":            {1, 1},
+	"deploy":           {1, 1},
+	"slow-alive":       {1, 1},
+	"invalid-text":     {1, 1},
+	"retention-resume": {1, 1},
+	"retention":        {2, 2},
+	"key-per-attempt":  {3, 3}, // 2 by the naive loop (the bug it shows), 1 by idem
 }
 
 func TestScenariosMemory(t *testing.T) {
@@ -75,6 +79,10 @@ func testScenarios(t *testing.T, newBackend func(*testing.T) backend) {
 			if !ok {
 				t.Fatalf("no expectation for scenario %s", sc.name)
 			}
+			if sc.want.payments != want.payments || sc.want.charges != want.charges {
+				t.Fatalf("the scenario expects %d payments and %d charges, the test %d and %d",
+					sc.want.payments, sc.want.charges, want.payments, want.charges)
+			}
 			res := runScenario(t.Context(), sc, newBackend(t), true)
 			var out bytes.Buffer
 			writeResult(&out, 1, 1, res, true, false)
@@ -110,10 +118,29 @@ func TestRun(t *testing.T) {
 		if want := fmt.Sprintf("\n%d/%d %s: %s\n", i+1, len(scenarios), sc.name, sc.title); !strings.Contains(report, want) {
 			t.Errorf("report lacks the heading %q", want)
 		}
-		row := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(sc.name) + ` +PASS +\d+ +\d+ +\d+ +\d+\.\d\ds$`)
-		if !row.MatchString(report) {
-			t.Errorf("summary lacks a PASS row for %s", sc.name)
+		row := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(sc.name) + ` +PASS +\d+ +(\d+) \(expected (\d+)\) +(\d+) \(expected (\d+)\) +\d+\.\d\ds(  (.+))?$`)
+		m := row.FindStringSubmatch(report)
+		if m == nil {
+			t.Errorf("summary lacks a PASS row for %s:\n%s", sc.name, report)
+			continue
 		}
+		want := fmt.Sprintf("%d %d %d %d %q", sc.want.payments, sc.want.charges, sc.want.payments, sc.want.charges, sc.want.why)
+		if got := fmt.Sprintf("%s %s %s %s %q", m[1], m[3], m[2], m[4], m[6]); got != want {
+			t.Errorf("summary row of %s: found, expected, why = %s, want %s", sc.name, got, want)
+		}
+	}
+	for _, want := range []string{
+		// changed-body shows its client's policy, and why it stops.
+		"this client's retry policy: MaxAttempts 2, then give up (the default is 4)\n",
+		"502 Bad Gateway            stop: attempts exhausted (MaxAttempts 2)\n",
+		"422 Unprocessable Content",
+	} {
+		if !strings.Contains(report, want) {
+			t.Errorf("report lacks %q", want)
+		}
+	}
+	if strings.Contains(report, "Unprocessable Entity") {
+		t.Errorf("report uses a reason phrase older than RFC 9110:\n%s", report)
 	}
 	if want := fmt.Sprintf("%d of %d scenarios passed (memory store, ", len(scenarios), len(scenarios)); !strings.Contains(report, want) {
 		t.Errorf("report lacks %q", want)
@@ -144,17 +171,25 @@ func TestRunFailure(t *testing.T) {
 			e.expect(true, "all is well")
 			return nil
 		}},
+		{name: "unpaid", title: "the store holds less than expected", want: expected{1, 1, "one purchase"},
+			run: func(ctx context.Context, e *env) error {
+				e.expect(true, "the client is happy")
+				return nil
+			}},
 	}
 	var out bytes.Buffer
 	err := run(t.Context(), nil, noEnv, &out)
-	if err == nil || errors.Is(err, errUsage) || err.Error() != "2 of 3 scenarios failed" {
-		t.Errorf("run = %v, want 2 of 3 scenarios failed", err)
+	if err == nil || errors.Is(err, errUsage) || err.Error() != "3 of 4 scenarios failed" {
+		t.Errorf("run = %v, want 3 of 4 scenarios failed", err)
 	}
 	for _, want := range []string{
 		"  FAIL  NOT payments 2, want 1\n",
 		"  FAIL  error: no luck\n",
 		"  PASS  all is well\n",
-		"2 of 3 scenarios FAILED (memory store, ",
+		"  FAIL  NOT the store holds 0 payments and 0 charges, expected 1 and 1\n",
+		"\nunpaid    FAIL           0  0 (expected 1)  0 (expected 1)  ",
+		"s  one purchase\n",
+		"3 of 4 scenarios FAILED (memory store, ",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("report lacks %q:\n%s", want, &out)
@@ -291,6 +326,21 @@ func TestMemLedger(t *testing.T) {
 	}
 	if n, _ := l.Charges(ctx); n != 0 {
 		t.Errorf("Charges = %d, want 0", n)
+	}
+}
+
+func TestStatusLine(t *testing.T) {
+	for code, want := range map[int]string{
+		200: "200 OK",
+		413: "413 Content Too Large",
+		414: "414 URI Too Long",
+		416: "416 Range Not Satisfiable",
+		422: "422 Unprocessable Content",
+		599: "599",
+	} {
+		if got := statusLine(code); got != want {
+			t.Errorf("statusLine(%d) = %q, want %q", code, got, want)
+		}
 	}
 }
 

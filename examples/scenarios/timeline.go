@@ -7,6 +7,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"slices"
 	"strings"
 	"sync"
@@ -139,9 +140,9 @@ func outcome(resp *http.Response, err error) string {
 	case err == nil && resp == nil:
 		return "no response"
 	case err == nil && idem.Replayed(resp):
-		return resp.Status + ", replayed"
+		return statusLine(resp.StatusCode) + ", replayed"
 	case err == nil:
-		return resp.Status
+		return statusLine(resp.StatusCode)
 	case errors.Is(err, idem.ErrAttemptTimeout):
 		return "attempt timed out"
 	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
@@ -151,7 +152,35 @@ func outcome(resp *http.Response, err error) string {
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return "connection refused"
 	}
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		// Without the method and URL, and with the first clause only:
+		// "http2: server sent GOAWAY and closed the connection".
+		msg, _, _ := strings.Cut(ue.Err.Error(), "; ")
+		return msg
+	}
 	return err.Error()
+}
+
+// rfc9110Phrases are the reason phrases of RFC 9110 where Go's
+// http.StatusText still has the older ones of RFC 7231 and RFC 4918.
+var rfc9110Phrases = map[int]string{
+	http.StatusRequestEntityTooLarge:        "Content Too Large",
+	http.StatusRequestURITooLong:            "URI Too Long",
+	http.StatusRequestedRangeNotSatisfiable: "Range Not Satisfiable",
+	http.StatusUnprocessableEntity:          "Unprocessable Content",
+}
+
+// statusLine is a status code with its RFC 9110 reason phrase, as the
+// runner prints it: "422 Unprocessable Content", whatever phrase the
+// server sent.
+func statusLine(code int) string {
+	if phrase, ok := rfc9110Phrases[code]; ok {
+		return fmt.Sprintf("%d %s", code, phrase)
+	}
+	if phrase := http.StatusText(code); phrase != "" {
+		return fmt.Sprintf("%d %s", code, phrase)
+	}
+	return fmt.Sprint(code)
 }
 
 type opKey struct{}

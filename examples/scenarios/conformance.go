@@ -1,0 +1,721 @@
+package main
+
+import (
+	"bytes"
+	"cmp"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"mime"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/idemkit/idem"
+)
+
+// The conformance check (-target) sends a few POST requests to a payments
+// endpoint nobody here wrote and says, row by row, whether what a client
+// can observe follows the Idempotency-Key contract: the IETF draft, and
+// Stripe's behaviour where the draft is silent. It is a tool for API
+// providers (check the endpoint before clients rely on it) and for clients
+// choosing a provider (check what retrying with a key really does).
+//
+// It sends only the requests its plan lists (-dry-run prints the plan and
+// sends nothing), each once, on a connection of its own, never retried,
+// and it stops before a request could make more payments than
+// -max-payments: every request holds a payment slot until its answer shows
+// that it made none (a 4xx, or a replay of an earlier answer).
+
+// conformanceConfig is what the -target flags ask for.
+type conformanceConfig struct {
+	target      string
+	token       string
+	token2      string // "": the per-client row is not checkable
+	body        []byte
+	slowBody    []byte // nil: the in-flight row is not checkable
+	maxPayments int
+	retention   time.Duration // the retention the provider publishes; 0: unknown
+	wait        bool          // wait the retention out
+	dryRun      bool
+	timeout     time.Duration // per request
+}
+
+// defaultConformanceBody is the body of -body's default: a payment in the
+// shape of the reference server's API.
+const defaultConformanceBody = `{"amount": 4200, "currency": "usd", "customer": "cus_idem_conformance"}`
+
+// inFlightAfter is how long the duplicate of the in-flight row waits
+// after the first request was sent: long enough for it to have reached the
+// server and claimed its key, far shorter than a slow request.
+const inFlightAfter = 200 * time.Millisecond
+
+// The three verdicts of a row.
+const (
+	conforms     = "conforms"
+	differs      = "differs"
+	notCheckable = "not checkable"
+)
+
+// What the check sends and reads: the key header, Stripe's replay marker,
+// RFC 9457's media type.
+const (
+	keyHeaderName = idem.DefaultKeyHeader
+	replayHeader  = "Idempotent-Replayed"
+	problemJSON   = "application/problem+json"
+)
+
+// finding is the verdict of one row: conforms, differs or not checkable,
+// with what the server did or why it could not be checked.
+type finding struct {
+	kind string
+	why  string
+}
+
+func (v finding) String() string {
+	if v.why == "" {
+		return v.kind
+	}
+	return v.kind + " (" + v.why + ")"
+}
+
+// probe is one request of the plan.
+type probe struct {
+	label  string // what it is, for the plan and the report
+	client int    // 1 or 2: whose token
+	key    string // "": no key header
+	sf     bool   // send the key as an RFC 9651 sf-string: "key"
+	body   []byte
+	when   string // for the plan: when it is sent, if not at once
+}
+
+// reply is what a probe got.
+type reply struct {
+	status  int
+	header  http.Header
+	body    []byte
+	err     error
+	elapsed time.Duration
+	sentAt  time.Time
+}
+
+// ok2xx reports whether the reply is a success.
+func (r *reply) ok2xx() bool { return r.err == nil && r.status >= 200 && r.status < 300 }
+
+// same reports whether r repeats o: the same status and the same body,
+// compared as JSON when both are JSON (a server may re-encode a stored
+// answer), else byte for byte.
+func (r *reply) same(o *reply) bool {
+	if r.err != nil || o.err != nil || r.status != o.status {
+		return false
+	}
+	var a, b any
+	if json.Unmarshal(r.body, &a) == nil && json.Unmarshal(o.body, &b) == nil {
+		ja, _ := json.Marshal(a)
+		jb, _ := json.Marshal(b)
+		return bytes.Equal(ja, jb)
+	}
+	return bytes.Equal(r.body, o.body)
+}
+
+// String is the reply as the report shows it.
+func (r *reply) String() string {
+	if r.err != nil {
+		return "no answer: " + r.err.Error()
+	}
+	s := statusLine(r.status)
+	if ct := r.header.Get("Content-Type"); ct != "" {
+		mt, _, _ := mime.ParseMediaType(ct)
+		s += ", " + cmp.Or(mt, ct)
+	}
+	if v := r.header.Get(replayHeader); v != "" {
+		s += ", " + replayHeader + ": " + v
+	}
+	if v := r.header.Get("Retry-After"); v != "" {
+		s += ", Retry-After: " + v
+	}
+	return s
+}
+
+// row is one line of the contract, the probes it may send and how it
+// judges their replies.
+type row struct {
+	name   string
+	rule   string // what the contract says
+	probes []*probe
+	skip   string // not empty: not checkable, for this reason, and nothing is sent
+	judge  func(ctx context.Context, c *checker) finding
+}
+
+// checker sends the probes and keeps what they got.
+type checker struct {
+	cfg     conformanceConfig
+	hc      *http.Client
+	out     io.Writer
+	replies map[*probe]*reply
+
+	mu       sync.Mutex
+	reserved int // payment slots held: requests that may have made a payment
+	sent     int
+}
+
+// errBudget is returned by send when the request could make more payments
+// than -max-payments allows.
+var errBudget = errors.New("budget")
+
+// send sends p once and returns its reply, or errBudget without sending.
+func (c *checker) send(ctx context.Context, p *probe) (*reply, error) {
+	c.mu.Lock()
+	if c.reserved >= c.cfg.maxPayments {
+		c.mu.Unlock()
+		return nil, errBudget
+	}
+	c.reserved++
+	c.sent++
+	c.mu.Unlock()
+
+	r := &reply{sentAt: time.Now()}
+	resp, err := c.do(ctx, p)
+	r.elapsed = time.Since(r.sentAt)
+	if err != nil {
+		r.err = err
+	} else {
+		r.status, r.header = resp.StatusCode, resp.Header
+		r.body, r.err = io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		resp.Body.Close()
+	}
+
+	c.mu.Lock()
+	// A 4xx made no payment, nor did a repeat of an earlier success;
+	// anything else (a new success, a 5xx, no answer) may have.
+	if r.err == nil && (r.status >= 400 && r.status < 500 || r.ok2xx() && c.repeats(r)) {
+		c.reserved--
+	}
+	c.replies[p] = r
+	fmt.Fprintf(c.out, "    %-44s -> %s  %s\n", p.label, r, r.elapsed.Round(time.Millisecond))
+	c.mu.Unlock()
+	return r, nil
+}
+
+// repeats reports whether r repeats an earlier successful reply; c.mu is
+// held.
+func (c *checker) repeats(r *reply) bool {
+	for _, o := range c.replies {
+		if o.ok2xx() && r.same(o) {
+			return true
+		}
+	}
+	return false
+}
+
+func (c *checker) do(ctx context.Context, p *probe) (*http.Response, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.timeout)
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.target, bytes.NewReader(p.body))
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("Accept", "application/json, application/problem+json")
+	req.Header.Set("Authorization", "Bearer "+c.token(p.client))
+	if p.key != "" {
+		k := p.key
+		if p.sf {
+			k = `"` + k + `"`
+		}
+		req.Header[keyHeaderName] = []string{k}
+	}
+	resp, err := c.hc.Do(req)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	resp.Body = &cancelOnClose{resp.Body, cancel}
+	return resp, nil
+}
+
+func (c *checker) token(client int) string {
+	if client == 2 {
+		return c.cfg.token2
+	}
+	return c.cfg.token
+}
+
+// cancelOnClose cancels a request's context once its body is closed.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (b *cancelOnClose) Close() error {
+	err := b.ReadCloser.Close()
+	b.cancel()
+	return err
+}
+
+// sendAll sends probes in order and returns their replies, or the verdict
+// that ends the row early: the budget is spent, or ctx is done.
+// A probe that got no answer (no connection, a timeout) ends the row as
+// not checkable: the server said nothing about the contract.
+func (c *checker) sendAll(ctx context.Context, probes ...*probe) ([]*reply, *finding) {
+	var rs []*reply
+	for _, p := range probes {
+		r, err := c.send(ctx, p)
+		if v := stopVerdict(c, err); v != nil {
+			return nil, v
+		}
+		if r.err != nil {
+			return nil, &finding{notCheckable, r.String()}
+		}
+		rs = append(rs, r)
+	}
+	return rs, nil
+}
+
+func stopVerdict(c *checker, err error) *finding {
+	switch {
+	case errors.Is(err, errBudget):
+		return &finding{notCheckable, fmt.Sprintf("-max-payments %d reached: its requests could make more payments", c.cfg.maxPayments)}
+	case err != nil:
+		return &finding{notCheckable, err.Error()}
+	}
+	return nil
+}
+
+// planConformance returns the rows of the check for cfg, with the keys of
+// their probes.
+func planConformance(cfg conformanceConfig) []*row {
+	other := otherBody(cfg.body)
+	k1, k2, k3 := idem.NewKey(), idem.NewKey(), idem.NewKey()
+	long := idem.NewKey() + "-"
+	long += strings.Repeat("x", idem.MaxKeyLen-len(long))
+
+	first := &probe{label: "K1, the body", client: 1, key: k1, body: cfg.body}
+	firstOK := func(c *checker) *finding {
+		r := c.replies[first]
+		switch {
+		case r == nil:
+			return &finding{notCheckable, "the first request with K1 was not sent"}
+		case !r.ok2xx():
+			return &finding{notCheckable, "the first request with K1 did not succeed: " + r.String()}
+		case cfg.retention > 0 && time.Since(r.sentAt.Add(r.elapsed)) > cfg.retention/2:
+			return &finding{notCheckable, "K1 may be near the end of its retention"}
+		}
+		return nil
+	}
+
+	// afterFirst sends p, which needs K1's first request to have
+	// succeeded, and returns its reply, or why it was not sent.
+	afterFirst := func(ctx context.Context, c *checker, p *probe) (*reply, *finding) {
+		if v := firstOK(c); v != nil {
+			return nil, v
+		}
+		rs, v := c.sendAll(ctx, p)
+		if v != nil {
+			return nil, v
+		}
+		return rs[0], nil
+	}
+
+	var rows []*row
+
+	noKey := &probe{label: "no key, the body", client: 1, body: cfg.body}
+	rows = append(rows, &row{
+		name: "key required", rule: "a POST without a key gets 400 with problem+json",
+		probes: []*probe{noKey},
+		judge: func(ctx context.Context, c *checker) finding {
+			rs, v := c.sendAll(ctx, noKey)
+			if v != nil {
+				return *v
+			}
+			r := rs[0]
+			switch {
+			case r.status == http.StatusBadRequest && mediaType(r) == problemJSON:
+				return finding{conforms, r.String()}
+			case r.status == http.StatusBadRequest:
+				return finding{differs, "400, but not application/problem+json: " + r.String()}
+			case r.ok2xx():
+				return finding{differs, "accepted without a key, a payment no retry can find: " + r.String()}
+			}
+			return finding{differs, r.String()}
+		},
+	})
+
+	again := &probe{label: "K1 again, the same body", client: 1, key: k1, body: cfg.body}
+	rows = append(rows, &row{
+		name: "replay", rule: "a completed request sent again gets the same status and body (and a replay marker, if the API has one)",
+		probes: []*probe{first, again},
+		judge: func(ctx context.Context, c *checker) finding {
+			if _, v := c.sendAll(ctx, first); v != nil {
+				return *v
+			}
+			r, v := afterFirst(ctx, c, again)
+			if v != nil {
+				return *v
+			}
+			switch {
+			case r.same(c.replies[first]) && r.header.Get(replayHeader) != "":
+				return finding{conforms, "same status and body, " + replayHeader + ": " + r.header.Get(replayHeader)}
+			case r.same(c.replies[first]):
+				return finding{conforms, "same status and body; no replay marker"}
+			case r.ok2xx():
+				return finding{differs, "another answer, " + r.String() + ": the request ran twice"}
+			}
+			return finding{differs, r.String()}
+		},
+	})
+
+	changed := &probe{label: "K1, another body", client: 1, key: k1, body: other}
+	rows = append(rows, &row{
+		name: "another body", rule: "the key with another body gets 422",
+		probes: []*probe{changed},
+		judge: func(ctx context.Context, c *checker) finding {
+			r, v := afterFirst(ctx, c, changed)
+			if v != nil {
+				return *v
+			}
+			switch {
+			case r.status == http.StatusUnprocessableEntity:
+				return finding{conforms, r.String()}
+			case r.same(c.replies[first]):
+				return finding{differs, "replayed the first answer: the body is not compared"}
+			case r.ok2xx():
+				return finding{differs, "a new payment under a used key: " + r.String()}
+			}
+			return finding{differs, r.String() + ", not 422"}
+		},
+	})
+
+	sf := &probe{label: `"K1" (sf-string), the body`, client: 1, key: k1, sf: true, body: cfg.body}
+	rows = append(rows, &row{
+		name: "sf-string key", rule: `the sf-string "K1" is the key K1: a replay`,
+		probes: []*probe{sf},
+		judge: func(ctx context.Context, c *checker) finding {
+			r, v := afterFirst(ctx, c, sf)
+			if v != nil {
+				return *v
+			}
+			switch {
+			case r.same(c.replies[first]):
+				return finding{conforms, "replayed K1's answer"}
+			case r.ok2xx():
+				return finding{differs, "a new payment: the quotes were taken as part of another key"}
+			}
+			return finding{differs, "refused the sf-string form: " + r.String()}
+		},
+	})
+
+	other2 := &probe{label: "K1 from client 2, the body", client: 2, key: k1, body: cfg.body}
+	perClient := &row{
+		name: "per client", rule: "keys are scoped by client: client 2's K1 is a new operation",
+		probes: []*probe{other2},
+		judge: func(ctx context.Context, c *checker) finding {
+			r, v := afterFirst(ctx, c, other2)
+			if v != nil {
+				return *v
+			}
+			switch {
+			case r.status == http.StatusUnauthorized || r.status == http.StatusForbidden:
+				return finding{notCheckable, "-token2 was refused: " + r.String()}
+			case r.same(c.replies[first]):
+				return finding{differs, "replayed client 1's answer to client 2: keys are shared by all clients"}
+			case r.ok2xx():
+				return finding{conforms, "a payment of client 2's own: " + r.String()}
+			case r.status == http.StatusUnprocessableEntity || r.status == http.StatusConflict:
+				return finding{differs, "client 1's key blocks client 2: " + r.String()}
+			}
+			return finding{differs, r.String()}
+		},
+	}
+	if cfg.token2 == "" {
+		perClient.skip = "needs -token2, the token of a second client of the API"
+	}
+	rows = append(rows, perClient)
+
+	at255 := &probe{label: fmt.Sprintf("a key of %d characters", len(long)), client: 1, key: long, body: cfg.body}
+	at256 := &probe{label: fmt.Sprintf("a key of %d characters", len(long)+1), client: 1, key: long + "x", body: cfg.body}
+	rows = append(rows, &row{
+		name: "key length", rule: "a key of 255 characters is accepted, one of 256 refused with 400",
+		probes: []*probe{at255, at256},
+		judge: func(ctx context.Context, c *checker) finding {
+			rs, v := c.sendAll(ctx, at255, at256)
+			if v != nil {
+				return *v
+			}
+			var bad []string
+			if !rs[0].ok2xx() {
+				bad = append(bad, "255 refused: "+rs[0].String())
+			}
+			if rs[1].status != http.StatusBadRequest {
+				bad = append(bad, "256 not refused with 400: "+rs[1].String())
+			}
+			if bad != nil {
+				return finding{differs, strings.Join(bad, "; ")}
+			}
+			return finding{conforms, "255 accepted, 256 refused with 400"}
+		},
+	})
+
+	slowFirst := &probe{label: "K2, the slow body", client: 1, key: k2, body: cfg.slowBody}
+	slowDup := &probe{label: "K2 again while the first runs", client: 1, key: k2, body: cfg.slowBody,
+		when: fmt.Sprintf("%s after the first, while it runs", inFlightAfter)}
+	inFlight := &row{
+		name: "in flight", rule: "a duplicate while the first request runs gets 409 with Retry-After",
+		probes: []*probe{slowFirst, slowDup},
+		judge: func(ctx context.Context, c *checker) finding {
+			type sent struct {
+				r   *reply
+				err error
+			}
+			done := make(chan sent, 1)
+			go func() {
+				r, err := c.send(ctx, slowFirst)
+				done <- sent{r, err}
+			}()
+			t := time.NewTimer(inFlightAfter)
+			defer t.Stop()
+			select {
+			case s := <-done:
+				if v := stopVerdict(c, s.err); v != nil {
+					return *v
+				}
+				return finding{notCheckable, fmt.Sprintf("the slow body was answered in %s, before the duplicate was due: it must take over a second", s.r.elapsed.Round(time.Millisecond))}
+			case <-t.C:
+			}
+			dup, err := c.send(ctx, slowDup)
+			s := <-done
+			if v := stopVerdict(c, cmp.Or(s.err, err)); v != nil {
+				return *v
+			}
+			if s.r.err != nil || dup.err != nil {
+				return finding{notCheckable, "no answer: " + cmp.Or(s.r.err, dup.err).Error()}
+			}
+			firstEnded := s.r.sentAt.Add(s.r.elapsed)
+			switch {
+			case dup.status == http.StatusConflict && dup.header.Get("Retry-After") != "":
+				return finding{conforms, dup.String()}
+			case dup.status == http.StatusConflict:
+				return finding{differs, "409 without Retry-After"}
+			case dup.ok2xx() && dup.same(s.r) && dup.sentAt.Add(dup.elapsed).After(firstEnded):
+				return finding{differs, fmt.Sprintf("held the duplicate %s until the first ended, then replayed it: no 409", dup.elapsed.Round(time.Millisecond))}
+			case dup.ok2xx() && s.r.ok2xx():
+				return finding{differs, "ran the duplicate as well: two answers, two payments"}
+			}
+			return finding{differs, dup.String()}
+		},
+	}
+	if cfg.slowBody == nil {
+		inFlight.skip = "needs -slow-body: a body the target takes over a second to process (see the README)"
+	}
+	rows = append(rows, inFlight)
+
+	margin := min(cfg.retention/10, 10*time.Second)
+	keep := &probe{label: "K3, the body", client: 1, key: k3, body: cfg.body}
+	within := &probe{label: "K3 again, before the retention ends", client: 1, key: k3, body: cfg.body,
+		when: fmt.Sprintf("%s after K3's answer", cfg.retention-margin)}
+	after := &probe{label: "K3 again, after the retention", client: 1, key: k3, body: cfg.body,
+		when: fmt.Sprintf("%s after K3's answer", cfg.retention+margin)}
+	ret := &row{
+		name: "retention", rule: "a key is kept for the retention the API publishes",
+		probes: []*probe{keep, within, after},
+		judge: func(ctx context.Context, c *checker) finding {
+			rs, v := c.sendAll(ctx, keep)
+			if v != nil {
+				return *v
+			}
+			if !rs[0].ok2xx() {
+				return finding{notCheckable, "the first request with K3 did not succeed: " + rs[0].String()}
+			}
+			answered := rs[0].sentAt.Add(rs[0].elapsed)
+			if err := sleep(ctx, time.Until(answered.Add(cfg.retention-margin))); err != nil {
+				return finding{notCheckable, err.Error()}
+			}
+			if rs, v = c.sendAll(ctx, within); v != nil {
+				return *v
+			}
+			if !rs[0].same(c.replies[keep]) {
+				return finding{differs, fmt.Sprintf("forgot the key %s after its answer, within the published %s: %s", cfg.retention-margin, cfg.retention, rs[0])}
+			}
+			if err := sleep(ctx, time.Until(answered.Add(cfg.retention+margin))); err != nil {
+				return finding{notCheckable, err.Error()}
+			}
+			if rs, v = c.sendAll(ctx, after); v != nil {
+				return *v
+			}
+			var later string
+			switch r := rs[0]; {
+			case r.same(c.replies[keep]):
+				later = "still replayed after it"
+			case r.ok2xx():
+				later = "a new payment after it"
+			default:
+				later = r.String() + " after it"
+			}
+			return finding{conforms, fmt.Sprintf("replayed %s after the answer; %s", cfg.retention-margin, later)}
+		},
+	}
+	switch {
+	case cfg.retention <= 0:
+		ret.skip = "pass -retention with the retention the API publishes (Stripe: 24h), and -wait to wait it out"
+	case !cfg.wait:
+		ret.skip = fmt.Sprintf("the published retention is %s; -wait waits it out (about %s)", cfg.retention, cfg.retention+margin)
+	}
+	rows = append(rows, ret)
+	return rows
+}
+
+// mediaType returns the media type of r's Content-Type.
+func mediaType(r *reply) string {
+	mt, _, _ := mime.ParseMediaType(r.header.Get("Content-Type"))
+	return mt
+}
+
+// otherBody returns body with one value changed: the first number (in key
+// order) plus one, or else the first string with "-2" appended, so that
+// the server sees another request of the same shape.
+func otherBody(body []byte) []byte {
+	var m map[string]any
+	d := json.NewDecoder(bytes.NewReader(body))
+	d.UseNumber()
+	if d.Decode(&m) != nil {
+		return append(slices.Clone(body), ' ') // validated by the flags: not reached
+	}
+	keys := slices.Sorted(func(yield func(string) bool) {
+		for k := range m {
+			if !yield(k) {
+				return
+			}
+		}
+	})
+	changed := false
+	for _, k := range keys {
+		if n, ok := m[k].(json.Number); ok {
+			if i, err := n.Int64(); err == nil {
+				m[k] = i + 1
+			} else {
+				f, _ := n.Float64()
+				m[k] = f + 1
+			}
+			changed = true
+			break
+		}
+	}
+	for _, k := range keys {
+		if s, ok := m[k].(string); ok && !changed {
+			m[k] = s + "-2"
+			changed = true
+		}
+	}
+	if !changed {
+		m["idem_conformance"] = "another body"
+	}
+	out, _ := json.Marshal(m)
+	return out
+}
+
+// checkBody validates a -body or -slow-body flag: a JSON object.
+func checkBody(flagName, body string) ([]byte, error) {
+	var m map[string]any
+	if err := json.Unmarshal([]byte(body), &m); err != nil || m == nil {
+		return nil, fmt.Errorf("%w: %s must be a JSON object, such as %s", errUsage, flagName, defaultConformanceBody)
+	}
+	return []byte(body), nil
+}
+
+// runConformance runs (or, with -dry-run, prints) the check and writes its
+// report to w. It returns an error when a row differs.
+func runConformance(ctx context.Context, cfg conformanceConfig, w io.Writer) error {
+	rows := planConformance(cfg)
+	requests := 0
+	for _, r := range rows {
+		if r.skip == "" {
+			requests += len(r.probes)
+		}
+	}
+	fmt.Fprintf(w, "idem conformance check of POST %s\n", cfg.target)
+	fmt.Fprintf(w, "  at most %d requests, each sent once on a connection of its own; at most %d payments (-max-payments)\n", requests, cfg.maxPayments)
+	fmt.Fprintf(w, "  the body: %s\n", cfg.body)
+	if cfg.dryRun {
+		return writePlan(w, cfg, rows)
+	}
+
+	base := http.DefaultTransport.(*http.Transport).Clone()
+	base.DisableKeepAlives = true // no request resent by net/http on a reused connection
+	defer base.CloseIdleConnections()
+	c := &checker{
+		cfg: cfg,
+		hc: &http.Client{Transport: base, CheckRedirect: func(*http.Request, []*http.Request) error {
+			return http.ErrUseLastResponse
+		}},
+		out:     w,
+		replies: make(map[*probe]*reply),
+	}
+	verdicts := make([]finding, len(rows))
+	for i, r := range rows {
+		fmt.Fprintf(w, "\n%d. %s: %s\n", i+1, r.name, r.rule)
+		switch {
+		case ctx.Err() != nil:
+			verdicts[i] = finding{notCheckable, "interrupted"}
+		case r.skip != "":
+			verdicts[i] = finding{notCheckable, r.skip}
+		default:
+			verdicts[i] = r.judge(ctx, c)
+		}
+		fmt.Fprintf(w, "  %s\n", verdicts[i])
+	}
+	return writeVerdicts(w, c, rows, verdicts)
+}
+
+// writeVerdicts prints the table of verdicts and returns an error when a
+// row differs.
+func writeVerdicts(w io.Writer, c *checker, rows []*row, verdicts []finding) error {
+	var b strings.Builder
+	width := len("row")
+	for _, r := range rows {
+		width = max(width, len(r.name))
+	}
+	count := map[string]int{}
+	fmt.Fprintf(&b, "\n%-*s  %s\n", width, "row", "verdict")
+	for i, r := range rows {
+		fmt.Fprintf(&b, "%-*s  %s\n", width, r.name, verdicts[i])
+		count[verdicts[i].kind]++
+	}
+	fmt.Fprintf(&b, "%d conform, %d differ, %d not checkable; %d requests sent, at most %d payments made (-max-payments %d)\n",
+		count[conforms], count[differs], count[notCheckable], c.sent, c.reserved, c.cfg.maxPayments)
+	io.WriteString(w, b.String())
+	if n := count[differs]; n > 0 {
+		return fmt.Errorf("%d of %d rows differ from the contract", n, len(rows))
+	}
+	return nil
+}
+
+// writePlan prints the requests the check would send, and sends nothing.
+func writePlan(w io.Writer, cfg conformanceConfig, rows []*row) error {
+	fmt.Fprintf(w, "  -dry-run: nothing is sent. The requests, all POST %s with Content-Type: application/json:\n", cfg.target)
+	for i, r := range rows {
+		fmt.Fprintf(w, "\n%d. %s: %s\n", i+1, r.name, r.rule)
+		if r.skip != "" {
+			fmt.Fprintf(w, "    none: %s\n", finding{notCheckable, r.skip})
+			continue
+		}
+		for _, p := range r.probes {
+			key := "no " + keyHeaderName
+			switch {
+			case p.sf:
+				key = fmt.Sprintf("%s: %q", keyHeaderName, p.key)
+			case p.key != "":
+				key = keyHeaderName + ": " + p.key
+			}
+			line := fmt.Sprintf("    %s: client %d's token, %s, body %s", p.label, p.client, key, p.body)
+			if p.when != "" {
+				line += "; sent " + p.when
+			}
+			fmt.Fprintln(w, line)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,321 @@
+package main
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/idemkit/idem/server"
+)
+
+// slowAmount is the amount the tests' targets take slowBodyDelay to pay:
+// the slow body the in-flight row needs.
+const (
+	slowAmount    = 4201
+	slowBodyDelay = 1500 * time.Millisecond
+	slowBodyFlag  = `{"amount": 4201, "currency": "usd", "customer": "cus_slow"}`
+)
+
+// counting counts the POST requests that reach h.
+func counting(h http.Handler, n *atomic.Int32) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			n.Add(1)
+		}
+		h.ServeHTTP(w, r)
+	})
+}
+
+// verdictsOf returns the verdict of each row of a report's table.
+func verdictsOf(t *testing.T, report string) map[string]string {
+	t.Helper()
+	i := strings.Index(report, "\nrow ")
+	if i < 0 {
+		t.Fatalf("no table of verdicts:\n%s", report)
+	}
+	got := map[string]string{}
+	re := regexp.MustCompile(`^(.+?)  +((conforms|differs|not checkable).*)$`)
+	for line := range strings.SplitSeq(report[i+1:], "\n") {
+		if m := re.FindStringSubmatch(line); m != nil {
+			got[m[1]] = m[2]
+		}
+	}
+	return got
+}
+
+var rowNames = []string{"key required", "replay", "another body", "sf-string key", "per client", "key length", "in flight", "retention"}
+
+// sentFigure returns the "N requests sent" of a report.
+func sentFigure(t *testing.T, report string) int {
+	t.Helper()
+	m := regexp.MustCompile(`; (\d+) requests sent, at most (\d+) payments made`).FindStringSubmatch(report)
+	if m == nil {
+		t.Fatalf("report lacks its last line:\n%s", report)
+	}
+	n, _ := strconv.Atoi(m[1])
+	return n
+}
+
+// TestConformanceReference runs the check against the reference server,
+// with a card processor that is slow for one amount (the slow body), two
+// clients and a one-second retention, waited out: every row conforms.
+func TestConformanceReference(t *testing.T) {
+	storage := server.NewMemoryStorage()
+	proc := &server.Processor{Charges: storage}
+	slowProc := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		var in struct{ Amount int64 }
+		if json.Unmarshal(body, &in) == nil && in.Amount == slowAmount {
+			time.Sleep(slowBodyDelay)
+		}
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		proc.ServeHTTP(w, r)
+	}))
+	defer slowProc.Close()
+	srv, err := server.New(server.Config{
+		Storage:      storage.Storage(),
+		APIKeys:      map[string]string{"sk_one": "one", "sk_two": "two"},
+		Retention:    time.Second,
+		LockTimeout:  300 * time.Millisecond,
+		ProcessorURL: slowProc.URL,
+		Logger:       slog.New(slog.DiscardHandler),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	var posts atomic.Int32
+	ts := httptest.NewServer(counting(srv, &posts))
+	defer ts.Close()
+
+	var out bytes.Buffer
+	err = run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
+		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait"}, noEnv, &out)
+	report := out.String()
+	if err != nil {
+		t.Fatalf("run: %v\n%s", err, report)
+	}
+	got := verdictsOf(t, report)
+	for _, name := range rowNames {
+		if !strings.HasPrefix(got[name], "conforms") {
+			t.Errorf("row %s: %q, want conforms", name, got[name])
+		}
+	}
+	if len(got) != len(rowNames) {
+		t.Errorf("rows %v, want %v", got, rowNames)
+	}
+	if !strings.Contains(report, "8 conform, 0 differ, 0 not checkable; ") {
+		t.Errorf("report:\n%s", report)
+	}
+	if sent := sentFigure(t, report); int(posts.Load()) != sent {
+		t.Errorf("the server got %d requests, the report says %d were sent", posts.Load(), sent)
+	}
+	// K1, K2, client 2's K1, the 255-character key, K3, and K3 after its
+	// retention.
+	if n := len(storage.Payments()); n != 6 {
+		t.Errorf("the check made %d payments, want 6", n)
+	}
+	t.Logf("\n%s", report)
+}
+
+// brokenAPI is a payments API that gets the contract wrong on purpose:
+// it takes payments without a key, compares no body, shares keys between
+// clients, takes an sf-string's quotes as part of the key, has no key
+// length limit, does not see a request in flight (a duplicate runs too),
+// and sends no replay marker. It keeps its keys for ever, and replays the
+// stored answer faithfully.
+type brokenAPI struct {
+	mu       sync.Mutex
+	answers  map[string][]byte // by key, for every client
+	payments int
+}
+
+func (b *brokenAPI) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	var in struct {
+		Amount   int64  `json:"amount"`
+		Currency string `json:"currency"`
+		Customer string `json:"customer"`
+	}
+	if r.Header.Get("Authorization") == "" || json.Unmarshal(body, &in) != nil {
+		w.WriteHeader(http.StatusBadRequest)
+		return
+	}
+	key := r.Header.Get("Idempotency-Key")
+	b.mu.Lock()
+	stored, ok := b.answers[key]
+	b.mu.Unlock()
+	if ok && key != "" {
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		w.Write(stored)
+		return
+	}
+	if in.Amount == slowAmount {
+		time.Sleep(slowBodyDelay)
+	}
+	var id [8]byte
+	rand.Read(id[:])
+	answer, _ := json.Marshal(map[string]any{"id": "pay_" + hex.EncodeToString(id[:]), "amount": in.Amount})
+	b.mu.Lock()
+	b.payments++
+	if key != "" {
+		b.answers[key] = answer
+	}
+	b.mu.Unlock()
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusCreated)
+	w.Write(answer)
+}
+
+func (b *brokenAPI) made() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.payments
+}
+
+// TestConformanceBroken runs the check against brokenAPI: each row it gets
+// wrong differs, and says what the server did.
+func TestConformanceBroken(t *testing.T) {
+	api := &brokenAPI{answers: map[string][]byte{}}
+	var posts atomic.Int32
+	ts := httptest.NewServer(counting(api, &posts))
+	defer ts.Close()
+
+	var out bytes.Buffer
+	err := run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
+		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait"}, noEnv, &out)
+	report := out.String()
+	if err == nil || errors.Is(err, errUsage) || err.Error() != "6 of 8 rows differ from the contract" {
+		t.Errorf("run = %v, want 6 of 8 rows differ\n%s", err, report)
+	}
+	want := map[string]string{
+		"key required":  "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
+		"replay":        "conforms (same status and body; no replay marker)",
+		"another body":  "differs (replayed the first answer: the body is not compared)",
+		"in flight":     "differs (ran the duplicate as well: two answers, two payments)",
+		"per client":    "differs (replayed client 1's answer to client 2: keys are shared by all clients)",
+		"sf-string key": "differs (a new payment: the quotes were taken as part of another key)",
+		"key length":    "differs (256 not refused with 400: 201 Created, application/json)",
+		"retention":     "conforms (replayed 900ms after the answer; still replayed after it)",
+	}
+	got := verdictsOf(t, report)
+	for _, name := range rowNames {
+		if got[name] != want[name] {
+			t.Errorf("row %s:\n got %q\nwant %q", name, got[name], want[name])
+		}
+	}
+	if sent := sentFigure(t, report); int(posts.Load()) != sent {
+		t.Errorf("the server got %d requests, the report says %d were sent", posts.Load(), sent)
+	}
+	// No key, K1, K2 twice, the sf-string, both long keys, K3.
+	if n := api.made(); n != 8 {
+		t.Errorf("the check made %d payments, want 8", n)
+	}
+	t.Logf("\n%s", report)
+}
+
+// TestConformanceMaxPayments checks that the check stops before it could
+// make more payments than -max-payments, on a server that makes one for
+// nearly every request.
+func TestConformanceMaxPayments(t *testing.T) {
+	api := &brokenAPI{answers: map[string][]byte{}}
+	ts := httptest.NewServer(api)
+	defer ts.Close()
+	var out bytes.Buffer
+	err := run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
+		"-max-payments", "3"}, noEnv, &out)
+	report := out.String()
+	if err == nil {
+		t.Errorf("run = nil, want rows that differ\n%s", report)
+	}
+	if n := api.made(); n > 3 {
+		t.Errorf("the check made %d payments with -max-payments 3", n)
+	}
+	got := verdictsOf(t, report)
+	for _, name := range []string{"per client", "key length"} {
+		if got[name] != "not checkable (-max-payments 3 reached: its requests could make more payments)" {
+			t.Errorf("row %s: %q, want not checkable for the budget", name, got[name])
+		}
+	}
+	if !strings.Contains(report, "at most 3 payments made (-max-payments 3)") {
+		t.Errorf("report:\n%s", report)
+	}
+}
+
+// TestConformanceDryRun checks that -dry-run lists the requests and sends
+// none.
+func TestConformanceDryRun(t *testing.T) {
+	var posts atomic.Int32
+	ts := httptest.NewServer(counting(http.NotFoundHandler(), &posts))
+	defer ts.Close()
+	var out bytes.Buffer
+	err := run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-dry-run",
+		"-retention", "24h"}, noEnv, &out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	report := out.String()
+	if posts.Load() != 0 {
+		t.Errorf("-dry-run sent %d requests", posts.Load())
+	}
+	for _, want := range []string{
+		"-dry-run: nothing is sent",
+		"no key, the body: client 1's token, no Idempotency-Key, body {\"amount\": 4200,",
+		"K1 again, the same body: client 1's token, Idempotency-Key: ",
+		`"K1" (sf-string), the body: client 1's token, Idempotency-Key: "`,
+		"a key of 256 characters: client 1's token, Idempotency-Key: ",
+		"none: not checkable (needs -slow-body",
+		"none: not checkable (needs -token2",
+		"none: not checkable (the published retention is 24h0m0s; -wait waits it out (about 24h0m10s))",
+	} {
+		if !strings.Contains(report, want) {
+			t.Errorf("plan lacks %q:\n%s", want, report)
+		}
+	}
+}
+
+func TestConformanceFlags(t *testing.T) {
+	for _, args := range [][]string{
+		{"-token", "T"},
+		{"-target", "https://api.example.com/v1/payments"},
+		{"-target", "ftp://api.example.com/", "-token", "T"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-run", "crash"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-token2", "T"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-body", "[1]"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-slow-body", "slow"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-max-payments", "0"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-wait"},
+	} {
+		var out bytes.Buffer
+		if err := run(t.Context(), args, noEnv, &out); !errors.Is(err, errUsage) {
+			t.Errorf("run(%q) = %v, want a usage error", args, err)
+		}
+	}
+}
+
+func TestOtherBody(t *testing.T) {
+	for in, want := range map[string]string{
+		`{"amount": 4200, "currency": "usd"}`: `{"amount":4201,"currency":"usd"}`,
+		`{"b": 1.5, "a": 2}`:                  `{"a":3,"b":1.5}`,
+		`{"customer": "cus_1"}`:               `{"customer":"cus_1-2"}`,
+		`{"ok": true}`:                        `{"idem_conformance":"another body","ok":true}`,
+	} {
+		if got := string(otherBody([]byte(in))); got != want {
+			t.Errorf("otherBody(%s) = %s, want %s", in, got, want)
+		}
+	}
+}
