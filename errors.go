@@ -10,6 +10,8 @@ import (
 	"net/http"
 	"strings"
 	"time"
+
+	"github.com/idemkit/idem/internal/httpstatus"
 )
 
 // Sentinel errors found in the chain of the errors idem returns; test them
@@ -172,7 +174,7 @@ type APIError struct {
 
 // Error returns a message with the request, the status and the problem details.
 func (e *APIError) Error() string {
-	msg := fmt.Sprintf("idem: %s %s: %d %s", e.Method, e.URL, e.StatusCode, http.StatusText(e.StatusCode))
+	msg := fmt.Sprintf("idem: %s %s: %d %s", e.Method, e.URL, e.StatusCode, httpstatus.Text(e.StatusCode))
 	if d := e.Problem.describe(); d != "" {
 		msg += ": " + d
 	}
@@ -198,7 +200,7 @@ func readProblem(resp *http.Response, within time.Duration) (*Problem, []byte) {
 		return p, body
 	}
 	p.Status = resp.StatusCode
-	p.Title = http.StatusText(resp.StatusCode)
+	p.Title = httpstatus.Text(resp.StatusCode)
 	p.Detail = strings.TrimSpace(string(body[:min(len(body), 200)]))
 	return p, body
 }

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/idemkit/idem"
+
+	"github.com/idemkit/idem/internal/httpstatus"
 )
 
 // eventKind says what a line of a timeline is.
@@ -161,23 +163,11 @@ func outcome(resp *http.Response, err error) string {
 	return err.Error()
 }
 
-// rfc9110Phrases are the reason phrases of RFC 9110 where Go's
-// http.StatusText still has the older ones of RFC 7231 and RFC 4918.
-var rfc9110Phrases = map[int]string{
-	http.StatusRequestEntityTooLarge:        "Content Too Large",
-	http.StatusRequestURITooLong:            "URI Too Long",
-	http.StatusRequestedRangeNotSatisfiable: "Range Not Satisfiable",
-	http.StatusUnprocessableEntity:          "Unprocessable Content",
-}
-
 // statusLine is a status code with its RFC 9110 reason phrase, as the
 // runner prints it: "422 Unprocessable Content", whatever phrase the
 // server sent.
 func statusLine(code int) string {
-	if phrase, ok := rfc9110Phrases[code]; ok {
-		return fmt.Sprintf("%d %s", code, phrase)
-	}
-	if phrase := http.StatusText(code); phrase != "" {
+	if phrase := httpstatus.Text(code); phrase != "" {
 		return fmt.Sprintf("%d %s", code, phrase)
 	}
 	return fmt.Sprint(code)
