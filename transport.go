@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/textproto"
 	"strings"
@@ -190,6 +191,15 @@ func (t *Transport) base() http.RoundTripper {
 	return http.DefaultTransport
 }
 
+// keyHeader returns the name of the key header in its canonical form:
+// DefaultKeyHeader as it is, or KeyHeader canonicalized.
+func (t *Transport) keyHeader() string {
+	if t.KeyHeader == "" {
+		return DefaultKeyHeader
+	}
+	return textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+}
+
 func (t *Transport) retryBudget() *RetryBudget {
 	if t.DisableBudget {
 		return nil
@@ -245,6 +255,7 @@ type operation struct {
 
 	keyed, idempotent bool
 	header, key, val  string
+	respelt           bool // the request has the key header under another spelling too
 
 	body            body
 	problem         *Problem      // of the last 409
@@ -264,13 +275,11 @@ func (op *operation) run() (*http.Response, error) {
 	op.idempotent = op.keyed || isIdempotent(method)
 	bodyKey := op.keyed && op.t.KeyBodyField != ""
 	if op.keyed && !bodyKey {
-		op.header = textproto.CanonicalMIMEHeaderKey(cmp.Or(op.t.KeyHeader, DefaultKeyHeader))
-		newKey := op.t.NewKey
-		if newKey == nil {
-			newKey = NewKey
-		}
+		op.header = op.t.keyHeader()
+		var vs []string
+		vs, op.respelt = headerValues(req.Header, op.header)
 		var err error
-		op.key, op.val, err = keyFor(req, op.header, op.t.KeyFormat, newKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, op.t.KeyFormat, op.t.NewKey)
 		if err != nil {
 			closeBody(req)
 			return nil, err
@@ -466,7 +475,7 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // caller closes the body.
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key}}
 	actx := &ar.ctx
 	cancel = func() {}
 	var timer *time.Timer
@@ -486,7 +495,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	ar.req = *op.req.WithContext(actx)
 	areq := &ar.req
 	if op.header != "" {
-		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
+		areq.Header = headerWith(op.req.Header, op.header, op.val, op.respelt, &actx.keyValue)
 	}
 	areq.Body = body
 	areq.GetBody = op.body.getBody
@@ -780,29 +789,28 @@ func (c *cancelOnCloseRW) Close() error {
 }
 
 // headerWith returns a copy of h with the header key (in canonical form)
-// set to the single value val. Every value slice is backed by scratch when
-// it is long enough, else by one new array, so the copy costs the map and
-// at most one more allocation.
-func headerWith(h http.Header, key, val string, scratch []string) http.Header {
-	n := 1
-	for _, vs := range h {
-		n += len(vs)
+// set to the single value val, held in slot. respelt says that h also has
+// the key under another spelling, which the copy leaves out: the key is
+// sent once.
+//
+// The copy is maps.Clone's, which copies the map's memory without walking
+// or hashing it, and its value slices are the caller's: no RoundTripper may
+// modify a request, and an unkeyed attempt sends the caller's header
+// itself.
+func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) http.Header {
+	out := maps.Clone(h)
+	if out == nil {
+		out = make(http.Header, 1)
 	}
-	backing := scratch
-	if n > len(backing) {
-		backing = make([]string, n)
-	}
-	out := make(http.Header, len(h)+1)
-	for k, vs := range h {
-		if k == key || strings.EqualFold(k, key) {
-			continue // the key header, however it is spelt, is sent once
+	if respelt {
+		for k := range out {
+			if k != key && strings.EqualFold(k, key) {
+				delete(out, k)
+			}
 		}
-		m := copy(backing, vs)
-		out[k] = backing[:m:m]
-		backing = backing[m:]
 	}
-	backing[0] = val
-	out[key] = backing[:1:1]
+	slot[0] = val
+	out[key] = slot[:]
 	return out
 }
 
