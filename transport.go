@@ -239,10 +239,21 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		t:      t,
 		req:    req,
 		ctx:    req.Context(),
-		policy: t.Retry.withDefaults(),
+		policy: t.Retry,
 		start:  time.Now(),
 	}
 	return op.run()
+}
+
+// retryPolicy returns the operation's policy with the defaults in its zero
+// fields, filled in on first use. A first-try success needs none of them:
+// it reads only AttemptTimeout, which has no default, and MaxElapsedTime
+// only when set.
+func (op *operation) retryPolicy() *RetryPolicy {
+	if !op.filled {
+		op.policy, op.filled = op.policy.withDefaults(), true
+	}
+	return &op.policy
 }
 
 // operation holds the state of one RoundTrip; it lives on its stack.
@@ -250,7 +261,8 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy
+	policy RetryPolicy // t.Retry, its defaults filled in by retryPolicy
+	filled bool        // whether they are
 	start  time.Time
 
 	keyed, idempotent bool
@@ -295,7 +307,7 @@ func (op *operation) run() (*http.Response, error) {
 	var last error          // the outcome of the last attempt sent, before a retry
 	var lastVerdict verdict // and what it called for
 	for {
-		if op.attempts > 0 && time.Since(op.start) >= op.policy.MaxElapsedTime {
+		if op.attempts > 0 && time.Since(op.start) >= op.retryPolicy().MaxElapsedTime {
 			// The wait overran into the operation's end.
 			if lastVerdict == conflict {
 				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
@@ -308,7 +320,7 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
 		}
 		resp, cancel, err := op.send(body)
-		if errors.Is(err, errOperationTimedOut) {
+		if err != nil && errors.Is(err, errOperationTimedOut) {
 			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
 		}
 		v, reason := op.classify(resp, err)
@@ -387,7 +399,7 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 }
 
 func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, string, ending) {
-	p := &op.policy
+	p := op.retryPolicy()
 	if !op.idempotent {
 		return 0, op.req.Method + " is not retried", endFinish
 	}
@@ -511,7 +523,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			resp = nil
 		}
 		if cause == errOperationTimedOut {
-			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.policy.MaxElapsedTime, op.attempts, err)
+			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.retryPolicy().MaxElapsedTime, op.attempts, err)
 		} else {
 			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
 		}
@@ -531,7 +543,7 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
 		return d, cause
 	}
-	end := op.start.Add(op.policy.MaxElapsedTime)
+	end := op.start.Add(op.retryPolicy().MaxElapsedTime)
 	if dl, ok := op.ctx.Deadline(); ok && !dl.After(end) {
 		return d, cause
 	}
@@ -824,7 +836,7 @@ func (op *operation) drain(resp *http.Response) {
 // may be read: maxDrainTime, or less if AttemptTimeout is shorter or the
 // operation's time ends sooner.
 func (op *operation) drainTime() time.Duration {
-	d := min(maxDrainTime, op.policy.MaxElapsedTime-time.Since(op.start))
+	d := min(maxDrainTime, op.retryPolicy().MaxElapsedTime-time.Since(op.start))
 	if t := op.policy.AttemptTimeout; t > 0 {
 		d = min(d, t)
 	}
