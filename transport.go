@@ -240,9 +240,19 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		req:    req,
 		ctx:    req.Context(),
 		policy: t.Retry,
-		start:  time.Now(),
+		start:  time.Since(epoch),
 	}
 	return op.run()
+}
+
+// epoch is the origin of operation start times: time.Since(epoch) reads
+// only the monotonic clock, where time.Now reads the wall clock too, and an
+// operation's times are all durations, compared on that clock.
+var epoch = time.Now()
+
+// elapsed returns the time since the operation started.
+func (op *operation) elapsed() time.Duration {
+	return time.Since(epoch) - op.start
 }
 
 // retryPolicy returns the operation's policy with the defaults in its zero
@@ -261,9 +271,9 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy // t.Retry, its defaults filled in by retryPolicy
-	filled bool        // whether they are
-	start  time.Time
+	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
+	filled bool          // whether they are
+	start  time.Duration // when the operation started, as time.Since(epoch)
 
 	keyed, idempotent bool
 	header, key, val  string
@@ -307,7 +317,7 @@ func (op *operation) run() (*http.Response, error) {
 	var last error          // the outcome of the last attempt sent, before a retry
 	var lastVerdict verdict // and what it called for
 	for {
-		if op.attempts > 0 && time.Since(op.start) >= op.retryPolicy().MaxElapsedTime {
+		if op.attempts > 0 && op.elapsed() >= op.retryPolicy().MaxElapsedTime {
 			// The wait overran into the operation's end.
 			if lastVerdict == conflict {
 				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
@@ -435,7 +445,7 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 	if hasRA && ra > p.MaxRetryAfter {
 		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
-	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime-1) {
+	if exceeds(op.elapsed(), wait, p.MaxElapsedTime-1) {
 		// The wait would end at or past MaxElapsedTime, leaving the next
 		// attempt no time.
 		return 0, "wait would pass MaxElapsedTime", endFinish
@@ -543,11 +553,11 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
 		return d, cause
 	}
-	end := op.start.Add(op.retryPolicy().MaxElapsedTime)
-	if dl, ok := op.ctx.Deadline(); ok && !dl.After(end) {
+	left := op.retryPolicy().MaxElapsedTime - op.elapsed() // until the operation's end
+	if dl, ok := op.ctx.Deadline(); ok && time.Until(dl) <= left {
 		return d, cause
 	}
-	if left := max(time.Until(end), time.Nanosecond); d <= 0 || left < d {
+	if left = max(left, time.Nanosecond); d <= 0 || left < d {
 		d, cause = left, errOperationTimedOut
 	}
 	return d, cause
@@ -836,7 +846,7 @@ func (op *operation) drain(resp *http.Response) {
 // may be read: maxDrainTime, or less if AttemptTimeout is shorter or the
 // operation's time ends sooner.
 func (op *operation) drainTime() time.Duration {
-	d := min(maxDrainTime, op.retryPolicy().MaxElapsedTime-time.Since(op.start))
+	d := min(maxDrainTime, op.retryPolicy().MaxElapsedTime-op.elapsed())
 	if t := op.policy.AttemptTimeout; t > 0 {
 		d = min(d, t)
 	}
