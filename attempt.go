@@ -6,14 +6,14 @@ import (
 )
 
 // attemptContext is the context of one attempt's request: the operation's
-// context (or the attempt's own cancelable one), carrying the attempt for
-// AttemptFromContext. It also holds the scratch that backs the values of
-// the attempt's header copy, so that the attempt costs no more
-// allocations than the header copy alone did.
+// context (or the attempt's own cancelable one), carrying the attempt's
+// number and key for AttemptFromContext. It also holds the slice element
+// that backs the key header's value in the attempt's header copy.
 type attemptContext struct {
 	context.Context
-	attempt Attempt
-	values  [8]string
+	number   int
+	key      string
+	keyValue [1]string
 }
 
 // attemptRequest is an attempt's request and its context in one
@@ -45,5 +45,5 @@ func AttemptFromContext(ctx context.Context) (Attempt, bool) {
 	if !ok {
 		return Attempt{}, false
 	}
-	return c.attempt, true
+	return Attempt{Number: c.number, Key: c.key}, true
 }

@@ -48,7 +48,7 @@ func TestAttemptFromContext(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			// More header values than the attempt's scratch holds.
+			// Many header values, all sent with the key on every attempt.
 			for i := range 10 {
 				req.Header.Add("X-Many", strconv.Itoa(i))
 			}

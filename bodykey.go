@@ -66,9 +66,9 @@ func (op *operation) initBodyKey() error {
 	if err != nil {
 		return fail("%w", err)
 	}
-	newKey := t.NewKey
-	if newKey == nil {
-		newKey = NewKey
+	var vs []string // the key header's values, when there is a key header
+	if op.header != "" {
+		vs, op.respelt = headerValues(req.Header, op.header)
 	}
 	if raw != nil {
 		key, ok := unquote(raw)
@@ -79,8 +79,8 @@ func (op *operation) initBodyKey() error {
 			return fmt.Errorf("idem: the request's body field %q: %w", field, err)
 		}
 		op.key, op.val = key, keyheader.Format(key, t.KeyFormat == KeySFString)
-		if op.header != "" && len(headerValues(req.Header, op.header)) > 0 {
-			hkey, val, err := keyFor(req, op.header, t.KeyFormat, newKey)
+		if len(vs) > 0 {
+			hkey, val, err := keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
 			if err != nil {
 				return err
 			}
@@ -90,7 +90,7 @@ func (op *operation) initBodyKey() error {
 			op.val = val
 		}
 	} else {
-		op.key, op.val, err = keyFor(req, op.header, t.KeyFormat, newKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
 		if err != nil {
 			return err
 		}

@@ -63,26 +63,35 @@ func KeyFromContext(ctx context.Context) (string, bool) {
 	return key, ok
 }
 
-// headerValues returns the values of the header name (canonical) in h,
-// also those set directly in the map under another spelling, such as
-// h["idempotency-key"], which http.Header's methods do not see but
-// net/http sends.
-func headerValues(h http.Header, name string) []string {
-	vs := h[name]
+// headerValues returns the values of the header name (canonical) in h
+// under any spelling: also those set directly in the map under another
+// one, such as h["idempotency-key"], which http.Header's methods do not see
+// but net/http sends. respelt reports whether there is such a spelling.
+// It walks the map once and looks nothing up: the order of the values
+// matters only when there is a single one.
+func headerValues(h http.Header, name string) (vs []string, respelt bool) {
 	for k, more := range h {
-		if k != name && strings.EqualFold(k, name) {
+		if k != name {
+			if !strings.EqualFold(k, name) {
+				continue
+			}
+			respelt = true
+		}
+		if vs == nil {
+			vs = more
+		} else {
 			vs = append(vs[:len(vs):len(vs)], more...)
 		}
 	}
-	return vs
+	return vs, respelt
 }
 
 // keyFor returns the key of the operation req starts and the header value
 // to send, in this order of precedence: the key header already on req
-// (under its canonical name or any other spelling), the key pinned on its
-// context, a new key from newKey.
-func keyFor(req *http.Request, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
-	if vs := headerValues(req.Header, header); len(vs) > 0 {
+// (vs, its values under any spelling, from headerValues), the key pinned on
+// its context, a new key from newKey, or from [NewKey] if newKey is nil.
+func keyFor(req *http.Request, vs []string, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
+	if len(vs) > 0 {
 		key, err := keyheader.Parse(vs)
 		if err != nil {
 			return "", "", fmt.Errorf("idem: the request's %s header: %w", header, err)
@@ -90,7 +99,13 @@ func keyFor(req *http.Request, header string, format KeyFormat, newKey func() st
 		return key, vs[0], nil
 	}
 	key, ok := KeyFromContext(req.Context())
-	if !ok {
+	switch {
+	case ok:
+	case newKey == nil:
+		// A UUID is a valid key by construction: not checked again.
+		key = NewKey()
+		return key, keyheader.Format(key, format == KeySFString), nil
+	default:
 		key = newKey()
 	}
 	if err := keyheader.Validate(key); err != nil {

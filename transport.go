@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net/http"
 	"net/textproto"
 	"strings"
@@ -190,6 +191,15 @@ func (t *Transport) base() http.RoundTripper {
 	return http.DefaultTransport
 }
 
+// keyHeader returns the name of the key header in its canonical form:
+// DefaultKeyHeader as it is, or KeyHeader canonicalized.
+func (t *Transport) keyHeader() string {
+	if t.KeyHeader == "" {
+		return DefaultKeyHeader
+	}
+	return textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+}
+
 func (t *Transport) retryBudget() *RetryBudget {
 	if t.DisableBudget {
 		return nil
@@ -229,10 +239,31 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		t:      t,
 		req:    req,
 		ctx:    req.Context(),
-		policy: t.Retry.withDefaults(),
-		start:  time.Now(),
+		policy: t.Retry,
+		start:  time.Since(epoch),
 	}
 	return op.run()
+}
+
+// epoch is the origin of operation start times: time.Since(epoch) reads
+// only the monotonic clock, where time.Now reads the wall clock too, and an
+// operation's times are all durations, compared on that clock.
+var epoch = time.Now()
+
+// elapsed returns the time since the operation started.
+func (op *operation) elapsed() time.Duration {
+	return time.Since(epoch) - op.start
+}
+
+// retryPolicy returns the operation's policy with the defaults in its zero
+// fields, filled in on first use. A first-try success needs none of them:
+// it reads only AttemptTimeout, which has no default, and MaxElapsedTime
+// only when set.
+func (op *operation) retryPolicy() *RetryPolicy {
+	if !op.filled {
+		op.policy, op.filled = op.policy.withDefaults(), true
+	}
+	return &op.policy
 }
 
 // operation holds the state of one RoundTrip; it lives on its stack.
@@ -240,11 +271,13 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy
-	start  time.Time
+	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
+	filled bool          // whether they are
+	start  time.Duration // when the operation started, as time.Since(epoch)
 
 	keyed, idempotent bool
 	header, key, val  string
+	respelt           bool // the request has the key header under another spelling too
 
 	body            body
 	problem         *Problem      // of the last 409
@@ -264,13 +297,11 @@ func (op *operation) run() (*http.Response, error) {
 	op.idempotent = op.keyed || isIdempotent(method)
 	bodyKey := op.keyed && op.t.KeyBodyField != ""
 	if op.keyed && !bodyKey {
-		op.header = textproto.CanonicalMIMEHeaderKey(cmp.Or(op.t.KeyHeader, DefaultKeyHeader))
-		newKey := op.t.NewKey
-		if newKey == nil {
-			newKey = NewKey
-		}
+		op.header = op.t.keyHeader()
+		var vs []string
+		vs, op.respelt = headerValues(req.Header, op.header)
 		var err error
-		op.key, op.val, err = keyFor(req, op.header, op.t.KeyFormat, newKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, op.t.KeyFormat, op.t.NewKey)
 		if err != nil {
 			closeBody(req)
 			return nil, err
@@ -286,7 +317,7 @@ func (op *operation) run() (*http.Response, error) {
 	var last error          // the outcome of the last attempt sent, before a retry
 	var lastVerdict verdict // and what it called for
 	for {
-		if op.attempts > 0 && time.Since(op.start) >= op.policy.MaxElapsedTime {
+		if op.attempts > 0 && op.elapsed() >= op.retryPolicy().MaxElapsedTime {
 			// The wait overran into the operation's end.
 			if lastVerdict == conflict {
 				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
@@ -299,7 +330,7 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
 		}
 		resp, cancel, err := op.send(body)
-		if errors.Is(err, errOperationTimedOut) {
+		if err != nil && errors.Is(err, errOperationTimedOut) {
 			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
 		}
 		v, reason := op.classify(resp, err)
@@ -378,7 +409,7 @@ func (op *operation) plan(v verdict, resp *http.Response) (time.Duration, string
 }
 
 func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, string, ending) {
-	p := &op.policy
+	p := op.retryPolicy()
 	if !op.idempotent {
 		return 0, op.req.Method + " is not retried", endFinish
 	}
@@ -414,7 +445,7 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 	if hasRA && ra > p.MaxRetryAfter {
 		return 0, fmt.Sprintf("Retry-After %s exceeds MaxRetryAfter", ra), endFinish
 	}
-	if exceeds(time.Since(op.start), wait, p.MaxElapsedTime-1) {
+	if exceeds(op.elapsed(), wait, p.MaxElapsedTime-1) {
 		// The wait would end at or past MaxElapsedTime, leaving the next
 		// attempt no time.
 		return 0, "wait would pass MaxElapsedTime", endFinish
@@ -466,7 +497,7 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // caller closes the body.
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, attempt: Attempt{Number: op.attempts, Key: op.key}}}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key}}
 	actx := &ar.ctx
 	cancel = func() {}
 	var timer *time.Timer
@@ -486,7 +517,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	ar.req = *op.req.WithContext(actx)
 	areq := &ar.req
 	if op.header != "" {
-		areq.Header = headerWith(op.req.Header, op.header, op.val, actx.values[:])
+		areq.Header = headerWith(op.req.Header, op.header, op.val, op.respelt, &actx.keyValue)
 	}
 	areq.Body = body
 	areq.GetBody = op.body.getBody
@@ -502,7 +533,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			resp = nil
 		}
 		if cause == errOperationTimedOut {
-			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.policy.MaxElapsedTime, op.attempts, err)
+			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.retryPolicy().MaxElapsedTime, op.attempts, err)
 		} else {
 			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
 		}
@@ -522,11 +553,11 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
 		return d, cause
 	}
-	end := op.start.Add(op.policy.MaxElapsedTime)
-	if dl, ok := op.ctx.Deadline(); ok && !dl.After(end) {
+	left := op.retryPolicy().MaxElapsedTime - op.elapsed() // until the operation's end
+	if dl, ok := op.ctx.Deadline(); ok && time.Until(dl) <= left {
 		return d, cause
 	}
-	if left := max(time.Until(end), time.Nanosecond); d <= 0 || left < d {
+	if left = max(left, time.Nanosecond); d <= 0 || left < d {
 		d, cause = left, errOperationTimedOut
 	}
 	return d, cause
@@ -780,29 +811,28 @@ func (c *cancelOnCloseRW) Close() error {
 }
 
 // headerWith returns a copy of h with the header key (in canonical form)
-// set to the single value val. Every value slice is backed by scratch when
-// it is long enough, else by one new array, so the copy costs the map and
-// at most one more allocation.
-func headerWith(h http.Header, key, val string, scratch []string) http.Header {
-	n := 1
-	for _, vs := range h {
-		n += len(vs)
+// set to the single value val, held in slot. respelt says that h also has
+// the key under another spelling, which the copy leaves out: the key is
+// sent once.
+//
+// The copy is maps.Clone's, which copies the map's memory without walking
+// or hashing it, and its value slices are the caller's: no RoundTripper may
+// modify a request, and an unkeyed attempt sends the caller's header
+// itself.
+func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) http.Header {
+	out := maps.Clone(h)
+	if out == nil {
+		out = make(http.Header, 1)
 	}
-	backing := scratch
-	if n > len(backing) {
-		backing = make([]string, n)
-	}
-	out := make(http.Header, len(h)+1)
-	for k, vs := range h {
-		if k == key || strings.EqualFold(k, key) {
-			continue // the key header, however it is spelt, is sent once
+	if respelt {
+		for k := range out {
+			if k != key && strings.EqualFold(k, key) {
+				delete(out, k)
+			}
 		}
-		m := copy(backing, vs)
-		out[k] = backing[:m:m]
-		backing = backing[m:]
 	}
-	backing[0] = val
-	out[key] = backing[:1:1]
+	slot[0] = val
+	out[key] = slot[:]
 	return out
 }
 
@@ -816,7 +846,7 @@ func (op *operation) drain(resp *http.Response) {
 // may be read: maxDrainTime, or less if AttemptTimeout is shorter or the
 // operation's time ends sooner.
 func (op *operation) drainTime() time.Duration {
-	d := min(maxDrainTime, op.policy.MaxElapsedTime-time.Since(op.start))
+	d := min(maxDrainTime, op.retryPolicy().MaxElapsedTime-op.elapsed())
 	if t := op.policy.AttemptTimeout; t > 0 {
 		d = min(d, t)
 	}

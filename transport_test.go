@@ -16,6 +16,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+
+	"github.com/idemkit/idem/internal/keyheader"
 )
 
 // fastPolicy keeps the wire tests quick: the waits are real but short.
@@ -213,6 +215,45 @@ func TestNonCanonicalKeyHeaderWins(t *testing.T) {
 				t.Errorf("the caller's request was modified: %v", req.Header)
 			}
 		})
+	}
+}
+
+// TestKeyHeaderUnderTwoSpellingsRefused checks that a key header set
+// under its canonical name and another spelling is two key lines, which
+// are refused before sending, as two lines under one name are.
+func TestKeyHeaderUnderTwoSpellingsRefused(t *testing.T) {
+	rec := &recorder{script: []int{201}}
+	srv := newServer(t, rec)
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{}`))
+	req.Header["Idempotency-Key"] = []string{"caller-key-1"}
+	req.Header["idempotency-key"] = []string{"caller-key-1"}
+	_, err := newTransport(t, fastPolicy).RoundTrip(req)
+	if !errors.Is(err, keyheader.ErrMultiple) {
+		t.Errorf("err = %v, want keyheader.ErrMultiple in its chain", err)
+	}
+	if n := len(rec.requests()); n != 0 {
+		t.Errorf("server saw %d requests, want none", n)
+	}
+}
+
+// TestKeyedRequestWithoutHeaderMap checks a keyed request built by hand
+// with a nil Header: it is sent with a key, and its Header stays nil.
+func TestKeyedRequestWithoutHeaderMap(t *testing.T) {
+	rec := &recorder{script: []int{503, 201}}
+	srv := newServer(t, rec)
+	req, _ := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{}`))
+	req.Header = nil
+	resp, err := newTransport(t, fastPolicy).RoundTrip(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	got := rec.requests()
+	if len(got) != 2 || got[0].key == "" || got[1].key != got[0].key {
+		t.Errorf("requests = %+v, want two with one key", got)
+	}
+	if req.Header != nil {
+		t.Errorf("the caller's request was modified: Header = %v", req.Header)
 	}
 }
 
