@@ -22,7 +22,11 @@
 //
 // It prints a table of req/s and p50/p99/p999 latency, or with -json one
 // JSON object per scenario and line, then the ratios first/unkeyed and
-// replay/first (to stderr with -json). With -database-url it also reports
+// replay/first (to stderr with -json), with -rounds above 1 the median of
+// the per-round ratios. first/unkeyed is judged against issue 11's target,
+// at least 0.75 on the server's default flags at concurrency 16 (other
+// concurrencies are judged against it too, with a note); replay/first
+// against 1.5. With -database-url it also reports
 // the commits per request, read from pg_stat_database: each autocommitted
 // statement or pipelined batch is one transaction, so this counts the
 // database round trips of a request. Use a database of its own for the
@@ -31,8 +35,13 @@
 // idem_db_round_trips_total on /metrics (pgx's query, batch, prepare and
 // connect calls; see server.DBRoundTrips), which other clients of the
 // database do not disturb. For a server it
-// started, it reports the server's CPU time per request (/proc/PID/stat),
-// and for every run how busy the machine's CPUs were (/proc/stat).
+// started, it reports the server's CPU time per request ("srv ms", from
+// /proc/PID/stat); with a database on this machine, the CPU time of the
+// database's backends per request ("db ms": the processes pg_stat_activity
+// lists for it, read from /proc, the load test's own counting connection
+// included); and for every run how busy the machine's CPUs were ("busy",
+// /proc/stat). On a CPU-bound machine, srv ms plus db ms per request is
+// what a ratio of two scenarios' req/s mostly compares.
 //
 // Every loop is bounded in time (-duration) and count (-max-requests), and
 // only loopback addresses are driven.

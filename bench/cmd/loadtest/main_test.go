@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 )
@@ -118,21 +119,43 @@ func TestRatioLine(t *testing.T) {
 		rounds []map[string]result
 		want   string
 	}{
-		{[]map[string]result{round(600, 1000)}, "first/unkeyed req/s = 0.60 (target >= 0.8: MISSED)"},
-		{[]map[string]result{round(900, 1000)}, "first/unkeyed req/s = 0.90 (target >= 0.8: met)"},
+		{[]map[string]result{round(600, 1000)}, "first/unkeyed req/s = 0.60 (target >= 0.75: MISSED)"},
+		{[]map[string]result{round(900, 1000)}, "first/unkeyed req/s = 0.90 (target >= 0.75: met)"},
+		{[]map[string]result{round(740, 1000)}, "first/unkeyed req/s = 0.74 (target >= 0.75: MISSED)"},
+		{[]map[string]result{round(750, 1000)}, "first/unkeyed req/s = 0.75 (target >= 0.75: met)"},
 		// The median, not the best round, is judged; the rounds keep their order.
 		{[]map[string]result{round(900, 1000), round(500, 1000), round(700, 1000)},
-			"first/unkeyed req/s = 0.70, median of 3 rounds [0.90 0.50 0.70] (target >= 0.8: MISSED)"},
+			"first/unkeyed req/s = 0.70, median of 3 rounds [0.90 0.50 0.70] (target >= 0.75: MISSED)"},
 		{[]map[string]result{round(900, 1000), round(700, 1000)},
-			"first/unkeyed req/s = 0.80, median of 2 rounds [0.90 0.70] (target >= 0.8: met)"},
+			"first/unkeyed req/s = 0.80, median of 2 rounds [0.90 0.70] (target >= 0.75: met)"},
 		// A round without one of the two, or with nothing measured, is left out.
 		{[]map[string]result{round(900, 1000), {"first": {ReqPerS: 800}}, round(800, 0)},
-			"first/unkeyed req/s = 0.90 (target >= 0.8: met)"},
+			"first/unkeyed req/s = 0.90 (target >= 0.75: met)"},
 		{[]map[string]result{{"first": {ReqPerS: 800}}},
 			"first/unkeyed: not measured (first and unkeyed must both run)"},
 	} {
-		if got := ratioLine(tc.rounds, "first", "unkeyed", 0.8); got != tc.want {
+		if got := ratioLine(tc.rounds, "first", "unkeyed", firstOverUnkeyed); got != tc.want {
 			t.Errorf("ratioLine = %q\n                want %q", got, tc.want)
+		}
+	}
+}
+
+// TestPrintRatiosConcurrency checks that a run at another concurrency than
+// issue 11's says so next to the verdict.
+func TestPrintRatiosConcurrency(t *testing.T) {
+	rounds := []map[string]result{{"first": {ReqPerS: 700}, "unkeyed": {ReqPerS: 1000}}}
+	for _, tc := range []struct {
+		concurrency int
+		want        string
+	}{
+		{16, "ratio (a)/(c): first/unkeyed req/s = 0.70 (target >= 0.75: MISSED)\n"},
+		{32, "ratio (a)/(c): first/unkeyed req/s = 0.70 (target >= 0.75: MISSED); issue 11 sets this target at concurrency 16, not 32\n"},
+	} {
+		var out strings.Builder
+		r := &runner{cfg: config{concurrency: tc.concurrency, scenarios: []string{"first", "unkeyed"}}, stdout: &out}
+		r.printRatios(rounds)
+		if got, _, _ := strings.Cut(out.String(), "ratio (b)"); got != tc.want {
+			t.Errorf("c%d: printRatios printed %q, want %q first", tc.concurrency, out.String(), tc.want)
 		}
 	}
 }
