@@ -87,7 +87,10 @@ type Options struct {
 
 	// MaxBodyBytes caps the request body; a larger one gets 413. The body is
 	// buffered to be fingerprinted and handed on. If zero, 1 MiB is used;
-	// if negative, there is no limit.
+	// if negative, there is no limit. The middleware bounds the body's
+	// size, not its pace: a body that stalls is cut off by the
+	// http.Server's ReadTimeout (or a deadline the service sets with
+	// http.ResponseController), which a service should set.
 	MaxBodyBytes int64
 
 	// ClientID returns the authenticated client of a request, which scopes
