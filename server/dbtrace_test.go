@@ -50,6 +50,10 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //   - A request whose key is released (here a 400 from the handler's
 //     validation) makes two: the claim and the release. The handler wrote
 //     nothing, so its transaction never began: no BEGIN and no ROLLBACK.
+//   - The corrected request with the key of such a 400 makes five: the
+//     claim takes two statements, one to find the key released and one to
+//     claim it again (see pgstore's claimNewSQL), then three as a first
+//     execution.
 //   - An unkeyed payment (Config.NoIdempotency) makes four too: the charge,
 //     and BEGIN, INSERT and COMMIT of pgx.BeginFunc, one round trip each.
 //     The idempotency layer adds no round trip to it: the claim it adds is
@@ -81,6 +85,10 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
 				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 1},
 				{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
+				// The corrected request with the key of a 400: the claim
+				// reads the released row (claimNewSQL), then replaces it
+				// (claimSQL), and the payment goes on as a first execution.
+				{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 5},
 			}
 			for _, c := range cases {
 				// The first send prepares the statements on the connection.

@@ -23,7 +23,9 @@
 // on its own so that a duplicate sees the key at once), then the handler's
 // own transaction as it would cost without the middleware (BEGIN, its
 // statements), whose COMMIT carries the key's completion in the same round
-// trip; a replay costs one, the claim. See [Store] for what happens
+// trip; a replay costs one, the claim. A claim that resumes, replaces or
+// takes over a key (a retry after a release or an expiry, a takeover)
+// costs two. See [Store] for what happens
 // when a connection breaks, and [Migrate] for the table.
 //
 // Size the pool for the handlers' transactions and, beside them, the
