@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -21,7 +22,16 @@ func newRecorder() *recorder { return &recorder{header: make(http.Header)} }
 func (rec *recorder) Header() http.Header { return rec.header }
 
 func (rec *recorder) WriteHeader(code int) {
-	if rec.wroteHeader || code < 200 { // 1xx responses are not buffered
+	if rec.wroteHeader {
+		return
+	}
+	// As net/http does: a code it cannot send is the handler's bug, a
+	// panic, and never an outcome stored and replayed (a 0 taken for a
+	// 200, a 1000 that every replay would fail to send).
+	if code < 100 || code > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", code))
+	}
+	if code < 200 { // 1xx responses are not buffered
 		return
 	}
 	rec.status, rec.wroteHeader = code, true

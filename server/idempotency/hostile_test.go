@@ -1,0 +1,35 @@
+package idempotency
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"testing"
+)
+
+// TestHostileInvalidStatus: a handler that writes a status net/http
+// refuses (WriteHeader panics on codes outside 100-999). The recorder must
+// not store an outcome that can never be sent.
+func TestHostileInvalidStatus(t *testing.T) {
+	for _, code := range []int{0, 42, 1000} {
+		t.Run(fmt.Sprint(code), func(t *testing.T) {
+			store := NewMemoryStore()
+			h := testHandler(t, store, Options{StoreServerErrors: true}, func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(code)
+				w.Write([]byte("ok"))
+			})
+			func() {
+				defer func() { recover() }()
+				serve(t, h, keyed("k", "{}"))
+			}()
+			res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+				Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", "{}"), FingerprintVersion: FingerprintVersion, LockTimeout: DefaultLockTimeout})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Outcome == Exists && res.Record.Status == StatusCompleted {
+				t.Errorf("WriteHeader(%d), which net/http refuses with a panic, stored as the key's outcome %d", code, res.Record.Response.Status)
+			}
+		})
+	}
+}
