@@ -33,3 +33,20 @@ func TestHostileInvalidStatus(t *testing.T) {
 		})
 	}
 }
+
+// TestHostileContentTypeSuppressed: a handler that suppresses the
+// Content-Type (net/http's documented nil value) gets none on its first
+// response; the replay must not get a sniffed one.
+func TestHostileContentTypeSuppressed(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil
+		w.WriteHeader(http.StatusCreated)
+		w.Write([]byte("<html>created</html>"))
+	})
+	first := ts.mustSend(t, keyed("k", "{}"))
+	second := ts.mustSend(t, keyed("k", "{}"))
+	if !second.replayed() || first.header.Get("Content-Type") != second.header.Get("Content-Type") {
+		t.Errorf("Content-Type of first %q, of replay %q (replayed=%v); want the same",
+			first.header.Get("Content-Type"), second.header.Get("Content-Type"), second.replayed())
+	}
+}

@@ -113,6 +113,11 @@ func writeStored(w http.ResponseWriter, resp *StoredResponse) {
 	}
 	if resp.ContentType != "" {
 		h.Set("Content-Type", resp.ContentType)
+	} else if len(resp.Body) > 0 {
+		// The recorder gives every body a Content-Type unless the handler
+		// suppressed it (net/http's nil value): suppress it again, or
+		// net/http would sniff one the first response did not have.
+		h["Content-Type"] = nil
 	}
 	if bodyAllowed(resp.Status) {
 		h.Set("Content-Length", strconv.Itoa(len(resp.Body)))
