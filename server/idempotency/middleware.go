@@ -562,7 +562,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		writeRecorded(w, rec)
 		return
 	}
-	switch err := tx.Complete(detached, rec.stored(m.keyHeader)); {
+	resp, dropped := rec.stored(m.keyHeader)
+	if len(dropped) > 0 {
+		log.Warn("idempotency: headers that are not valid text are sent but not stored: replays go without them", "headers", dropped)
+	}
+	switch err := tx.Complete(detached, resp); {
 	case err == nil:
 		m.event(EventCompleted)
 		log.Debug("idempotency: outcome stored", "status", status, "operation", claim.OperationID)

@@ -73,23 +73,38 @@ var unreplayed = map[string]bool{
 	"Idempotent-Replayed": true,
 }
 
-// stored returns the response as it is kept for replays.
-func (rec *recorder) stored(keyHeader string) StoredResponse {
-	resp := StoredResponse{
+// stored returns the response as it is kept for replays, and the names of
+// the headers it leaves out because a store cannot keep them: a value (or
+// name) that is not valid UTF-8 or holds a NUL ([ValidText]), such as a
+// request header echoed with obs-text bytes, which net/http accepts. The
+// stores refuse such text, and failing the completion over a header would
+// fail the operation on every retry, after its work was done; so the first
+// response carries the header and its replays do not.
+func (rec *recorder) stored(keyHeader string) (resp StoredResponse, dropped []string) {
+	resp = StoredResponse{
 		Status:      rec.status,
 		ContentType: rec.header.Get("Content-Type"),
 		Body:        bytes.Clone(rec.body.Bytes()),
+	}
+	if !ValidText(resp.ContentType) {
+		resp.ContentType = ""
+		dropped = append(dropped, "Content-Type")
 	}
 	for name, values := range rec.header {
 		if unreplayed[name] || name == keyHeader || len(values) == 0 {
 			continue
 		}
+		value := strings.Join(values, ", ")
+		if !ValidText(name) || !ValidText(value) {
+			dropped = append(dropped, name)
+			continue
+		}
 		if resp.Header == nil {
 			resp.Header = make(map[string]string)
 		}
-		resp.Header[name] = strings.Join(values, ", ")
+		resp.Header[name] = value
 	}
-	return resp
+	return resp, dropped
 }
 
 // writeRecorded sends the buffered response to w.
