@@ -387,11 +387,17 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	wait := 10 * time.Millisecond
 	recomputed := false
 	for {
-		res, err := m.store.Claim(ctx, req)
+		if ctx.Err() != nil {
+			return // the client is gone and nothing was claimed
+		}
+		// The claim does not end with the client: a claim cancelled
+		// while its answer travels back may have committed (a database
+		// commits what it received), leaving the key started with no owner
+		// to release it, a 409 to every retry until the lease runs out
+		// (forever without a lease). Run to its end, it is released below
+		// if the client is gone.
+		res, err := m.store.Claim(context.WithoutCancel(ctx), req)
 		if err != nil {
-			if ctx.Err() != nil {
-				return // the client is gone and nothing was claimed
-			}
 			log.Error("idempotency: claim failed", "err", err)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
 				"The key could not be checked. Retry later with the same key.")
@@ -404,6 +410,13 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				log.Warn("idempotency: took over a key whose owner stopped renewing its lease", "operation", res.Claim.OperationID, "token", res.Claim.Token)
 			} else {
 				m.event(EventClaimed)
+			}
+			if ctx.Err() != nil {
+				// The client went away during the claim: nothing ran.
+				// Released as failed, since the claim may have resumed or
+				// taken over an operation that did work (see run).
+				m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
+				return
 			}
 			r.Body = io.NopCloser(bytes.NewReader(body))
 			r.ContentLength = int64(len(body))
@@ -506,7 +519,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	tx, err := m.store.Begin(r.Context(), claim)
 	if err != nil {
 		log.Error("idempotency: begin failed", "err", err)
-		m.release(detached, claim, ReleaseRejected, log) // the handler did not run
+		// The handler did not run, but the claim may have resumed a
+		// released operation or taken over a dead one, which may have done
+		// work keyed by its OperationID: released as failed, so only the
+		// same request may claim the key next and finish that work.
+		m.release(detached, claim, ReleaseFailed, log)
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
 			"The operation could not be started. Retry with the same key.")
 		return
@@ -545,7 +562,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		writeRecorded(w, rec)
 		return
 	}
-	switch err := tx.Complete(detached, rec.stored(m.keyHeader)); {
+	resp, dropped := rec.stored(m.keyHeader)
+	if len(dropped) > 0 {
+		log.Warn("idempotency: headers that are not valid text are sent but not stored: replays go without them", "headers", dropped)
+	}
+	switch err := tx.Complete(detached, resp); {
 	case err == nil:
 		m.event(EventCompleted)
 		log.Debug("idempotency: outcome stored", "status", status, "operation", claim.OperationID)

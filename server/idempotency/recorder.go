@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"fmt"
 	"net/http"
 	"strconv"
 	"strings"
@@ -21,7 +22,16 @@ func newRecorder() *recorder { return &recorder{header: make(http.Header)} }
 func (rec *recorder) Header() http.Header { return rec.header }
 
 func (rec *recorder) WriteHeader(code int) {
-	if rec.wroteHeader || code < 200 { // 1xx responses are not buffered
+	if rec.wroteHeader {
+		return
+	}
+	// As net/http does: a code it cannot send is the handler's bug, a
+	// panic, and never an outcome stored and replayed (a 0 taken for a
+	// 200, a 1000 that every replay would fail to send).
+	if code < 100 || code > 999 {
+		panic(fmt.Sprintf("invalid WriteHeader code %v", code))
+	}
+	if code < 200 { // 1xx responses are not buffered
 		return
 	}
 	rec.status, rec.wroteHeader = code, true
@@ -63,23 +73,38 @@ var unreplayed = map[string]bool{
 	"Idempotent-Replayed": true,
 }
 
-// stored returns the response as it is kept for replays.
-func (rec *recorder) stored(keyHeader string) StoredResponse {
-	resp := StoredResponse{
+// stored returns the response as it is kept for replays, and the names of
+// the headers it leaves out because a store cannot keep them: a value (or
+// name) that is not valid UTF-8 or holds a NUL ([ValidText]), such as a
+// request header echoed with obs-text bytes, which net/http accepts. The
+// stores refuse such text, and failing the completion over a header would
+// fail the operation on every retry, after its work was done; so the first
+// response carries the header and its replays do not.
+func (rec *recorder) stored(keyHeader string) (resp StoredResponse, dropped []string) {
+	resp = StoredResponse{
 		Status:      rec.status,
 		ContentType: rec.header.Get("Content-Type"),
 		Body:        bytes.Clone(rec.body.Bytes()),
+	}
+	if !ValidText(resp.ContentType) {
+		resp.ContentType = ""
+		dropped = append(dropped, "Content-Type")
 	}
 	for name, values := range rec.header {
 		if unreplayed[name] || name == keyHeader || len(values) == 0 {
 			continue
 		}
+		value := strings.Join(values, ", ")
+		if !ValidText(name) || !ValidText(value) {
+			dropped = append(dropped, name)
+			continue
+		}
 		if resp.Header == nil {
 			resp.Header = make(map[string]string)
 		}
-		resp.Header[name] = strings.Join(values, ", ")
+		resp.Header[name] = value
 	}
-	return resp
+	return resp, dropped
 }
 
 // writeRecorded sends the buffered response to w.
@@ -103,6 +128,11 @@ func writeStored(w http.ResponseWriter, resp *StoredResponse) {
 	}
 	if resp.ContentType != "" {
 		h.Set("Content-Type", resp.ContentType)
+	} else if len(resp.Body) > 0 {
+		// The recorder gives every body a Content-Type unless the handler
+		// suppressed it (net/http's nil value): suppress it again, or
+		// net/http would sniff one the first response did not have.
+		h["Content-Type"] = nil
 	}
 	if bodyAllowed(resp.Status) {
 		h.Set("Content-Length", strconv.Itoa(len(resp.Body)))
