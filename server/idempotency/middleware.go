@@ -176,7 +176,9 @@ func (e Event) String() string {
 //  4. claims the key with [Store.Claim]. A key that exists with another
 //     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
 //     stored status, headers and body, byte for byte, with
-//     Idempotent-Replayed: true; a started one gets 409 [ProblemKeyInUse]
+//     Idempotent-Replayed: true (a header whose name or value is not valid
+//     text, such as an echoed obs-text value, is sent on the first response
+//     but not stored, so its replays go without it; see [ValidText]); a started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
