@@ -1,0 +1,472 @@
+package pgstore_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
+)
+
+// The claimers of a claim race: the request that made the key (fingerprint
+// a, version 1), another request (b), and the same request canonicalized
+// in another fingerprint version.
+type raceVariant struct {
+	name    string
+	body    string
+	version int
+}
+
+var (
+	variantA   = raceVariant{"a", "a", 1}
+	variantB   = raceVariant{"b", "b", 1}
+	variantAv2 = raceVariant{"a-v2", "a", 2}
+)
+
+// raceLease and raceKeep are the lease and retention of every claim of the
+// race test: long enough that no key goes stale or expires by itself
+// during a round, however slow the machine. Stale and expired keys are
+// made so by SQL.
+const (
+	raceLease = time.Minute
+	raceKeep  = time.Hour
+)
+
+// raceRequest is the claim request of variant v for key.
+func raceRequest(key string, v raceVariant) idempotency.ClaimRequest {
+	r := leased(req(key, v.body), raceLease, raceKeep)
+	r.FingerprintVersion = v.version
+	return r
+}
+
+// raceState is a starting state of the key raced for: how to make it, and
+// what the contract says a claim of each variant does with it.
+type raceState struct {
+	name    string
+	prepare func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string)
+	// canWin: the variant's claim would get Claimed or TookOver alone.
+	canWin func(v raceVariant) bool
+	// outcome of the winner.
+	outcome idempotency.Outcome
+	// keepsOp: the winner of the variant keeps the key's operation ID
+	// (and creation time); otherwise it gets a new one.
+	keepsOp func(v raceVariant) bool
+}
+
+// raceRow is a key's row as the race test reads it.
+type raceRow struct {
+	present     bool
+	status      string
+	token       int64
+	operationID string
+	fingerprint []byte
+	version     int
+	createdAt   time.Time
+	lockedAt    time.Time
+	leaseUS     int64
+	keepUS      int64
+	respStatus  *int32
+}
+
+func readRaceRow(t *testing.T, pool *pgxpool.Pool, key string) raceRow {
+	t.Helper()
+	r := raceRow{present: true}
+	err := pool.QueryRow(context.Background(), `
+		SELECT status, lock_token, operation_id::text, request_hash, fingerprint_version,
+			created_at, locked_at, lease_us, retention_us, response_status
+		FROM idempotency_keys WHERE client_id = 'cli_a' AND idempotency_key = $1`, key).
+		Scan(&r.status, &r.token, &r.operationID, &r.fingerprint, &r.version,
+			&r.createdAt, &r.lockedAt, &r.leaseUS, &r.keepUS, &r.respStatus)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return raceRow{}
+	}
+	require.NoError(t, err)
+	return r
+}
+
+// setRow runs an UPDATE of key's row (a SET clause) and requires it to
+// change the row.
+func setRow(t *testing.T, pool *pgxpool.Pool, key, set string) {
+	t.Helper()
+	tag, err := pool.Exec(context.Background(),
+		`UPDATE idempotency_keys SET `+set+` WHERE client_id = 'cli_a' AND idempotency_key = $1`, key)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, tag.RowsAffected())
+}
+
+// claimA claims key afresh with variant a.
+func claimA(t *testing.T, s *pgstore.Store, key string) idempotency.Claim {
+	t.Helper()
+	return mustClaim(t, s, raceRequest(key, variantA), idempotency.Claimed).Claim
+}
+
+func releaseA(t *testing.T, s *pgstore.Store, key string, kind idempotency.ReleaseKind) {
+	t.Helper()
+	require.NoError(t, s.Release(context.Background(), claimA(t, s, key), kind))
+}
+
+// stale makes a started key's lease run out by its stored lease (one
+// minute), its retention still ahead.
+const staleSQL = `locked_at = now() - interval '2 minutes', expires_at = now() + interval '1 hour'`
+
+// expired makes a key expired.
+const expiredSQL = `expires_at = now() - interval '1 second'`
+
+func raceStates() []raceState {
+	all := func(raceVariant) bool { return true }
+	none := func(raceVariant) bool { return false }
+	onlyA := func(v raceVariant) bool { return v == variantA }
+	return []raceState{
+		{name: "absent", prepare: func(*testing.T, *pgstore.Store, *pgxpool.Pool, string) {},
+			canWin: all, outcome: idempotency.Claimed, keepsOp: none},
+		{name: "started live", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
+			claimA(t, s, key)
+		}, canWin: none},
+		{name: "started stale", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
+			claimA(t, s, key)
+			setRow(t, pool, key, staleSQL)
+		}, canWin: onlyA, outcome: idempotency.TookOver, keepsOp: all},
+		{name: "completed", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
+			mustComplete(t, s, claimA(t, s, key))
+		}, canWin: none},
+		{name: "released rejected", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
+			releaseA(t, s, key, idempotency.ReleaseRejected)
+		}, canWin: func(v raceVariant) bool { return v.version == 1 }, outcome: idempotency.Claimed,
+			keepsOp: func(v raceVariant) bool { return v.body == "a" }},
+		{name: "released failed", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
+			releaseA(t, s, key, idempotency.ReleaseFailed)
+		}, canWin: onlyA, outcome: idempotency.Claimed, keepsOp: all},
+		{name: "expired completed", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
+			mustComplete(t, s, claimA(t, s, key))
+			setRow(t, pool, key, expiredSQL)
+		}, canWin: all, outcome: idempotency.Claimed, keepsOp: none},
+		{name: "expired stale", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
+			claimA(t, s, key)
+			setRow(t, pool, key, `locked_at = now() - interval '2 hours', `+expiredSQL)
+		}, canWin: all, outcome: idempotency.Claimed, keepsOp: none},
+		{name: "expired released failed", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
+			releaseA(t, s, key, idempotency.ReleaseFailed)
+			setRow(t, pool, key, expiredSQL)
+		}, canWin: all, outcome: idempotency.Claimed, keepsOp: none},
+	}
+}
+
+// The mixes of claimers in a round: all the key's own request, all another
+// request, or a, b and a-v2 in turn.
+var raceMixes = []struct {
+	name    string
+	variant func(i int) raceVariant
+}{
+	{"same", func(int) raceVariant { return variantA }},
+	{"other", func(int) raceVariant { return variantB }},
+	{"mixed", func(i int) raceVariant { return []raceVariant{variantA, variantB, variantAv2}[i%3] }},
+}
+
+// storeConfig is a claim mode of a Store.
+type storeConfig struct{ async, batch bool }
+
+// TestClaimRace races raceClaimers claims of one key, for every starting
+// state of the key and mix of requests, with every claim mode of the
+// store, and with the four modes at once (four stores on one table, as
+// replicas with different settings), raceRounds times on a fresh key
+// each, and checks the outcome against the contract of
+// idempotency.Store.Claim: at most one winner (exactly one when any
+// claimer may win, none of a variant that may not), with the outcome,
+// operation and token that end up on the row; every other claimer gets
+// Exists with a record that is either the winner's row or, for a claimer
+// that could not have won, the row as it was; no errors (a claim that
+// lost maxRaces races is one).
+func TestClaimRace(t *testing.T) {
+	const raceClaimers, raceRounds = 32, 4
+	durable, async := storeConfig{false, false}, storeConfig{true, false}
+	batch, batchAsync := storeConfig{false, true}, storeConfig{true, true}
+	for _, mode := range []struct {
+		name    string
+		configs []storeConfig
+	}{
+		{"durable", []storeConfig{durable}},
+		{"async claims", []storeConfig{async}},
+		{"batch claims", []storeConfig{batch}},
+		{"batch async claims", []storeConfig{batchAsync}},
+		{"all modes at once", []storeConfig{durable, async, batch, batchAsync}},
+	} {
+		t.Run(mode.name, func(t *testing.T) {
+			stmts := &claimStatements{}
+			pool := racePool(t, raceClaimers+2, stmts)
+			defer func() { t.Logf("statements: %s", stmts) }()
+			setup := pgstore.New(pool) // makes the starting states
+			stores := make([]*pgstore.Store, len(mode.configs))
+			for i, c := range mode.configs {
+				stores[i] = pgstore.New(pool)
+				stores[i].AsyncClaims, stores[i].BatchClaims = c.async, c.batch
+			}
+			for _, st := range raceStates() {
+				for _, mix := range raceMixes {
+					t.Run(st.name+"/"+mix.name, func(t *testing.T) {
+						for round := range raceRounds {
+							key := fmt.Sprintf("key-%s-%s-%d", st.name, mix.name, round)
+							st.prepare(t, setup, pool, key)
+							// With BatchClaims alone, every other round
+							// holds a batch until all the claimers wait
+							// for the next one: they then meet in one.
+							var gather *claimStatements
+							if len(stores) == 1 && stores[0].BatchClaims && round%2 == 0 {
+								gather = stmts
+							}
+							raceRound(t, stores, pool, st, key, raceClaimers, mix.variant, gather)
+							if t.Failed() {
+								return
+							}
+						}
+					})
+				}
+			}
+		})
+	}
+}
+
+// racePool is widePool with conns connections, traced by tracer.
+func racePool(t *testing.T, conns int32, tracer pgx.QueryTracer) *pgxpool.Pool {
+	t.Helper()
+	ctx := context.Background()
+	pool := migratedPool(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = conns
+		cfg.ConnConfig.Tracer = tracer
+	})
+	held := make([]*pgxpool.Conn, conns)
+	for i := range held {
+		var err error
+		held[i], err = pool.Acquire(ctx)
+		require.NoError(t, err)
+	}
+	for _, c := range held {
+		c.Release()
+	}
+	return pool
+}
+
+// raceRound runs one race of n claimers for key, made in state st, and
+// checks it; claimer i claims on stores[i%len(stores)]. With gather (the
+// tracer of the pool of one store with BatchClaims), a claim of another
+// key holds its batch until all n claims wait for the next batch, which
+// then holds them all.
+func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st raceState, key string, n int,
+	variant func(i int) raceVariant, gather *claimStatements) {
+	t.Helper()
+	before := readRaceRow(t, pool, key)
+
+	results := make([]idempotency.ClaimResult, n)
+	errs := make([]error, n)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // a hang fails, not blocks
+	defer cancel()
+	s := stores[0]
+	var plug *batchGate
+	plugErr := make(chan error, 1)
+	if gather != nil {
+		plug = gather.hold()
+		go func() {
+			_, err := s.Claim(ctx, raceRequest(key+"-plug", variantA))
+			plugErr <- err
+		}()
+		select {
+		case <-plug.arrived:
+		case <-ctx.Done():
+			t.Fatalf("%s: the plug's batch never started", key)
+		}
+	}
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			results[i], errs[i] = stores[i%len(stores)].Claim(ctx, raceRequest(key, variant(i)))
+		})
+	}
+	close(start)
+	if plug != nil {
+		for pgstore.QueuedClaims(s) < n && ctx.Err() == nil {
+			time.Sleep(time.Millisecond)
+		}
+		close(plug.open)
+	}
+	wg.Wait()
+	if plug != nil {
+		require.NoError(t, <-plugErr, "%s: the plug's claim", key)
+	}
+
+	mayWin := false
+	for i := range n {
+		mayWin = mayWin || st.canWin(variant(i))
+	}
+	winner := -1
+	for i, err := range errs {
+		require.NoError(t, err, "claim %d (%s) of %s", i, variant(i).name, key)
+		if o := results[i].Outcome; o == idempotency.Claimed || o == idempotency.TookOver {
+			require.Equal(t, -1, winner, "%s: claims %d and %d both won (%v, %v)", key, winner, i,
+				results[max(winner, 0)].Outcome, o)
+			winner = i
+		}
+	}
+	after := readRaceRow(t, pool, key)
+	require.True(t, after.present, "%s: no row after the race", key)
+
+	if !mayWin {
+		require.Equal(t, -1, winner, "%s: a claim of %s won a key no claimer may win", key,
+			variant(max(winner, 0)).name)
+		assert.Equal(t, before, after, "%s: the row changed though nobody won", key)
+	} else {
+		require.NotEqual(t, -1, winner, "%s: %d claimers that may win, none won", key, n)
+		v, c := variant(winner), results[winner].Claim
+		assert.True(t, st.canWin(v), "%s: a claim of %s won", key, v.name)
+		assert.Equal(t, st.outcome, results[winner].Outcome, "%s: outcome of the winner (%s)", key, v.name)
+		assert.Equal(t, "cli_a", c.ClientID)
+		assert.Equal(t, key, c.Key)
+		assert.Equal(t, c.Token, after.token, "%s: the winner's token is not the row's", key)
+		assert.Equal(t, c.OperationID, after.operationID, "%s: the winner's operation is not the row's", key)
+		assert.Equal(t, "started", after.status, "%s: status after the race", key)
+		assert.Equal(t, []byte(v.body), after.fingerprint, "%s: fingerprint on the row, winner %s", key, v.name)
+		assert.Equal(t, v.version, after.version, "%s: fingerprint version on the row, winner %s", key, v.name)
+		assert.Equal(t, raceLease.Microseconds(), after.leaseUS, "%s: lease on the row", key)
+		assert.Equal(t, raceKeep.Microseconds(), after.keepUS, "%s: retention on the row", key)
+		assert.NotEmpty(t, c.OperationID)
+		if before.present {
+			assert.Greater(t, c.Token, before.token, "%s: the winner's token is not newer than the key's", key)
+			if st.keepsOp(v) {
+				assert.Equal(t, before.operationID, c.OperationID, "%s: winner %s changed the operation", key, v.name)
+				assert.Equal(t, before.createdAt, after.createdAt, "%s: winner %s changed the creation time", key, v.name)
+			} else {
+				assert.NotEqual(t, before.operationID, c.OperationID, "%s: winner %s kept the operation", key, v.name)
+				assert.True(t, after.createdAt.After(before.createdAt),
+					"%s: winner %s kept the creation time %v (now %v)", key, v.name, before.createdAt, after.createdAt)
+			}
+		}
+	}
+
+	for i, res := range results {
+		if i == winner {
+			continue
+		}
+		v := variant(i)
+		if !assert.Equal(t, idempotency.Exists, res.Outcome, "%s: claim %d (%s) lost the race or could not win", key, i, v.name) ||
+			!assert.NotNil(t, res.Record, "%s: Exists without a record", key) {
+			continue
+		}
+		rec := res.Record
+		assert.Equal(t, "cli_a", rec.ClientID)
+		assert.Equal(t, key, rec.Key)
+		assert.Equal(t, "POST", rec.Method)
+		assert.Equal(t, "/v1/orders", rec.Path)
+		// The record is the row as it is after the race (the winner's, or
+		// the unchanged one), or, for a claimer that could not have won,
+		// the row as it was before the winner's commit.
+		isAfter := recordIs(rec, after)
+		isBefore := before.present && recordIs(rec, before)
+		switch {
+		case winner == -1 || st.canWin(v):
+			assert.True(t, isAfter, "%s: claim %d (%s) got Exists with record %+v; want the row after the race %+v",
+				key, i, v.name, rec, after)
+		default:
+			assert.True(t, isAfter || isBefore, "%s: claim %d (%s) got Exists with record %+v; want the row before %+v or after %+v",
+				key, i, v.name, rec, before, after)
+		}
+		if rec.Status == idempotency.StatusCompleted {
+			assert.Equal(t, &idempotency.StoredResponse{Status: 201, ContentType: "application/json",
+				Header: map[string]string{"Location": "/v1/orders/ord_" + key},
+				Body:   []byte(`{"id":"ord_` + key + `"}`)}, rec.Response, "%s: replayed response", key)
+		} else {
+			assert.Nil(t, rec.Response, "%s: a %s record with a response", key, rec.Status)
+		}
+	}
+}
+
+// claimStatements counts the claim statements a pool runs, to show in
+// the log that the races took the retry paths: claimNewSQL, claimSQL,
+// batchClaimSQL. Armed (see hold), it holds the next batch of claims
+// until released.
+type claimStatements struct {
+	mu     sync.Mutex
+	counts map[string]int
+	gate   *batchGate // hold the next batch of claims
+}
+
+// batchGate holds a batch of claims: arrived is closed when it is held,
+// open lets it go.
+type batchGate struct {
+	arrived, open chan struct{}
+}
+
+// hold arms c to hold the next batch of claims.
+func (c *claimStatements) hold() *batchGate {
+	g := &batchGate{arrived: make(chan struct{}), open: make(chan struct{})}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.gate = g
+	return g
+}
+
+func (c *claimStatements) add(sql string) {
+	kind := ""
+	switch {
+	case strings.Contains(sql, "renewed AS"):
+		kind = "claimSQL"
+	case strings.Contains(sql, "inserted AS"):
+		kind = "claimNewSQL"
+	case strings.Contains(sql, "FROM unnest("):
+		kind = "batchClaimSQL"
+	default:
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.counts == nil {
+		c.counts = map[string]int{}
+	}
+	c.counts[kind]++
+}
+
+func (c *claimStatements) String() string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return fmt.Sprint(c.counts)
+}
+
+func (c *claimStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	c.add(d.SQL)
+	return ctx
+}
+func (c *claimStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *claimStatements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
+	for _, q := range d.Batch.QueuedQueries {
+		c.add(q.SQL)
+		if !strings.Contains(q.SQL, "FROM unnest(") {
+			continue
+		}
+		c.mu.Lock()
+		g := c.gate
+		c.gate = nil
+		c.mu.Unlock()
+		if g != nil {
+			close(g.arrived)
+			<-g.open
+		}
+	}
+	return ctx
+}
+func (c *claimStatements) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *claimStatements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// recordIs reports whether rec shows row.
+func recordIs(rec *idempotency.Record, row raceRow) bool {
+	return string(rec.Status) == row.status && string(rec.Fingerprint) == string(row.fingerprint) &&
+		rec.FingerprintVersion == row.version && rec.CreatedAt.Equal(row.createdAt) && rec.LockedAt.Equal(row.lockedAt)
+}
