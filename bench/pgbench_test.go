@@ -95,7 +95,9 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 
 // pgbenchScript builds a pgbench script from the server's SQL constants.
 func pgbenchScript(src map[string]string, async bool) (string, error) {
-	claim, err := goConst(src, "claimSQL")
+	// claimNewSQL: what pgstore's Claim runs first, and all that a new key
+	// needs (claimSQL follows only for a key to resume or take over).
+	claim, err := goConst(src, "claimNewSQL")
 	if err != nil {
 		return "", err
 	}
@@ -113,19 +115,19 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	const firstCol = "SELECT 1, lock_token, operation_id::text,"
 	if !strings.Contains(claim, firstCol) {
-		return "", fmt.Errorf("claimSQL has no %q any more; update pgbenchScript", firstCol)
+		return "", fmt.Errorf("claimNewSQL has no %q any more; update pgbenchScript", firstCol)
 	}
 	claim = strings.Replace(claim, firstCol, "SELECT 1 AS outcome, lock_token, operation_id::text,", 1)
 	const lastCol = ", false\nFROM inserted"
 	if !strings.Contains(claim, lastCol) {
-		return "", fmt.Errorf("claimSQL has no %q any more; update pgbenchScript", lastCol)
+		return "", fmt.Errorf("claimNewSQL has no %q any more; update pgbenchScript", lastCol)
 	}
 	claim = strings.Replace(claim, lastCol, ", false AS lost\nFROM inserted", 1)
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
 	})
 	if err != nil {
-		return "", fmt.Errorf("claimSQL: %w", err)
+		return "", fmt.Errorf("claimNewSQL: %w", err)
 	}
 	if charge, err = pgbenchCharge(charge); err != nil {
 		return "", err
@@ -159,7 +161,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 		}
 		b.WriteString("BEGIN;\n" + strings.TrimSpace(async) + ";\n")
 	}
-	b.WriteString("-- claimSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
+	b.WriteString("-- claimNewSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
 	if async {
 		b.WriteString("COMMIT;\n")
 	}

@@ -21,7 +21,7 @@
 \set key random(1, 9000000000000000000)
 \set amount random(100, 100000)
 
--- claimSQL
+-- claimNewSQL
 WITH existing AS (
     SELECT k.*,
         (k.expires_at < now()) IS TRUE AS expired,
@@ -30,38 +30,6 @@ WITH existing AS (
             AND (k.release_rejected OR k.request_hash = :fp)) AS free
     FROM idempotency_keys k
     WHERE k.client_id = :client AND k.idempotency_key = :key
-), renewed AS (
-    UPDATE idempotency_keys k SET
-        request_method = :method,
-        request_path = :path,
-        request_hash = :fp,
-        fingerprint_version = :fpver,
-        status = 'started',
-        operation_id = CASE
-            WHEN (k.expires_at < now()) IS TRUE OR (k.status = 'released' AND k.request_hash <> :fp)
-            THEN gen_random_uuid() ELSE k.operation_id END,
-        lock_token = nextval('idempotency_lock_tokens'),
-        created_at = CASE
-            WHEN (k.expires_at < now()) IS TRUE OR (k.status = 'released' AND k.request_hash <> :fp)
-            THEN now() ELSE k.created_at END,
-        locked_at = now(),
-        lease_us = :lockus,
-        retention_us = :retus,
-        expires_at = CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
-            THEN now() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END,
-        release_rejected = false,
-        response_status = NULL,
-        response_content_type = NULL,
-        response_headers = NULL,
-        response_body = NULL
-    WHERE k.client_id = :client AND k.idempotency_key = :key
-        AND k.status = (SELECT status FROM existing)
-        AND ((k.expires_at < now())
-            OR (k.status = 'released' AND k.fingerprint_version = :fpver
-                AND (k.release_rejected OR k.request_hash = :fp))
-            OR ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp))
-    RETURNING k.lock_token, k.operation_id,
-        k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
 ), inserted AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
@@ -78,16 +46,11 @@ SELECT 1 AS outcome, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false AS lost
 FROM inserted
 UNION ALL
-SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
-FROM renewed
-UNION ALL
 SELECT 3, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
     expired OR stale OR free
 FROM existing
-WHERE NOT EXISTS (SELECT FROM renewed)
 \gset
 
 -- createChargeSQL (the fake card processor)
