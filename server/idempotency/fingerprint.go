@@ -21,7 +21,10 @@ import (
 // ([ClaimRequest.FingerprintVersion], [Record.FingerprintVersion]), so the
 // canonical form can evolve: a retry that meets a record of an older version
 // is fingerprinted again with that version before it is compared, and an old
-// retry never turns into a 422 because the server was upgraded.
+// retry never turns into a 422 because the server was upgraded. A server
+// that meets a record of a version it does not know (written by a newer
+// server beside it) answers 503 with Retry-After, so the retry goes on to a
+// server that can compare.
 const FingerprintVersion = 1
 
 // maxJSONDepth bounds the nesting of a JSON body the canonicaliser accepts.

@@ -182,6 +182,9 @@ func (e Event) String() string {
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
+//     one of a version this server does not know (stored by a newer one,
+//     during a rolling upgrade) gets 503 [ProblemInternal] with
+//     Retry-After, never a 422 that would stop the client's retry;
 //  5. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
@@ -432,12 +435,24 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		rec := res.Record
-		// A record of a version this server cannot compute (written by a
-		// newer server) cannot match: it is answered as a mismatch.
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true
-			if old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body); err == nil {
+			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+			if errors.Is(err, ErrFingerprintVersion) {
+				// Written by a newer server (a rolling upgrade, or a
+				// rollback after one): this one cannot tell whether the
+				// request is the same. A 422 would tell the client's
+				// retry that it is another request, and stop it; a 503
+				// sends it back, to a replica that can compare.
+				log.Warn("idempotency: key stored with a fingerprint version this server does not know; is a newer version deployed beside it?",
+					"version", rec.FingerprintVersion, "known", FingerprintVersion)
+				w.Header().Set("Retry-After", "1")
+				writeProblem(w, r, ProblemInternal, http.StatusServiceUnavailable,
+					"This Idempotency-Key was stored by a newer version of this service. Retry the same request with the same key shortly.")
+				return
+			}
+			if err == nil {
 				req.Fingerprint, req.FingerprintVersion = old, rec.FingerprintVersion
 				continue
 			}

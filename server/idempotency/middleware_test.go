@@ -13,6 +13,9 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // TestMiddlewareStatusPolicy checks which handler statuses are stored
@@ -413,17 +416,37 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 }
 
 // TestMiddlewareUnknownFingerprintVersion checks that a record stored with
-// a fingerprint version this server does not know is never replayed to a
-// request it cannot compare with.
+// a fingerprint version this server does not know (by a newer server) is
+// never replayed to a request it cannot compare with, nor answered 422,
+// which would tell a client's retry that it is another request and stop
+// it: 503 with Retry-After, whether the record is completed or started, and
+// the record is left as it was.
 func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
-	store := NewMemoryStore()
-	ts := mwServer(t, store, Options{}, func(w http.ResponseWriter, r *http.Request) {
-		w.WriteHeader(http.StatusCreated)
-	})
-	store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
-	if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusUnprocessableEntity {
-		t.Errorf("%d, want 422", r.status)
+	for _, complete := range []bool{false, true} {
+		store := NewMemoryStore()
+		called := false
+		ts := mwServer(t, store, Options{}, func(w http.ResponseWriter, r *http.Request) {
+			called = true
+			w.WriteHeader(http.StatusCreated)
+		})
+		ctx := context.Background()
+		res, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+			Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
+		require.NoError(t, err)
+		if complete {
+			tx, err := store.Begin(ctx, res.Claim)
+			require.NoError(t, err)
+			require.NoError(t, tx.Complete(ctx, StoredResponse{Status: http.StatusCreated, Body: []byte("newer")}))
+		}
+		r := ts.mustSend(t, keyed("k", "{}"))
+		assert.Equal(t, http.StatusServiceUnavailable, r.status, "completed %v: %s", complete, r.body)
+		assert.Equal(t, ProblemInternal, r.problem(t).Type)
+		assert.Equal(t, "1", r.header.Get("Retry-After"))
+		assert.False(t, called, "the handler ran")
+		after, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+			Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
+		require.NoError(t, err)
+		assert.Equal(t, Exists, after.Outcome)
 	}
 }
 
