@@ -10,6 +10,7 @@ import (
 	"mime"
 	"net/url"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"unicode/utf16"
@@ -17,7 +18,8 @@ import (
 )
 
 // FingerprintVersion is the version of the canonical request form that
-// [Fingerprint] computes by default. It is stored with every key
+// [Middleware] stores new keys with unless [Options.FingerprintVersion]
+// names another. It is stored with every key
 // ([ClaimRequest.FingerprintVersion], [Record.FingerprintVersion]), so the
 // canonical form can evolve: a retry that meets a record of an older version
 // is fingerprinted again with that version before it is compared, and an old
@@ -26,6 +28,9 @@ import (
 // server beside it) answers 503 with Retry-After, so the retry goes on to a
 // server that can compare.
 const FingerprintVersion = 1
+
+// maxFingerprintVersion is the newest version [Fingerprint] computes.
+const maxFingerprintVersion = 2
 
 // maxJSONDepth bounds the nesting of a JSON body the canonicaliser accepts.
 const maxJSONDepth = 1000
@@ -61,7 +66,7 @@ var (
 //     [url.ParseQuery] (a malformed escape is rejected) and the name=value
 //     pairs are sorted by name, then by value, and re-encoded with
 //     [url.QueryEscape] joined by '&'. Repeated fields are therefore
-//     compared as a multiset: a=1&a=2 equals a=2&a=1.
+//     compared as a multiset: a=1&a=2 equals a=2&a=1 (see version 2).
 //   - any other media type: the body bytes as they are.
 //   - an empty body, whatever its type: empty.
 //
@@ -74,14 +79,20 @@ var (
 // has two different fingerprints: a client retries with the bytes it sent
 // first, and two representations are two requests.
 //
+// Canonical form, version 2: as version 1, but for the query and form
+// bodies, whose pairs are sorted by name only, so that the values of a
+// repeated field keep their order (a=1&a=2 and a=2&a=1 differ, as a
+// handler's url.Values.Get tells them apart), and the tag
+// "idem-fingerprint-v2".
+//
 // Fingerprint returns [ErrFingerprintVersion] for an unknown version and an
 // error wrapping [ErrBody] for a body it cannot canonicalise. It is safe for
 // concurrent use.
 func Fingerprint(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
-	if version != 1 {
+	if version < 1 || version > maxFingerprintVersion {
 		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
 	}
-	query, err := canonicalForm(rawQuery)
+	query, err := canonicalForm(rawQuery, version)
 	if err != nil {
 		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
 	}
@@ -100,13 +111,14 @@ func Fingerprint(version int, method, path, rawQuery, contentType string, body [
 		}
 		canon = c.out
 	case "form":
-		form, err := canonicalForm(string(body))
+		form, err := canonicalForm(string(body), version)
 		if err != nil {
 			return nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
 		canon = []byte(form)
 	}
-	in := append(c.in[:0], "idem-fingerprint-v1"...)
+	in := append(c.in[:0], "idem-fingerprint-v"...)
+	in = strconv.AppendInt(in, int64(version), 10)
 	in = appendField(in, method)
 	in = appendField(in, path)
 	in = appendField(in, query)
@@ -145,7 +157,7 @@ func canonicalBody(contentType string, body []byte) (kind string, canon []byte, 
 		}
 		return "json", bytes.Clone(out), nil
 	case "form":
-		canon, err := canonicalForm(string(body))
+		canon, err := canonicalForm(string(body), 1)
 		if err != nil {
 			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
@@ -189,8 +201,9 @@ func mediaKind(contentType string) string {
 	return "raw"
 }
 
-// canonicalForm sorts the pairs of a form-encoded string by name, then value.
-func canonicalForm(s string) (string, error) {
+// canonicalForm sorts the pairs of a form-encoded string by name, then, in
+// version 1, by value (version 2 keeps the values of a name in their order).
+func canonicalForm(s string, version int) (string, error) {
 	if s == "" {
 		return "", nil
 	}
@@ -204,12 +217,17 @@ func canonicalForm(s string) (string, error) {
 			pairs = append(pairs, [2]string{name, v})
 		}
 	}
-	slices.SortFunc(pairs, func(a, b [2]string) int {
-		if c := strings.Compare(a[0], b[0]); c != 0 {
-			return c
-		}
-		return strings.Compare(a[1], b[1])
-	})
+	if version == 1 {
+		slices.SortFunc(pairs, func(a, b [2]string) int {
+			if c := strings.Compare(a[0], b[0]); c != 0 {
+				return c
+			}
+			return strings.Compare(a[1], b[1])
+		})
+	} else {
+		// url.ParseQuery keeps the values of a name in their order.
+		slices.SortStableFunc(pairs, func(a, b [2]string) int { return strings.Compare(a[0], b[0]) })
+	}
 	var b strings.Builder
 	for i, p := range pairs {
 		if i > 0 {

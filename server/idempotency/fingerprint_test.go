@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"mime"
 	"net/url"
 	"os"
@@ -131,8 +132,8 @@ func TestFingerprint(t *testing.T) {
 	if got := mustFingerprint(t, "POST", "/v1/payments", "b=2&a=1", ctJSON, payment); !bytes.Equal(got, q) {
 		t.Error("reordered query fingerprints differently")
 	}
-	if _, err := Fingerprint(2, "POST", "/", "", ctJSON, nil); !errors.Is(err, ErrFingerprintVersion) {
-		t.Errorf("version 2: %v, want ErrFingerprintVersion", err)
+	if _, err := Fingerprint(3, "POST", "/", "", ctJSON, nil); !errors.Is(err, ErrFingerprintVersion) {
+		t.Errorf("version 3: %v, want ErrFingerprintVersion", err)
 	}
 }
 
@@ -312,7 +313,7 @@ func checkDifferential(t *testing.T, contentType, query string, body []byte) {
 	}
 
 	kind, canon, err := canonicalBody(contentType, body)
-	wantKind, wantCanon, wantErr := canonicalBodyReference(contentType, body)
+	wantKind, wantCanon, wantErr := canonicalBodyReference(contentType, body, 1)
 	if !sameErrorKind(err, wantErr) {
 		t.Fatalf("canonicalBody(%q, %q): error %v, reference error %v", contentType, body, err, wantErr)
 	}
@@ -320,7 +321,7 @@ func checkDifferential(t *testing.T, contentType, query string, body []byte) {
 		t.Fatalf("canonicalBody(%q, %q) = %q, %q; reference %q, %q", contentType, body, kind, canon, wantKind, wantCanon)
 	}
 
-	for _, version := range []int{FingerprintVersion, 0, 2} {
+	for _, version := range []int{FingerprintVersion, 0, 2, 3} {
 		fp, err := Fingerprint(version, "POST", "/v1/payments", query, contentType, body)
 		wantFP, wantErr := fingerprintReference(version, "POST", "/v1/payments", query, contentType, body)
 		if !sameErrorKind(err, wantErr) {
@@ -501,20 +502,22 @@ func FuzzCanonicalDifferential(f *testing.F) {
 // (commit d469818), renamed. They are the oracle of the differential tests:
 // the canonical form is stored with keys, so the current implementation
 // must agree with them on every output byte and on every accept or reject.
+// Version 2 (forms keep the order of a repeated name's values) was added to
+// them later, as canonicalFormV2Reference, written another way.
 func fingerprintReference(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
-	if version != 1 {
+	if version != 1 && version != 2 {
 		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
 	}
-	query, err := canonicalFormReference(rawQuery)
+	query, err := canonicalFormReference(rawQuery, version)
 	if err != nil {
 		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
 	}
-	kind, canon, err := canonicalBodyReference(contentType, body)
+	kind, canon, err := canonicalBodyReference(contentType, body, version)
 	if err != nil {
 		return nil, err
 	}
 	h := sha256.New()
-	io.WriteString(h, "idem-fingerprint-v1")
+	fmt.Fprintf(h, "idem-fingerprint-v%d", version)
 	for _, field := range [][]byte{[]byte(method), []byte(path), []byte(query), []byte(kind), canon} {
 		var n [8]byte
 		binary.BigEndian.PutUint64(n[:], uint64(len(field)))
@@ -529,7 +532,7 @@ func fingerprintReference(version int, method, path, rawQuery, contentType strin
 // "raw", or "" for an empty body), as described on [Fingerprint]. It is
 // exported so that a developer can see exactly what is compared; the
 // returned bytes are not an API format.
-func canonicalBodyReference(contentType string, body []byte) (kind string, canon []byte, err error) {
+func canonicalBodyReference(contentType string, body []byte, version int) (kind string, canon []byte, err error) {
 	if len(body) == 0 {
 		return "", nil, nil
 	}
@@ -541,7 +544,7 @@ func canonicalBodyReference(contentType string, body []byte) (kind string, canon
 		}
 		return "json", canon, nil
 	case "form":
-		canon, err := canonicalFormReference(string(body))
+		canon, err := canonicalFormReference(string(body), version)
 		if err != nil {
 			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
@@ -736,7 +739,10 @@ func writeStringReference(out *bytes.Buffer, s string) {
 }
 
 // canonicalFormReference sorts the pairs of a form-encoded string by name, then value.
-func canonicalFormReference(s string) (string, error) {
+func canonicalFormReference(s string, version int) (string, error) {
+	if version == 2 {
+		return canonicalFormV2Reference(s)
+	}
 	if s == "" {
 		return "", nil
 	}
@@ -766,4 +772,21 @@ func canonicalFormReference(s string) (string, error) {
 		b.WriteString(url.QueryEscape(p[1]))
 	}
 	return b.String(), nil
+}
+
+// canonicalFormV2Reference is version 2's form: the names in byte order,
+// each with its values in the order they were sent.
+func canonicalFormV2Reference(s string) (string, error) {
+	values, err := url.ParseQuery(s)
+	if err != nil || s == "" {
+		return "", err
+	}
+	names := slices.Sorted(maps.Keys(values))
+	var parts []string
+	for _, name := range names {
+		for _, v := range values[name] {
+			parts = append(parts, url.QueryEscape(name)+"="+url.QueryEscape(v))
+		}
+	}
+	return strings.Join(parts, "&"), nil
 }

@@ -100,6 +100,17 @@ type Options struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
+	// FingerprintVersion is the version of the canonical request form
+	// ([Fingerprint]) that new keys are stored with; a key stored with
+	// another known version is compared in its own. If zero,
+	// [FingerprintVersion] (1) is used. Version 2 compares the values of a
+	// repeated query or form field in their order (?a=1&a=2 is not
+	// ?a=2&a=1), where version 1 compares them as a multiset. Set 2 only
+	// once every server that shares the store runs this release or a
+	// later one: an older server answers a version 2 key 422, which stops
+	// the client's retry. Middleware panics on a version it does not know.
+	FingerprintVersion int
+
 	// Logger receives what an operator must act on, at Warn and Error:
 	// takeovers, lost leases, fenced completions, panics and store errors,
 	// each with the client, key, method and path as attributes; per-request
@@ -239,6 +250,11 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	if m.maxBody == 0 {
 		m.maxBody = DefaultMaxBodyBytes
 	}
+	m.fpVersion = cmpOr(opts.FingerprintVersion, FingerprintVersion)
+	if m.fpVersion < 1 || m.fpVersion > maxFingerprintVersion {
+		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
+			opts.FingerprintVersion, maxFingerprintVersion))
+	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
 		m.clientID = func(r *http.Request) (string, bool) { return ClientIDFromContext(r.Context()) }
@@ -286,6 +302,7 @@ type middleware struct {
 	retention   time.Duration
 	retryAfter  string
 	maxBody     int64
+	fpVersion   int
 	clientID    func(*http.Request) (string, bool)
 	log         *slog.Logger
 }
@@ -367,7 +384,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
-	fp, err := Fingerprint(FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
@@ -380,7 +397,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		Method:             r.Method,
 		Path:               r.URL.Path,
 		Fingerprint:        fp,
-		FingerprintVersion: FingerprintVersion,
+		FingerprintVersion: m.fpVersion,
 		LockTimeout:        m.lockTimeout,
 		Retention:          m.retention,
 	}
@@ -446,7 +463,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				// retry that it is another request, and stop it; a 503
 				// sends it back, to a replica that can compare.
 				log.Warn("idempotency: key stored with a fingerprint version this server does not know; is a newer version deployed beside it?",
-					"version", rec.FingerprintVersion, "known", FingerprintVersion)
+					"version", rec.FingerprintVersion, "newest_known", maxFingerprintVersion)
 				w.Header().Set("Retry-After", "1")
 				writeProblem(w, r, ProblemInternal, http.StatusServiceUnavailable,
 					"This Idempotency-Key was stored by a newer version of this service. Retry the same request with the same key shortly.")

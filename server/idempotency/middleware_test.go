@@ -431,7 +431,7 @@ func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
 		})
 		ctx := context.Background()
 		res, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
+			Fingerprint: []byte("from a newer server"), FingerprintVersion: maxFingerprintVersion + 1})
 		require.NoError(t, err)
 		if complete {
 			tx, err := store.Begin(ctx, res.Claim)
@@ -444,7 +444,7 @@ func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
 		assert.Equal(t, "1", r.header.Get("Retry-After"))
 		assert.False(t, called, "the handler ran")
 		after, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte("from a newer server"), FingerprintVersion: FingerprintVersion + 1})
+			Fingerprint: []byte("from a newer server"), FingerprintVersion: maxFingerprintVersion + 1})
 		require.NoError(t, err)
 		assert.Equal(t, Exists, after.Outcome)
 	}
