@@ -38,15 +38,16 @@ type Config struct {
 	APIKeys map[string]string
 
 	// Retention, LockTimeout, RetryAfter, WaitForCompletion,
-	// StoreServerErrors and MaxBodyBytes are passed to
+	// StoreServerErrors, MaxBodyBytes and FingerprintVersion are passed to
 	// [idempotency.Middleware]; see [idempotency.Options] for their meaning
-	// and defaults (24h, 10s, 1s, 0, false, 1 MiB).
-	Retention         time.Duration
-	LockTimeout       time.Duration
-	RetryAfter        time.Duration
-	WaitForCompletion time.Duration
-	StoreServerErrors bool
-	MaxBodyBytes      int64
+	// and defaults (24h, 10s, 1s, 0, false, 1 MiB, 1).
+	Retention          time.Duration
+	LockTimeout        time.Duration
+	RetryAfter         time.Duration
+	WaitForCompletion  time.Duration
+	StoreServerErrors  bool
+	MaxBodyBytes       int64
+	FingerprintVersion int
 
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
@@ -210,14 +211,15 @@ func New(cfg Config) (*Server, error) {
 		storeServerErrors: cfg.StoreServerErrors,
 	}
 	keyed := idempotency.Middleware(keys, idempotency.Options{
-		LockTimeout:       cfg.LockTimeout,
-		Retention:         cfg.Retention,
-		RetryAfter:        cfg.RetryAfter,
-		StoreServerErrors: cfg.StoreServerErrors,
-		WaitForCompletion: cfg.WaitForCompletion,
-		MaxBodyBytes:      cfg.MaxBodyBytes,
-		Logger:            log,
-		OnEvent:           s.metrics.Observe,
+		LockTimeout:        cfg.LockTimeout,
+		Retention:          cfg.Retention,
+		RetryAfter:         cfg.RetryAfter,
+		StoreServerErrors:  cfg.StoreServerErrors,
+		WaitForCompletion:  cfg.WaitForCompletion,
+		MaxBodyBytes:       cfg.MaxBodyBytes,
+		FingerprintVersion: cfg.FingerprintVersion,
+		Logger:             log,
+		OnEvent:            s.metrics.Observe,
 	})
 	v1 := http.NewServeMux()
 	if cfg.NoIdempotency {

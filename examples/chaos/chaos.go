@@ -116,6 +116,10 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 		if i == 0 && cfg.slowDelay > 0 {
 			delay = cfg.slowDelay // slow but alive: leases renewed, never taken over
 		}
+		// Replicas of both fingerprint versions share the table: a retry
+		// that lands on the other version's replica is compared in the
+		// version its key was stored with.
+		version := strconv.Itoa(1 + i%2)
 		c.fleet.replicas = append(c.fleet.replicas, &replica{
 			n:       i,
 			appName: app,
@@ -125,6 +129,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 				"-api-keys", apiKeysFlag(accts),
 				"-lock-timeout", cfg.lockTimeout.String(),
 				"-retention", cfg.retention.String(),
+				"-fingerprint-version", version,
 				"-purge-interval", "1s",
 				"-processor-delay", delay.String(),
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),

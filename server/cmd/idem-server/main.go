@@ -123,6 +123,7 @@ type options struct {
 	processorURL         string
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
+	fingerprintVersion   int
 	maxBodyBytes         int64
 	metricsAddr          string
 	readTimeout          time.Duration
@@ -178,6 +179,9 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", idempotency.DefaultMaxBodyBytes,
 		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
 			"0: the default, 1 MiB; negative: no limit (only -read-timeout bounds the body then)")
+	fs.IntVar(&o.fingerprintVersion, "fingerprint-version", idempotency.FingerprintVersion,
+		"`version` of the canonical request form new keys are stored with: 1, or 2 to compare a repeated query or form field's values in their order "+
+			"(set 2 once no idem-server older than this one shares the database: those answer its keys 422)")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
 		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
 			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
@@ -223,6 +227,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-metrics-addr %s is -addr %s: give the metrics their own address, or leave -metrics-addr empty to serve them on -addr", o.metricsAddr, o.addr)
 	case o.readTimeout < 0 || o.writeTimeout < 0 || o.idleTimeout < 0:
 		return o, fmt.Errorf("-read-timeout %v, -write-timeout %v, -idle-timeout %v: want 0 (no limit) or more", o.readTimeout, o.writeTimeout, o.idleTimeout)
+	case !knownFingerprintVersion(o.fingerprintVersion):
+		return o, fmt.Errorf("-fingerprint-version %d: not a version this server knows (1 or 2)", o.fingerprintVersion)
 	case o.purgeBatch < 1:
 		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
 	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
@@ -242,6 +248,13 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
 	}
 	return o, nil
+}
+
+// knownFingerprintVersion tells whether package idempotency computes
+// fingerprints of version v.
+func knownFingerprintVersion(v int) bool {
+	_, err := idempotency.Fingerprint(v, "POST", "/", "", "", nil)
+	return err == nil
 }
 
 func cmpOr(s, def string) string {
@@ -373,6 +386,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		LockTimeout:          o.lockTimeout,
 		StoreServerErrors:    o.storeServerErrors,
 		WaitForCompletion:    o.waitForCompletion,
+		FingerprintVersion:   o.fingerprintVersion,
 		MaxBodyBytes:         o.maxBodyBytes,
 		PurgeInterval:        o.purgeInterval,
 		PurgeBatch:           o.purgeBatch,
