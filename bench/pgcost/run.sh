@@ -15,9 +15,14 @@
 # synchronous_commit=off" to leave the WAL flushes out). Run on the
 # machine where PostgreSQL runs, as a user that can read its /proc.
 #
-# The scripts are the statements of pgstore and of the reference server
-# with their parameters written in as literals, from the commit they were
-# added in; each is one transaction mix:
+# Any pgbench script runs, with the variables bench/pgbench/run.sh sets, so
+# the mixes of the server as it is now are ../pgbench/first.sql and
+# ../pgbench/unkeyed.sql (generated from the server's SQL, and checked for
+# drift by TestPgbenchScripts). The scripts here are snapshots: the
+# statements of pgstore and of the reference server, with their parameters
+# written in as literals, as they were when BENCHMARKS.md's table ("Issue
+# 11", "PostgreSQL's CPU per statement") was measured with them; each is
+# one transaction mix:
 #   select1             SELECT 1: a round trip and nothing else
 #   charge              the fake processor's charge: one INSERT, committed
 #   unkeyed             the unkeyed request: charge; BEGIN; payment INSERT; COMMIT
@@ -50,12 +55,14 @@ total() {
 	done
 	echo "$t"
 }
+# shellcheck source=../pgbench/vars.sh
+source ../pgbench/vars.sh
 echo "# $(date -u +%FT%TZ), load average $(cut -d' ' -f1-3 /proc/loadavg), N=$n CLIENTS=$clients PGOPTIONS=${PGOPTIONS:-}"
 for r in $(seq "$rounds"); do
 	for f in "$@"; do
 		"${psql[@]}" -c VACUUM
 		b=$(total)
-		out=$(pgbench -h 127.0.0.1 -U postgres -n -M prepared -f "$f" -c "$clients" -j 2 -t "$n" "$db" 2>&1) ||
+		out=$(pgbench -h 127.0.0.1 -U postgres -n -M prepared -f "$f" -c "$clients" -j 2 -t "$n" "${pgbench_vars[@]}" "$db" 2>&1) ||
 			{ echo "$out" >&2; exit 1; }
 		sleep 0.5 # for the exited backends to be reaped
 		a=$(total)
