@@ -21,13 +21,9 @@ now() { date +%s.%N; }
 conc=8
 
 # The variables of bench/pgbench/run.sh.
-dvars=(-D client=pgbench -D method=POST -D path=/v1/payments
-	-D 'fp=\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08'
-	-D fpver=1 -D lockus=30000000 -D retus=86400000000
-	-D status=201 -D ctype=application/json
-	-D 'hdr={"Location": "/v1/payments/pay_b5ad45db40c10415a7d143db"}'
-	-D 'body={"id":"pay_b5ad45db40c10415a7d143db","object":"payment","amount":4200,"currency":"usd","customer":"cus_123","charge":"ch_0d1c8f4f8e2b4a6f9c3d2e1f0a9b8c7d","created":"2026-01-01T00:00:00Z"}'
-	-D customer=cus_123 -D currency=usd)
+# shellcheck source=../pgbench/vars.sh
+source "$dir/../pgbench/vars.sh"
+dvars=("${pgbench_vars[@]}")
 
 # first-part.sql: bench/pgbench/first.sql with the claim replaced by
 # part.claim() and the completion's UPDATE on part.idempotency_keys; the
@@ -35,7 +31,7 @@ dvars=(-D client=pgbench -D method=POST -D path=/v1/payments
 plain=$dir/../pgbench/first.sql
 part=$work/first-part.sql
 awk '
-	/^-- claimSQL/ { print "-- claim() of bench/partition/claim.sql"
+	/^-- claim(New)?SQL/ { print "-- claim() of bench/partition/claim.sql"
 		# All 15 columns, as the server reads them; renamed where \\gset
 		# would overwrite a -D variable (status).
 		print "SELECT outcome, lock_token, operation_id, request_method AS c4, request_path AS c5,"
