@@ -282,6 +282,7 @@ type operation struct {
 	body            body
 	problem         *Problem      // of the last 409
 	indefinite      bool          // the last outcome called for a retry the context stopped
+	ownCtx          bool          // the last attempt has a context of its own, released by cancel
 	lastReq         *http.Request // the last attempt sent
 	attempts        int           // attempts sent
 	conflicts       int           // of which answered 409
@@ -502,6 +503,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	cancel = func() {}
 	var timer *time.Timer
 	d, cause := op.attemptLimit()
+	op.ownCtx = d > 0
 	if d > 0 {
 		var cancelCause context.CancelCauseFunc
 		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
@@ -580,7 +582,11 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		b.succeed() // a definitive answer, not a failure given up on
 	}
 	op.report(resp, nil, false, 0, why)
-	if op.policy.AttemptTimeout > 0 {
+	if op.ownCtx {
+		// The attempt's context (AttemptTimeout, or the operation's end
+		// under an explicit MaxElapsedTime) is released when the caller
+		// closes the body; else it would stay registered with the
+		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
 		} else {
