@@ -567,13 +567,15 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
 // the outcome called for a retry that could not be made; an error is then a
-// RetryError, as it is after any retry. Only the error of a first attempt
-// that is not retryable comes back as it is.
+// RetryError, as it is after any retry, and so is the error of a keyed
+// attempt that the request's context ended, whose outcome is unknown: the
+// caller needs the key to learn it. Only the error of a first attempt that
+// is not retryable comes back as it is.
 func (op *operation) finish(resp *http.Response, err error, cancel func(), why string, gaveUp bool) (*http.Response, error) {
 	if err != nil {
 		cancel()
 		op.report(nil, err, false, 0, why)
-		if op.attempts > 1 || gaveUp {
+		if op.attempts > 1 || gaveUp || (op.key != "" && op.ctx.Err() != nil) {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 		}
 		return nil, err
