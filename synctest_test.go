@@ -1092,3 +1092,27 @@ func TestSynctestContextEndingFirstAttemptKeepsKey(t *testing.T) {
 		})
 	}
 }
+
+// TestSynctestKeyReuseAfterALostAnswer checks that a 422 to a retry says
+// so: the first attempt timed out and may have charged, so the error must
+// not read as "nothing happened, a bug" to a caller deciding whether to
+// send the payment again under a new key.
+func TestSynctestKeyReuseAfterALostAnswer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := newFake(blockUntilDone, replyBody(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+		_, err := fakePost(t, &Transport{Base: srv, Retry: RetryPolicy{AttemptTimeout: time.Second}}, context.Background())
+		var reuse *KeyReuseError
+		if !errors.As(err, &reuse) || reuse.Attempts != 2 || reuse.Key != srv.keys[0] {
+			t.Fatalf("err = %v, want a KeyReuseError after 2 attempts with the key", err)
+		}
+		if msg := err.Error(); !strings.Contains(msg, "attempt 2") || !strings.Contains(msg, "may have taken effect") || strings.Contains(msg, "a bug in the caller") {
+			t.Errorf("Error() = %q, want it to say that an earlier attempt may have taken effect, not that it is a bug", msg)
+		}
+
+		srv = newFake(replyBody(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+		_, err = fakePost(t, &Transport{Base: srv}, context.Background())
+		if !errors.As(err, &reuse) || reuse.Attempts != 1 || !strings.Contains(err.Error(), "a bug in the caller") {
+			t.Errorf("first attempt: err = %v (Attempts %d), want a KeyReuseError after 1 attempt, a bug in the caller", err, reuse.Attempts)
+		}
+	})
+}

@@ -357,7 +357,7 @@ func (op *operation) run() (*http.Response, error) {
 			problem, _ := readProblem(resp, op.drainTime())
 			cancel()
 			op.report(resp, nil, false, 0, "422: key used for another request")
-			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
+			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts}
 		}
 		wait, why, end := op.plan(v, resp)
 		switch end {
