@@ -220,6 +220,10 @@ func (t *Transport) CloseIdleConnections() {
 	}
 }
 
+// errNilResponse is the error of an attempt whose base transport returned
+// neither a response nor an error.
+var errNilResponse = errors.New("idem: the base RoundTripper returned a nil *Response with a nil error")
+
 // errAttemptTimedOut is the cancellation cause of an attempt that ran past
 // RetryPolicy.AttemptTimeout.
 var errAttemptTimedOut = errors.New("attempt timeout")
@@ -527,6 +531,10 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		areq.ContentLength = op.body.length
 	}
 	resp, err = op.t.base().RoundTrip(areq)
+	if resp == nil && err == nil {
+		// A broken base; http.Client refuses the same, rather than crash.
+		err = errNilResponse
+	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
 		// The attempt ran out of time: the headers came too late, or not
 		// at all. Its context is canceled either way.

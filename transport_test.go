@@ -827,3 +827,14 @@ func TestAttemptContextReleasedOnBodyClose(t *testing.T) {
 		})
 	}
 }
+
+// TestBaseReturningNothingIsAnError checks that a base RoundTripper that
+// returns neither a response nor an error fails the call, as http.Client
+// does, instead of crashing the caller's process with a nil dereference.
+func TestBaseReturningNothingIsAnError(t *testing.T) {
+	tr := &Transport{Base: roundTripFunc(func(*http.Request) (*http.Response, error) { return nil, nil })}
+	resp, err := post(t, tr, context.Background(), "http://127.0.0.1:1/v1/payments", `{}`)
+	if resp != nil || !errors.Is(err, errNilResponse) {
+		t.Errorf("got %v, %v; want no response and errNilResponse", resp, err)
+	}
+}
