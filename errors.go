@@ -36,7 +36,9 @@ var (
 // an error after it was retried, or when an error that would be retried
 // could not be: attempts, time or retry budget ran out, the context ended
 // while waiting, the request body could not be reopened (GetBody failed),
-// or MaxElapsedTime cut an attempt short. Err is the reason, with the last
+// or MaxElapsedTime cut an attempt short. It is also returned when the
+// request's context ends a keyed request's first attempt, whose outcome is
+// then unknown, so that the key to retry it with is at hand. Err is the reason, with the last
 // attempt's outcome in its chain, so errors.Is(err,
 // context.DeadlineExceeded) and the like work through it. Attempts counts
 // only the attempts sent.
@@ -114,11 +116,21 @@ func (e *InProgressError) Unwrap() error { return e.Err }
 //	if errors.As(err, &reuse) {
 //		log.Printf("bug: key %s reused: %s", reuse.Key, reuse.Problem.Detail)
 //	}
+//
+// A 422 to a retry (Attempts > 1) is not proof that nothing happened: the
+// attempts before it sent the same key and body, and one whose answer was
+// lost (a timeout, a broken connection, a 5xx) may have been processed,
+// the 422 coming from a server or proxy that compares something that
+// changed between attempts. Learn the outcome with the same key before
+// sending the operation again under a new one.
 type KeyReuseError struct {
 	Key     string
 	Method  string
 	URL     string
 	Problem *Problem // the server's problem details; never nil
+	// Attempts counts the attempts sent with the key by the call, the one
+	// answered 422 included: 1 when the first attempt got it.
+	Attempts int
 }
 
 // Error returns a message that names the key, the method and URL, says
@@ -126,7 +138,11 @@ type KeyReuseError struct {
 //
 //	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
 func (e *KeyReuseError) Error() string {
-	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (a bug in the caller)", e.Method, e.URL, e.Key)
+	why := "a bug in the caller"
+	if e.Attempts > 1 {
+		why = fmt.Sprintf("answered to attempt %d: an earlier attempt of this call may have taken effect", e.Attempts)
+	}
+	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (%s)", e.Method, e.URL, e.Key, why)
 	if e.Problem == nil {
 		return msg
 	}

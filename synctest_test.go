@@ -1045,3 +1045,74 @@ func TestSynctestBufferingHonoursContext(t *testing.T) {
 		}
 	})
 }
+
+// TestSynctestContextEndingFirstAttemptKeepsKey checks that when the
+// request's context ends a keyed request's first attempt (a deadline while
+// the server is slow, a cancellation), the error carries the key: the
+// attempt may have been processed, and without its key the caller cannot
+// learn its outcome, only send the payment again under a new key. An
+// unkeyed request's error comes back as it is.
+func TestSynctestContextEndingFirstAttemptKeepsKey(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		ctx  func() (context.Context, context.CancelFunc)
+		want error
+	}{
+		{"deadline", func() (context.Context, context.CancelFunc) {
+			return context.WithTimeout(context.Background(), time.Second)
+		}, context.DeadlineExceeded},
+		{"cancel", func() (context.Context, context.CancelFunc) {
+			ctx, cancel := context.WithCancel(context.Background())
+			time.AfterFunc(time.Second, cancel)
+			return ctx, cancel
+		}, context.Canceled},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := tt.ctx()
+				defer cancel()
+				srv := newFake(blockUntilDone)
+				_, err := fakePost(t, &Transport{Base: srv}, ctx)
+				var rerr *RetryError
+				if !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key == "" || rerr.Key != srv.keys[0] || !errors.Is(err, tt.want) {
+					t.Errorf("err = %T %v, want a RetryError after 1 attempt with the key sent (%q) and %v", err, err, srv.keys[0], tt.want)
+				}
+				if len(srv.at) != 1 {
+					t.Errorf("%d attempts, want 1", len(srv.at))
+				}
+
+				ctx, cancel = tt.ctx()
+				defer cancel()
+				req, _ := http.NewRequestWithContext(ctx, http.MethodPut, "https://api.example.com/v1/things/1", strings.NewReader(`{}`))
+				_, err = (&Transport{Base: newFake(blockUntilDone)}).RoundTrip(req)
+				if errors.As(err, &rerr) || !errors.Is(err, tt.want) {
+					t.Errorf("unkeyed: err = %T %v, want %v as it is", err, err, tt.want)
+				}
+			})
+		})
+	}
+}
+
+// TestSynctestKeyReuseAfterALostAnswer checks that a 422 to a retry says
+// so: the first attempt timed out and may have charged, so the error must
+// not read as "nothing happened, a bug" to a caller deciding whether to
+// send the payment again under a new key.
+func TestSynctestKeyReuseAfterALostAnswer(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		srv := newFake(blockUntilDone, replyBody(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+		_, err := fakePost(t, &Transport{Base: srv, Retry: RetryPolicy{AttemptTimeout: time.Second}}, context.Background())
+		var reuse *KeyReuseError
+		if !errors.As(err, &reuse) || reuse.Attempts != 2 || reuse.Key != srv.keys[0] {
+			t.Fatalf("err = %v, want a KeyReuseError after 2 attempts with the key", err)
+		}
+		if msg := err.Error(); !strings.Contains(msg, "attempt 2") || !strings.Contains(msg, "may have taken effect") || strings.Contains(msg, "a bug in the caller") {
+			t.Errorf("Error() = %q, want it to say that an earlier attempt may have taken effect, not that it is a bug", msg)
+		}
+
+		srv = newFake(replyBody(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+		_, err = fakePost(t, &Transport{Base: srv}, context.Background())
+		if !errors.As(err, &reuse) || reuse.Attempts != 1 || !strings.Contains(err.Error(), "a bug in the caller") {
+			t.Errorf("first attempt: err = %v (Attempts %d), want a KeyReuseError after 1 attempt, a bug in the caller", err, reuse.Attempts)
+		}
+	})
+}

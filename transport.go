@@ -220,6 +220,10 @@ func (t *Transport) CloseIdleConnections() {
 	}
 }
 
+// errNilResponse is the error of an attempt whose base transport returned
+// neither a response nor an error.
+var errNilResponse = errors.New("idem: the base RoundTripper returned a nil *Response with a nil error")
+
 // errAttemptTimedOut is the cancellation cause of an attempt that ran past
 // RetryPolicy.AttemptTimeout.
 var errAttemptTimedOut = errors.New("attempt timeout")
@@ -282,6 +286,7 @@ type operation struct {
 	body            body
 	problem         *Problem      // of the last 409
 	indefinite      bool          // the last outcome called for a retry the context stopped
+	ownCtx          bool          // the last attempt has a context of its own, released by cancel
 	lastReq         *http.Request // the last attempt sent
 	attempts        int           // attempts sent
 	conflicts       int           // of which answered 409
@@ -356,7 +361,7 @@ func (op *operation) run() (*http.Response, error) {
 			problem, _ := readProblem(resp, op.drainTime())
 			cancel()
 			op.report(resp, nil, false, 0, "422: key used for another request")
-			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem}
+			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts}
 		}
 		wait, why, end := op.plan(v, resp)
 		switch end {
@@ -502,6 +507,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	cancel = func() {}
 	var timer *time.Timer
 	d, cause := op.attemptLimit()
+	op.ownCtx = d > 0
 	if d > 0 {
 		var cancelCause context.CancelCauseFunc
 		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
@@ -525,6 +531,10 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		areq.ContentLength = op.body.length
 	}
 	resp, err = op.t.base().RoundTrip(areq)
+	if resp == nil && err == nil {
+		// A broken base; http.Client refuses the same, rather than crash.
+		err = errNilResponse
+	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
 		// The attempt ran out of time: the headers came too late, or not
 		// at all. Its context is canceled either way.
@@ -565,13 +575,15 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
 // the outcome called for a retry that could not be made; an error is then a
-// RetryError, as it is after any retry. Only the error of a first attempt
-// that is not retryable comes back as it is.
+// RetryError, as it is after any retry, and so is the error of a keyed
+// attempt that the request's context ended, whose outcome is unknown: the
+// caller needs the key to learn it. Only the error of a first attempt that
+// is not retryable comes back as it is.
 func (op *operation) finish(resp *http.Response, err error, cancel func(), why string, gaveUp bool) (*http.Response, error) {
 	if err != nil {
 		cancel()
 		op.report(nil, err, false, 0, why)
-		if op.attempts > 1 || gaveUp {
+		if op.attempts > 1 || gaveUp || (op.key != "" && op.ctx.Err() != nil) {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 		}
 		return nil, err
@@ -580,7 +592,11 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		b.succeed() // a definitive answer, not a failure given up on
 	}
 	op.report(resp, nil, false, 0, why)
-	if op.policy.AttemptTimeout > 0 {
+	if op.ownCtx {
+		// The attempt's context (AttemptTimeout, or the operation's end
+		// under an explicit MaxElapsedTime) is released when the caller
+		// closes the body; else it would stay registered with the
+		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
 		} else {

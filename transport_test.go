@@ -779,3 +779,62 @@ func BenchmarkTransportFirstTry(b *testing.B) {
 		})
 	}
 }
+
+// TestAttemptContextReleasedOnBodyClose checks that the context an attempt
+// gets of its own (under AttemptTimeout, or under MaxElapsedTime, which
+// bounds the headers of every retry, and of the first attempt too when set
+// explicitly) is released once
+// the caller closes the final response's body. Left live, it stays
+// registered with a long-lived cancelable request context, one per
+// operation, until that context ends: a leak in a worker that sends every
+// payment under one signal.NotifyContext.
+func TestAttemptContextReleasedOnBodyClose(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		policy RetryPolicy
+		script []int
+	}{
+		{"AttemptTimeout", RetryPolicy{AttemptTimeout: time.Minute}, []int{201}},
+		{"default policy, after a retry", RetryPolicy{InitialInterval: time.Millisecond}, []int{503, 201}},
+		{"MaxElapsedTime, first try", RetryPolicy{MaxElapsedTime: time.Minute}, []int{201}},
+		{"MaxElapsedTime, after a retry", RetryPolicy{MaxElapsedTime: time.Minute, InitialInterval: time.Millisecond}, []int{503, 201}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			srv := newServer(t, &recorder{script: tt.script})
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var actxs []context.Context
+			base := newTransport(t, RetryPolicy{}).Base
+			tr := &Transport{Retry: tt.policy, DisableBudget: true, Base: roundTripFunc(func(req *http.Request) (*http.Response, error) {
+				actxs = append(actxs, req.Context())
+				return base.RoundTrip(req)
+			})}
+			resp, err := post(t, tr, ctx, srv.URL, `{"amount":4200}`)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if body := readAll(t, resp); resp.StatusCode != http.StatusCreated || body == "" {
+				t.Fatalf("got %s %q, want 201 with its body read in full", resp.Status, body)
+			}
+			for i, actx := range actxs {
+				if actx.(*attemptContext).Context == ctx {
+					continue // no context of its own: it is the caller's
+				}
+				if actx.Err() == nil {
+					t.Errorf("attempt %d of %d: its context is still live after the body was closed", i+1, len(actxs))
+				}
+			}
+		})
+	}
+}
+
+// TestBaseReturningNothingIsAnError checks that a base RoundTripper that
+// returns neither a response nor an error fails the call, as http.Client
+// does, instead of crashing the caller's process with a nil dereference.
+func TestBaseReturningNothingIsAnError(t *testing.T) {
+	tr := &Transport{Base: roundTripFunc(func(*http.Request) (*http.Response, error) { return nil, nil })}
+	resp, err := post(t, tr, context.Background(), "http://127.0.0.1:1/v1/payments", `{}`)
+	if resp != nil || !errors.Is(err, errNilResponse) {
+		t.Errorf("got %v, %v; want no response and errNilResponse", resp, err)
+	}
+}
