@@ -108,6 +108,10 @@ func classify(err error) outcome {
 		apiErr     *idem.APIError
 	)
 	switch {
+	case errors.As(err, &reuse) && reuse.Attempts > 1:
+		// The 422 answered a retry: an earlier attempt may have taken
+		// effect (see idem.KeyReuseError), so the outcome is unknown.
+		return outcome{pending, "422 to a retry"}
 	case errors.As(err, &reuse):
 		return outcome{failed, "422 key reused"}
 	case errors.As(err, &inProgress):

@@ -19,7 +19,8 @@ func TestClassify(t *testing.T) {
 		want state
 	}{
 		{"success", nil, succeeded},
-		{"key reused", wrap(&idem.KeyReuseError{Key: "k"}), failed},
+		{"key reused", wrap(&idem.KeyReuseError{Key: "k", Attempts: 1}), failed},
+		{"key reused, answering a retry", wrap(&idem.KeyReuseError{Key: "k", Attempts: 2}), pending},
 		{"in progress", wrap(&idem.InProgressError{Key: "k"}), pending},
 		{"attempts ran out", wrap(&idem.RetryError{Attempts: 3, Err: io.ErrUnexpectedEOF}), pending},
 		{"attempt timeout", wrap(&idem.RetryError{Attempts: 3, Err: fmt.Errorf("%w after 1s", idem.ErrAttemptTimeout)}), pending},
