@@ -494,7 +494,14 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 		}
 		(*b).Reset()
 	}
-	return min((*b).NextBackOff(), p.MaxInterval)
+	d := (*b).NextBackOff()
+	if d < 0 {
+		// The jittered wait overflowed time.Duration (intervals of
+		// centuries); backoff.Stop is never returned without a
+		// MaxElapsedTime. Wait the longest instead of not at all.
+		return p.MaxInterval
+	}
+	return min(d, p.MaxInterval)
 }
 
 // send sends one attempt with the given body. cancel releases the
