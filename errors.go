@@ -38,8 +38,8 @@ var (
 // while waiting, the request body could not be reopened (GetBody failed),
 // or MaxElapsedTime cut an attempt short. It is also returned when the
 // request's context ends a keyed request's first attempt, whose outcome is
-// then unknown, so that the key to retry it with is at hand. Err is the reason, with the last
-// attempt's outcome in its chain, so errors.Is(err,
+// then unknown, so that the key to retry it with is at hand. Err is the
+// reason, with the last attempt's outcome in its chain, so errors.Is(err,
 // context.DeadlineExceeded) and the like work through it. Attempts counts
 // only the attempts sent.
 //

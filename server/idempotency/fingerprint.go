@@ -32,6 +32,9 @@ const FingerprintVersion = 1
 // maxFingerprintVersion is the newest version [Fingerprint] computes.
 const maxFingerprintVersion = 2
 
+// knownVersion reports whether [Fingerprint] computes version v.
+func knownVersion(v int) bool { return v >= 1 && v <= maxFingerprintVersion }
+
 // maxJSONDepth bounds the nesting of a JSON body the canonicaliser accepts.
 const maxJSONDepth = 1000
 
@@ -89,7 +92,7 @@ var (
 // error wrapping [ErrBody] for a body it cannot canonicalise. It is safe for
 // concurrent use.
 func Fingerprint(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
-	if version < 1 || version > maxFingerprintVersion {
+	if !knownVersion(version) {
 		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
 	}
 	query, err := canonicalForm(rawQuery, version)

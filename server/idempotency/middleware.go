@@ -189,7 +189,8 @@ func (e Event) String() string {
 //     stored status, headers and body, byte for byte, with
 //     Idempotent-Replayed: true (a header whose name or value is not valid
 //     text, such as an echoed obs-text value, is sent on the first response
-//     but not stored, so its replays go without it; see [ValidText]); a started one gets 409 [ProblemKeyInUse]
+//     but not stored, so its replays go without it; see [ValidText]); a
+//     started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
@@ -251,7 +252,7 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 		m.maxBody = DefaultMaxBodyBytes
 	}
 	m.fpVersion = cmpOr(opts.FingerprintVersion, FingerprintVersion)
-	if m.fpVersion < 1 || m.fpVersion > maxFingerprintVersion {
+	if !knownVersion(m.fpVersion) {
 		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
 			opts.FingerprintVersion, maxFingerprintVersion))
 	}
