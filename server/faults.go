@@ -1,6 +1,7 @@
 package server
 
 import (
+	"log/slog"
 	"math/rand/v2"
 	"net/http"
 	"time"
@@ -39,8 +40,9 @@ func hit(rate float64) bool {
 // afterWrite runs the faults of a payment just inserted in the key's unit
 // of work; it reports whether the payment must fail with a 500. A hold
 // does not end with the client, as a slow handler's work would not.
-func (f Faults) afterWrite() (fail bool) {
+func (f Faults) afterWrite(log *slog.Logger) (fail bool) {
 	if f.HoldAfterWrite > 0 && (f.HoldRate == 0 || hit(f.HoldRate)) {
+		log.Info("payments: holding the transaction after the payment's insert (Faults.HoldAfterWrite)", "hold", f.HoldAfterWrite)
 		time.Sleep(f.HoldAfterWrite)
 	}
 	return hit(f.FailAfterWriteRate)

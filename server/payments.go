@@ -270,7 +270,7 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 			"The payment could not be stored. "+a.retryHint(o)+".")
 		return
 	}
-	if o.key != "" && a.faults.afterWrite() {
+	if o.key != "" && a.faults.afterWrite(log) {
 		log.Warn("payments: injected failure after the payment was written (Faults.FailAfterWriteRate)", "charge", charge.ID)
 		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError,
 			"Injected failure after the payment was written; nothing of it was committed. "+a.retryHint(o)+".")
