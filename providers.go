@@ -127,11 +127,8 @@ func adyenVerdict(resp *http.Response, body []byte) Verdict {
 	// semantically incorrect": a refused request, not a reused key:
 	// https://docs.adyen.com/development-resources/response-handling
 	// A 409 without 704 is no answer of Adyen's documented idempotency
-	// either: it is returned.
-	if resp.StatusCode == http.StatusUnprocessableEntity || resp.StatusCode == http.StatusConflict {
-		return VerdictStop
-	}
-	return VerdictDefault
+	// either.
+	return returned409And422(resp)
 }
 
 // PayPal is the dialect of PayPal's REST APIs: the key in the
@@ -195,11 +192,8 @@ func paypalVerdict(resp *http.Response, body []byte) Verdict {
 	// 422 UNPROCESSABLE_ENTITY: "The requested action could not be
 	// performed, semantically incorrect, or failed business validation":
 	// https://developer.paypal.com/api/rest/troubleshooting/rest_unprocessable_entity/
-	// Another 409 is no in-progress answer PayPal documents: returned.
-	if resp.StatusCode == http.StatusUnprocessableEntity || resp.StatusCode == http.StatusConflict {
-		return VerdictStop
-	}
-	return VerdictDefault
+	// Another 409 is no in-progress answer PayPal documents.
+	return returned409And422(resp)
 }
 
 // Square is the dialect of Square's APIs: the key in the idempotency_key
@@ -248,10 +242,7 @@ func squareVerdict(resp *http.Response, body []byte) Verdict {
 	// "UNPROCESSABLE_ENTITY: a general error occurred":
 	// https://developer.squareup.com/reference/square/enums/ErrorCode
 	// Square documents no answer for a request still running.
-	if resp.StatusCode == http.StatusUnprocessableEntity || resp.StatusCode == http.StatusConflict {
-		return VerdictStop
-	}
-	return VerdictDefault
+	return returned409And422(resp)
 }
 
 // AWS is the dialect of AWS's JSON APIs, such as Cloud Control: the key in
@@ -329,7 +320,16 @@ func awsVerdict(resp *http.Response, body []byte) Verdict {
 	}
 	// A 409 (ConflictException in AWS's REST APIs) is a conflict with the
 	// resource's state, or with a token used before; nothing AWS documents
-	// as a request still running: returned. So is a 422.
+	// as a request still running.
+	return returned409And422(resp)
+}
+
+// returned409And422 is the last rule of the providers whose 409 and 422
+// are neither a request still running nor key reuse, unless their body
+// said so (the rules before it): such an answer is returned as it is, not
+// waited out nor turned into a KeyReuseError as the IETF draft's table
+// would. Other statuses keep the table.
+func returned409And422(resp *http.Response) Verdict {
 	if resp.StatusCode == http.StatusConflict || resp.StatusCode == http.StatusUnprocessableEntity {
 		return VerdictStop
 	}
