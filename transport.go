@@ -146,12 +146,12 @@ type Transport struct {
 	// error (the other is nil), and may override what the Transport makes
 	// of it: retry, stop, wait out a conflict, or end on key reuse (see
 	// [Verdict]). VerdictDefault keeps the Transport's own decision, the
-	// Provider's verdict included. It is
-	// called from the goroutine that called RoundTrip, and must not read or
-	// close the response body: it decides on the status and headers, such
-	// as Stripe's Stripe-Should-Retry. Whatever it says, nothing is sent
-	// once the request's context is done, methods that are not retried are
-	// sent once, and MaxAttempts, the time limits and the retry budget hold.
+	// Provider's verdict included. It is called from the goroutine that
+	// called RoundTrip, and must not read or close the response body: it
+	// decides on the status and headers, such as Stripe's
+	// Stripe-Should-Retry. Whatever it says, nothing is sent once the
+	// request's context is done, methods that are not retried are sent
+	// once, and MaxAttempts, the time limits and the retry budget hold.
 	Classify func(resp *http.Response, err error) Verdict
 
 	// OnAttempt, if not nil, is called after every attempt, from the
@@ -208,7 +208,8 @@ func (t *Transport) base() http.RoundTripper {
 }
 
 // keyHeader returns the name of the key header in its canonical form:
-// DefaultKeyHeader as it is, or KeyHeader canonicalized.
+// DefaultKeyHeader as it is, or the Transport's KeyHeader (else the
+// Provider's) canonicalized.
 func (t *Transport) keyHeader() string {
 	name := t.keyHeaderName() // provider.go
 	if name == "" {
