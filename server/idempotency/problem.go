@@ -43,6 +43,13 @@ const (
 	// stored by a newer version of the service. Retry the same request
 	// with the same key.
 	ProblemUnavailable = "https://idemkit.dev/problems/unavailable"
+	// ProblemKeyExpired (410): the request was first sent (its
+	// Repeatability-First-Sent) longer ago than its key is kept, and the
+	// key is gone or expired: the original outcome of the operation is
+	// unknown and can no longer be looked up. Nothing was run. The client
+	// must not retry with a new key blindly: the operation may have taken
+	// effect; check for it by other means first.
+	ProblemKeyExpired = "https://idemkit.dev/problems/idempotency-key-expired"
 )
 
 // problemTitles holds the fixed, human-readable title of each type.
@@ -56,6 +63,7 @@ var problemTitles = map[string]string{
 	ProblemTooLarge:       "Request body too large",
 	ProblemInternal:       "Internal server error",
 	ProblemUnavailable:    "The request was not run",
+	ProblemKeyExpired:     "Idempotency-Key has expired",
 }
 
 // Problem is an RFC 9457 problem details object, as written with the media

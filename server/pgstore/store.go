@@ -118,6 +118,10 @@ const (
 	// out, or never.
 	lockedExpiryExpr = `CASE WHEN lease_us > 0 AND retention_us > 0
         THEN now() + (lease_us + retention_us) * interval '1 microsecond' END`
+	// refusedExpr: k is expired and the claim's first-sent check ($9
+	// stale, $10 earliest begin, NULL for none) says the request may belong
+	// to its operation (see idempotency.FirstSentCheck).
+	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
 	// finishedExpiryExpr is the expiry of a key that finishes now.
 	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN now() + retention_us * interval '1 microsecond' END`
 )
@@ -187,6 +191,7 @@ WITH ` + existingCTE + `, renewed AS (
         response_body = NULL
     WHERE k.client_id = $1 AND k.idempotency_key = $2
         AND k.status = (SELECT status FROM existing)
+        AND NOT ` + refusedExpr + `
         AND (` + expiredExpr + `
             OR (k.status = 'released' AND k.fingerprint_version = $6
                 AND (k.release_rejected OR k.request_hash = $5))
@@ -204,7 +209,9 @@ SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
 FROM renewed
 UNION ALL
 ` + existingRow + `
-WHERE NOT EXISTS (SELECT FROM renewed)`
+WHERE NOT EXISTS (SELECT FROM renewed)
+UNION ALL
+` + refusedAbsentRow
 
 // claimNewSQL is the claim that Claim runs first (without BatchClaims):
 // claimSQL without its renewed branch, which takes a tenth to a fifth off
@@ -223,7 +230,9 @@ SELECT 1, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
 FROM inserted
 UNION ALL
-` + existingRow
+` + existingRow + `
+UNION ALL
+` + refusedAbsentRow
 
 // The parts that claimSQL and claimNewSQL share. existingCTE reads the
 // key's row without locking it, with what claimSQL may do with it:
@@ -234,6 +243,7 @@ const (
 	existingCTE = `existing AS (
     SELECT k.*,
         ` + expiredExpr + ` IS TRUE AS expired,
+        ` + refusedExpr + ` AS refused,
         (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
         (k.status = 'released' AND k.fingerprint_version = $6
             AND (k.release_rejected OR k.request_hash = $5)) AS free
@@ -247,15 +257,20 @@ const (
     SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
         $7, $8, CASE WHEN $7::bigint > 0 AND $8::bigint > 0
             THEN now() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
-    WHERE NOT EXISTS (SELECT FROM existing)
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
-	existingRow = `SELECT 3, NULL, NULL,
+	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    expired OR stale OR free
+    (expired OR stale OR free) AND NOT refused
 FROM existing`
+	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
+	// did not have, for a stale first-sent check ($9), which inserted
+	// nothing.
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
 
 // asyncCommitSQL turns synchronous_commit off for the current transaction
@@ -319,7 +334,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
-	if s.BatchClaims {
+	if s.BatchClaims && !req.FirstSent.Stale { // a stale request must not insert the key
 		switch c, claimed, err := s.batchClaim(ctx, req); {
 		case err != nil:
 			return idempotency.ClaimResult{}, err
@@ -351,6 +366,8 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 			continue
 		}
 		switch row.outcome {
+		case idempotency.Refused:
+			return idempotency.ClaimResult{Outcome: idempotency.Refused}, nil
 		case idempotency.Claimed, idempotency.TookOver:
 			return idempotency.ClaimResult{Outcome: row.outcome, Claim: idempotency.Claim{
 				ClientID:    req.ClientID,
@@ -398,8 +415,12 @@ type querier interface {
 // claimOnce runs sql (claimNewSQL or claimSQL) once on q; found is false
 // when it returned no row.
 func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row claimRow, found bool, err error) {
+	var earliest *time.Time
+	if !req.FirstSent.EarliestBegin.IsZero() {
+		earliest = &req.FirstSent.EarliestBegin
+	}
 	args := []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
-		micros(req.LockTimeout), micros(req.Retention)}
+		micros(req.LockTimeout), micros(req.Retention), req.FirstSent.Stale, earliest}
 	var rows pgx.Rows
 	if s.AsyncClaims {
 		b := &pgx.Batch{}

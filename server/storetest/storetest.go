@@ -111,6 +111,10 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		// The edges every store agrees on.
 		{"CompleteStatusRange", testCompleteStatusRange},
 		{"DoneContextChangesNothing", testDoneContext},
+		// The first-sent check of a claim.
+		{"FirstSentAbsentKey", testFirstSentAbsent},
+		{"FirstSentLiveKey", testFirstSentLive},
+		{"FirstSentExpiredKey", testFirstSentExpired},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
