@@ -481,11 +481,11 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		w.Header().Set(RetentionHeader, m.ttl)
 	}
 	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
-	firstSent, err := m.firstSentCheck(r)
-	if err != nil {
+	firstSent, bad := m.firstSentCheck(r)
+	if bad != "" {
 		m.event(EventRejected)
 		refuseUnread(w, r)
-		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, err.Error())
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, bad)
 		return
 	}
 	if !ValidText(clientID) {
@@ -688,34 +688,34 @@ func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
 
 // firstSentCheck reads the request's first-sent time into the check its
 // claim makes (see [Options.FirstSentHeader]); the zero check without the
-// header or with the policy off. An error says what is wrong with the
-// header, for a 400.
-func (m *middleware) firstSentCheck(r *http.Request) (FirstSentCheck, error) {
+// header or with the policy off. bad, when not empty, says what is wrong
+// with the header: the detail of a 400.
+func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad string) {
 	if !m.firstSent {
-		return FirstSentCheck{}, nil
+		return c, ""
 	}
 	values := r.Header.Values(m.firstSentHeader)
 	switch len(values) {
 	case 0:
-		return FirstSentCheck{}, nil
+		return c, ""
 	case 1:
 	default:
-		return FirstSentCheck{}, fmt.Errorf("Send the %s header once; the key was not used.", m.firstSentHeader)
+		return c, fmt.Sprintf("Send the %s header once; the key was not used.", m.firstSentHeader)
 	}
 	sent, err := http.ParseTime(strings.TrimSpace(values[0]))
 	if err != nil {
-		return FirstSentCheck{}, fmt.Errorf("The %s header is not an HTTP-date such as %q; the key was not used.",
+		return c, fmt.Sprintf("The %s header is not an HTTP-date such as %q; the key was not used.",
 			m.firstSentHeader, "Tue, 01 Dec 2026 10:00:00 GMT")
 	}
 	now := time.Now()
 	if sent.After(now.Add(m.skew)) {
-		return FirstSentCheck{}, fmt.Errorf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
+		return c, fmt.Sprintf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
 			m.firstSentHeader, sent.Sub(now).Round(time.Second), m.skew)
 	}
 	return FirstSentCheck{
 		Stale:         now.Sub(sent) > m.retention-m.skew,
 		EarliestBegin: sent.Add(-m.skew),
-	}, nil
+	}, ""
 }
 
 // refuseUnread prepares the answer to a request refused before its body
