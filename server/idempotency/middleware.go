@@ -169,6 +169,18 @@ type Options struct {
 	// the client's retry. Middleware panics on a version it does not know.
 	FingerprintVersion int
 
+	// BodyFormat says how request bodies are read to be fingerprinted. If
+	// zero ([BodyByContentType]), by their Content-Type: JSON, a form, or
+	// raw bytes. A JSON API sets [BodyAsJSON] (every body is fingerprinted
+	// as JSON, whatever its declared type: curl -d declares a form) or
+	// [BodyJSONOnly] (a body declared as another type gets 415). A request
+	// declared as JSON is fingerprinted alike under all three, so only a
+	// key first sent with another declared type, retried after the setting
+	// changed, meets the change (422, or 415): change it on every server
+	// sharing the store at once. Middleware panics on a format it does not
+	// know.
+	BodyFormat BodyFormat
+
 	// Logger receives what an operator must act on, at Warn and Error:
 	// takeovers, lost leases, fenced completions, panics and store errors,
 	// each with the client, key, method and path as attributes; per-request
@@ -198,7 +210,7 @@ const (
 	EventMismatch                      // 422: the key was used with another request
 	EventReleased                      // the outcome was not stored and the key was freed
 	EventFenced                        // the completion lost the key to a takeover
-	EventRejected                      // 400/401/413 before the claim: nothing stored
+	EventRejected                      // 400/401/413/415 before the claim: nothing stored
 	EventRenewed                       // the lease of a running request was renewed
 	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
 	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
@@ -250,9 +262,11 @@ func (e Event) String() string {
 //     or lies further ahead than the allowance), and from here on answers
 //     every keyed response with the key header echoed and the retention in
 //     Idempotency-TTL ([RetentionHeader]);
-//  4. reads the body (413 [ProblemTooLarge] over the limit) and computes its
-//     [Fingerprint] (400 [ProblemInvalidRequest] for a malformed JSON or
-//     form body). None of these store anything;
+//  4. reads the body (415 [ProblemUnsupportedMediaType] before reading a
+//     body whose type [Options.BodyFormat] refuses, 413 [ProblemTooLarge]
+//     over the limit) and computes its [Fingerprint] (400
+//     [ProblemInvalidRequest] for a malformed JSON or form body). None of
+//     these store anything;
 //  5. claims the key with [Store.Claim]. A key that is absent or expired
 //     gets 410 [ProblemKeyExpired], nothing run, when the request's
 //     first-sent time says it may be a retry of the operation the key was
@@ -355,6 +369,9 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
 	if m.retention > 0 {
 		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
+	}
+	if !knownBodyFormat(opts.BodyFormat) {
+		panic(fmt.Sprintf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat))
 	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
@@ -501,6 +518,12 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 
+	contentType, ok := m.opts.BodyFormat.contentType(r.Header.Get("Content-Type"))
+	if !ok {
+		m.event(EventRejected)
+		refuseMediaType(w, r)
+		return
+	}
 	body, err := m.readBody(w, r)
 	if err != nil {
 		m.event(EventRejected)
@@ -513,7 +536,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
-	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
@@ -595,7 +618,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true
-			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 			if errors.Is(err, ErrFingerprintVersion) {
 				// Written by a newer server (a rolling upgrade, or a
 				// rollback after one): this one cannot tell whether the
