@@ -37,7 +37,7 @@ func testChaos(t *testing.T, serverArgs string) {
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
-		"-invalid-text", "0.1", "-hold", "0.05", "-cancel", "0.2",
+		"-invalid-text", "0.1", "-hold", "0.1", "-cancel", "0.2",
 		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
