@@ -4,14 +4,22 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test check fmt vet staticcheck bench scenarios fuzz
+.PHONY: test quick check fmt vet staticcheck bench scenarios fuzz
 
 # bench/ and otel/ are modules of their own (the peer libraries and
-# OpenTelemetry stay out of ours); their tests run too.
+# OpenTelemetry stay out of ours); their tests run too. The chaos test
+# runs last and verbose, so that its timeline shows while it runs.
 test:
-	$(GO) test -race -count=1 $(PKGS)
+	$(GO) test -race -count=1 $$($(GO) list $(PKGS) | grep -v '/examples/chaos$$')
 	cd bench && $(GO) test -race -count=1 ./...
 	cd otel && $(GO) test -race -count=1 ./...
+	@echo "examples/chaos: the chaos test (replicas of idem-server killed and restarted; about two minutes):"
+	$(GO) test -race -count=1 -v ./examples/chaos
+
+# quick: the tests without the chaos test and the long end-to-end runs
+# (-short), for the edit-test loop; make test is what CI runs.
+quick:
+	$(GO) test -short -count=1 $(PKGS)
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
