@@ -17,9 +17,13 @@ import (
 )
 
 // Store is the PostgreSQL [idempotency.Store], on the key table created by
-// [Migrate]. It uses the database clock (now()) for every lease and
-// retention decision, and the lease and retention stored with each key, so
-// any number of processes, with any settings, can share one table.
+// [Migrate]. It uses the database clock for every lease and retention
+// decision, and the lease and retention stored with each key, so any
+// number of processes, with any settings, can share one table. The clock
+// is statement_timestamp(), the time the statement arrived, never now(),
+// the start of its transaction: a completion runs inside the handler's
+// transaction, which may have begun long before, and the key's retention
+// counts from the completion.
 //
 // Each operation on a key is one SQL statement in one round trip, but for
 // the rarer claims: a claim inserts a new key or reads its row (a replay, a
@@ -99,16 +103,16 @@ const maxRaces = 10
 // retention of 0 microseconds means "never".
 const (
 	// staleExpr: k is started and its owner stopped renewing its lease.
-	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond')`
+	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
 	// expiredExpr: k counts as absent (expires_at NULL: never).
-	expiredExpr = `(k.expires_at < now())`
+	expiredExpr = `(k.expires_at < statement_timestamp())`
 	// lockedExpiryExpr is the expiry of a key whose lease starts now,
 	// from its lease_us and retention_us: retention after the lease runs
 	// out, or never.
 	lockedExpiryExpr = `CASE WHEN lease_us > 0 AND retention_us > 0
-        THEN now() + (lease_us + retention_us) * interval '1 microsecond' END`
+        THEN statement_timestamp() + (lease_us + retention_us) * interval '1 microsecond' END`
 	// finishedExpiryExpr is the expiry of a key that finishes now.
-	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN now() + retention_us * interval '1 microsecond' END`
+	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END`
 )
 
 // claimSQL claims, resumes or takes over a key, or returns it as it is (see
@@ -163,12 +167,12 @@ WITH ` + existingCTE + `, renewed AS (
         lock_token = nextval('idempotency_lock_tokens'),
         created_at = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN now() ELSE k.created_at END,
-        locked_at = now(),
+            THEN statement_timestamp() ELSE k.created_at END,
+        locked_at = statement_timestamp(),
         lease_us = $7,
         retention_us = $8,
         expires_at = CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN now() + ($7::bigint + $8::bigint) * interval '1 microsecond' END,
+            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END,
         release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
@@ -181,7 +185,7 @@ WITH ` + existingCTE + `, renewed AS (
                 AND (k.release_rejected OR k.request_hash = $5))
             OR (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5))
     RETURNING k.lock_token, k.operation_id,
-        k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
+        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
 ), ` + insertedCTE + `
 SELECT 1, lock_token, operation_id::text,
     NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
@@ -233,9 +237,9 @@ const (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
-    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
+    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         $7, $8, CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN now() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
+            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
     WHERE NOT EXISTS (SELECT FROM existing)
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
@@ -441,7 +445,7 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 // renewSQL renews the lease of a key its claim still owns ($1 client, $2
 // key, $3 token), by the lease stored with it.
 const renewSQL = `
-UPDATE idempotency_keys SET locked_at = now(), expires_at = ` + lockedExpiryExpr + `
+UPDATE idempotency_keys SET locked_at = statement_timestamp(), expires_at = ` + lockedExpiryExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Renew implements [idempotency.Store.Renew] in one statement. When the
@@ -527,7 +531,7 @@ const purgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM idempotency_keys
-    WHERE expires_at < now()
+    WHERE expires_at < statement_timestamp()
     ORDER BY expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`
