@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -87,6 +88,9 @@ type Store struct {
 	BatchClaims bool
 
 	claims batcher[*pendingClaim]
+
+	unitsMu sync.Mutex
+	units   map[int64]*unit // the units of work of this process, by lock token (see Renew)
 }
 
 // New returns a store on pool, whose search_path must reach the table
@@ -439,7 +443,34 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	return &unit{store: s, claim: c}, nil
+	u := &unit{store: s, claim: c}
+	s.unitsMu.Lock()
+	if s.units == nil {
+		s.units = make(map[int64]*unit)
+	}
+	s.units[c.Token] = u
+	s.unitsMu.Unlock()
+	return u, nil
+}
+
+// forget drops u, which is over, from the units that Renew looks up.
+func (s *Store) forget(u *unit) {
+	s.unitsMu.Lock()
+	if s.units[u.claim.Token] == u {
+		delete(s.units, u.claim.Token)
+	}
+	s.unitsMu.Unlock()
+}
+
+// unitOf returns the unit of work of c begun by this Store and not over,
+// or nil.
+func (s *Store) unitOf(c idempotency.Claim) *unit {
+	s.unitsMu.Lock()
+	defer s.unitsMu.Unlock()
+	if u := s.units[c.Token]; u != nil && u.claim == c {
+		return u
+	}
+	return nil
 }
 
 // renewSQL renews the lease of a key its claim still owns ($1 client, $2
@@ -451,8 +482,37 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // Renew implements [idempotency.Store.Renew] in one statement. When the
 // connection broke under it, it runs once more on a live connection: a
 // renewal done twice is one renewal.
+//
+// While the claim's handler transaction ([TxFromContext]) is open under
+// REPEATABLE READ or SERIALIZABLE, Renew only checks that c still owns the
+// key, and returns ErrFenced if it does not: the transaction's completion
+// updates the key row, which PostgreSQL refuses (a serialization failure)
+// once another transaction has updated the row since the transaction's
+// snapshot. The lease then runs out a lock timeout after the last renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
+	if u := s.unitOf(c); u != nil {
+		return u.renew(ctx)
+	}
 	return s.ownedUpdate(ctx, c, renewSQL, nil, "")
+}
+
+// ownedSQL tells whether a claim still owns its key ($1 client, $2 key,
+// $3 token).
+const ownedSQL = `
+SELECT EXISTS (SELECT FROM idempotency_keys
+    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started')`
+
+// checkOwned returns ErrFenced unless c still owns its key, reading the
+// row without writing it.
+func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
+	var owned bool
+	if err := s.pool.QueryRow(ctx, ownedSQL, c.ClientID, c.Key, c.Token).Scan(&owned); err != nil {
+		return interpretError(err)
+	}
+	if !owned {
+		return idempotency.ErrFenced
+	}
+	return nil
 }
 
 // releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
