@@ -50,6 +50,14 @@ import (
 // that got no connection (the pool failed to connect). Other statements
 // return the error.
 //
+// The store's statements run in the database's default isolation level.
+// Under REPEATABLE READ or SERIALIZABLE, one that loses a race for a key's
+// row fails with a serialization failure where READ COMMITTED would wait
+// and read the row again: it did nothing, and the store runs it again, as
+// it runs again a claim that lost a race under READ COMMITTED. See
+// [TxFromContext] for the lease of a handler transaction under those
+// levels.
+//
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
 type Store struct {
@@ -340,6 +348,9 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 				return err
 			}))
 		}
+		if serializationFailure(err) && ctx.Err() == nil {
+			continue // lost a race under REPEATABLE READ or SERIALIZABLE: the statement did nothing
+		}
 		if err != nil {
 			return idempotency.ClaimResult{}, err
 		}
@@ -547,6 +558,12 @@ func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempoten
 func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string, more []any, after idempotency.Status) error {
 	args := append([]any{c.ClientID, c.Key, c.Token}, more...)
 	tag, err := s.pool.Exec(ctx, sql, args...)
+	for range maxRaces {
+		if !serializationFailure(err) || ctx.Err() != nil {
+			break
+		}
+		tag, err = s.pool.Exec(ctx, sql, args...) // it did nothing: run it again
+	}
 	done := tag.RowsAffected() > 0
 	if err = interpretError(err); errors.Is(err, errConnLost) && ctx.Err() == nil {
 		err = interpretError(s.onLiveConn(ctx, func(q querier) error {
@@ -699,12 +716,27 @@ func connBroken(err error) bool {
 		errors.As(err, &netErr)
 }
 
-// SQLSTATEs that interpretError knows.
+// SQLSTATEs that interpretError and serializationFailure know.
 const (
 	characterNotInRepertoire = "22021" // invalid UTF-8 or a NUL byte in text
 	adminShutdown            = "57P01" // admin_shutdown: pg_terminate_backend, a fast shutdown
 	connectionException      = "08"    // the class of connection exceptions
+	serializationFailureCode = "40001" // serialization_failure
+	deadlockDetected         = "40P01" // deadlock_detected
 )
+
+// serializationFailure reports whether err is a serialization failure or
+// a deadlock. The store's own statements each run as a transaction of
+// their own, in the database's default isolation level: under REPEATABLE
+// READ or SERIALIZABLE, one that loses a race for a key's row to another
+// (two takeovers of one stale key, say) fails with serialization_failure
+// where READ COMMITTED would have it wait and read the row again. It then
+// did nothing, and the store runs it again, as PostgreSQL advises, like a
+// statement that lost a race under READ COMMITTED (see [Store.Claim]).
+func serializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == serializationFailureCode || pgErr.Code == deadlockDetected)
+}
 
 // errConnLost marks an error of a statement whose connection broke under
 // it: PostgreSQL ended it (admin_shutdown, or a connection exception), or
