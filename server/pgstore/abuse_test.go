@@ -392,23 +392,30 @@ func TestAbuseMultiCommand(t *testing.T) {
 		s.mustReplay(t, key, http.StatusCreated, want...)
 	}
 
-	const bad = `INSERT INTO writes (name) VALUES ('x'); INSERT INTO writes (name) VALUS ('y')`
-	var pos int32
-	var afterErr error
-	s = newService(t, idempotency.Options{}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
-		_, err := tx.Exec(r.Context(), bad)
-		var pgErr *pgconn.PgError
-		if errors.As(err, &pgErr) {
-			pos = pgErr.Position
-		}
-		afterErr = insert(r.Context(), tx, s.row(r, "a"))
-		w.WriteHeader(http.StatusCreated) // a careless handler: 201 anyway
-	})
-	status, _ := s.send("bad")
-	assert.Equal(t, int32(strings.Index(bad, "VALUS")+1), pos, "position of the syntax error")
-	assert.Error(t, afterErr, "a write in the aborted transaction")
-	assert.Equal(t, http.StatusInternalServerError, status)
-	s.mustMatch(t, "bad", status)
+	// A syntax error (PostgreSQL runs none of the text), and an unknown
+	// column (found when the second command runs, after the first).
+	for bad, at := range map[string]string{
+		`INSERT INTO writes (name) VALUES ('x'); INSERT INTO writes (name) VALUS ('y')`: "VALUS",
+		`INSERT INTO writes (name) VALUES ('x'); INSERT INTO writes (nom) VALUES ('y')`: "nom",
+	} {
+		var pos int32
+		var afterErr error
+		s = newService(t, idempotency.Options{}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			_, err := tx.Exec(r.Context(), bad)
+			var pgErr *pgconn.PgError
+			if errors.As(err, &pgErr) {
+				pos = pgErr.Position
+			}
+			afterErr = insert(r.Context(), tx, s.row(r, "a"))
+			w.WriteHeader(http.StatusCreated) // a careless handler: 201 anyway
+		})
+		status, _ := s.send("bad")
+		assert.Equal(t, int32(strings.Index(bad, at)+1), pos, "position of the error in %q", bad)
+		assert.Error(t, afterErr, "a write in the aborted transaction")
+		assert.Equal(t, http.StatusInternalServerError, status)
+		s.mustMatch(t, "bad", status)
+		mustBeWritten(t, s.pool, "x", false) // the first command of the text
+	}
 }
 
 // TestAbuseClientSideError: the first statement fails before it reaches
@@ -552,6 +559,7 @@ func TestAbuseOutlivingGoroutine(t *testing.T) {
 	type kept struct {
 		tx, sp pgx.Tx
 		row    pgx.Row
+		lo     pgx.LargeObjects
 	}
 	keep := make(chan kept, 1)
 	holding := make(chan struct{})
@@ -582,6 +590,7 @@ func TestAbuseOutlivingGoroutine(t *testing.T) {
 				return
 			}
 			k.row = tx.QueryRow(ctx, `SELECT 'x'`)
+			k.lo = tx.LargeObjects()
 			keep <- k
 			w.WriteHeader(http.StatusServiceUnavailable) // nothing of a is committed
 		})
@@ -610,6 +619,11 @@ func TestAbuseOutlivingGoroutine(t *testing.T) {
 	assert.Error(t, err, "late Query")
 	assert.Error(t, k.tx.SendBatch(ctx, &pgx.Batch{QueuedQueries: []*pgx.QueuedQuery{{SQL: `SELECT 1`}}}).Close(), "late batch")
 	assert.Nil(t, k.tx.Conn(), "late Conn")
+	_, err = k.lo.Create(ctx, 0)
+	assert.Error(t, err, "late large object, from the request")
+	lo := k.tx.LargeObjects()
+	_, err = lo.Create(ctx, 0)
+	assert.Error(t, err, "late large object")
 	_, err = k.tx.CopyFrom(ctx, pgx.Identifier{"writes"}, []string{"name"}, pgx.CopyFromRows([][]any{{"a/late/1"}}))
 	assert.Error(t, err, "late CopyFrom")
 	close(release)

@@ -99,7 +99,10 @@ var (
 // transaction is open, the renewals only check that the claim still owns
 // its key, and the lease is not extended. Such a handler must end its work
 // within the lock timeout, after which a retry may take the key over (its
-// own completion then fails, and nothing of it is committed).
+// own completion then fails, and nothing of it is committed). To know the
+// level, the transaction reads it with its first statement, in the same
+// round trip, and again after each later statement that holds a SET (one
+// more round trip).
 //
 // Like any pgx.Tx, it is meant for one goroutine at a time.
 func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
@@ -329,16 +332,17 @@ const (
 func (u *unit) beginSimple(ctx context.Context, conn *pgxpool.Conn, sql string) (pgconn.CommandTag, error) {
 	u.pauseRenewals()
 	text := simpleBegin + sql + simpleShow
-	tracer, _ := conn.Conn().Config().Tracer.(pgx.QueryTracer)
+	tctx := ctx
+	tracer := conn.Conn().Config().Tracer
 	if tracer != nil {
-		ctx = tracer.TraceQueryStart(ctx, conn.Conn(), pgx.TraceQueryStartData{SQL: text})
+		tctx = tracer.TraceQueryStart(ctx, conn.Conn(), pgx.TraceQueryStartData{SQL: text})
 	}
 	type result struct {
 		tag  pgconn.CommandTag
 		last []byte // the first column of the last row
 	}
 	var results []result
-	mrr := conn.Conn().PgConn().Exec(ctx, text)
+	mrr := conn.Conn().PgConn().Exec(tctx, text)
 	for mrr.NextResult() {
 		rr := mrr.ResultReader()
 		var r result
@@ -360,12 +364,15 @@ func (u *unit) beginSimple(ctx context.Context, conn *pgxpool.Conn, sql string) 
 		pgErr.Position -= int32(len(simpleBegin))
 	}
 	if tracer != nil {
-		tracer.TraceQueryEnd(ctx, conn.Conn(), pgx.TraceQueryEndData{CommandTag: tag, Err: err})
+		tracer.TraceQueryEnd(tctx, conn.Conn(), pgx.TraceQueryEndData{CommandTag: tag, Err: err})
 	}
 	switch {
 	case len(results) == 0 && nothingRan(conn):
-		// Nothing reached PostgreSQL (the context was done before the
-		// text was sent, say): begin, then run sql on the transaction.
+		// Nothing ran: PostgreSQL parses the whole text before it runs
+		// any of it, and refused it (a syntax error of sql's), or
+		// nothing reached it (the context was done before the text was
+		// sent, say). Begin, then run sql on the transaction, where it
+		// fails (or runs) as on any pgx.Tx.
 		if _, berr := u.beginWith(ctx, conn, nil); berr != nil {
 			return tag, berr
 		}
@@ -647,37 +654,40 @@ func refuse(f sqlFacts) error {
 // Begin opens a savepoint, a pseudo nested transaction that the handler
 // commits or rolls back itself.
 func (t *txView) Begin(ctx context.Context) (pgx.Tx, error) {
+	return with(ctx, t, func(tx pgx.Tx) (pgx.Tx, error) {
+		sp, err := tx.Begin(ctx)
+		if err != nil {
+			return nil, err
+		}
+		return &txView{u: t.u, sp: sp}, nil
+	})
+}
+
+// with runs f on the transaction of t (see on), holding the unit.
+func with[T any](ctx context.Context, t *txView, f func(tx pgx.Tx) (T, error)) (T, error) {
+	var zero T
 	if err := t.u.enter(); err != nil {
-		return nil, err
+		return zero, err
 	}
 	defer t.u.exit()
 	tx, err := t.on(ctx)
 	if err != nil {
-		return nil, err
+		return zero, err
 	}
-	sp, err := tx.Begin(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return &txView{u: t.u, sp: sp}, nil
+	return f(tx)
 }
 
 // Commit returns ErrTxOwned on the request's transaction; on a savepoint
 // it releases the savepoint.
-func (t *txView) Commit(ctx context.Context) error {
-	if t.sp == nil {
-		return ErrTxOwned
-	}
-	if err := t.u.enter(); err != nil {
-		return err
-	}
-	defer t.u.exit()
-	return t.sp.Commit(ctx)
-}
+func (t *txView) Commit(ctx context.Context) error { return t.end(ctx, pgx.Tx.Commit) }
 
 // Rollback returns ErrTxOwned on the request's transaction; on a
 // savepoint it rolls back to it.
-func (t *txView) Rollback(ctx context.Context) error {
+func (t *txView) Rollback(ctx context.Context) error { return t.end(ctx, pgx.Tx.Rollback) }
+
+// end ends the savepoint with end (pgx.Tx.Commit or Rollback), or returns
+// ErrTxOwned on the request's transaction.
+func (t *txView) end(ctx context.Context, end func(pgx.Tx, context.Context) error) error {
 	if t.sp == nil {
 		return ErrTxOwned
 	}
@@ -685,19 +695,13 @@ func (t *txView) Rollback(ctx context.Context) error {
 		return err
 	}
 	defer t.u.exit()
-	return t.sp.Rollback(ctx)
+	return end(t.sp, ctx)
 }
 
 func (t *txView) CopyFrom(ctx context.Context, table pgx.Identifier, columns []string, src pgx.CopyFromSource) (int64, error) {
-	if err := t.u.enter(); err != nil {
-		return 0, err
-	}
-	defer t.u.exit()
-	tx, err := t.on(ctx)
-	if err != nil {
-		return 0, err
-	}
-	return tx.CopyFrom(ctx, table, columns, src)
+	return with(ctx, t, func(tx pgx.Tx) (int64, error) {
+		return tx.CopyFrom(ctx, table, columns, src)
+	})
 }
 
 // SendBatch sends b, whose statements are checked as Exec's are. The
@@ -727,35 +731,38 @@ func (t *txView) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 }
 
 // LargeObjects returns the large objects of the transaction, beginning it.
-// If it cannot begin, the returned value's methods fail with the error of
-// the next statement. The connection is closed when the request ends (see
-// TxFromContext).
+// If it cannot begin, or the request is over, the returned value's methods
+// fail with pgx.ErrTxClosed. The connection is closed when the request
+// ends (see TxFromContext).
 func (t *txView) LargeObjects() pgx.LargeObjects {
 	if err := t.u.enter(); err != nil {
-		return pgx.LargeObjects{}
+		return closedTx().LargeObjects()
 	}
 	defer t.u.exit()
 	tx, err := t.on(context.Background())
 	if err != nil {
-		return pgx.LargeObjects{}
+		return closedTx().LargeObjects()
 	}
 	t.u.leaked = true
 	return tx.LargeObjects()
+}
+
+// closedTx returns a pgx.Tx that is closed: its statements fail with
+// pgx.ErrTxClosed, touching no connection. (pgx makes one for a batch that
+// began a transaction and failed before it was sent.)
+func closedTx() pgx.Tx {
+	b := &pgx.Batch{}
+	b.BeginTx(pgx.TxOptions{})
+	return pgx.FailedBatchResults(b, pgx.ErrTxClosed).Tx()
 }
 
 func (t *txView) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
 	if err := refuse(scanSQL(sql)); err != nil {
 		return nil, err
 	}
-	if err := t.u.enter(); err != nil {
-		return nil, err
-	}
-	defer t.u.exit()
-	tx, err := t.on(ctx)
-	if err != nil {
-		return nil, err
-	}
-	return tx.Prepare(ctx, name, sql)
+	return with(ctx, t, func(tx pgx.Tx) (*pgconn.StatementDescription, error) {
+		return tx.Prepare(ctx, name, sql)
+	})
 }
 
 // pipelined reports whether a first statement with args may travel in one
@@ -826,18 +833,15 @@ func (t *txView) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 	if err := refuse(f); err != nil {
 		return nil, err
 	}
-	if err := t.u.enter(); err != nil {
-		return nil, err
-	}
-	defer t.u.exit()
-	tx, err := t.on(ctx)
-	if err != nil {
-		return nil, err
-	}
-	if f.set {
-		t.u.pauseRenewals() // read again at the next SET run by Exec or QueryRow
-	}
-	rows, err := tx.Query(ctx, sql, args...)
+	var rows pgx.Rows
+	_, err := with(ctx, t, func(tx pgx.Tx) (struct{}, error) {
+		if f.set {
+			t.u.pauseRenewals() // read again at the next SET run by Exec or QueryRow
+		}
+		var err error
+		rows, err = tx.Query(ctx, sql, args...)
+		return struct{}{}, err
+	})
 	if rows == nil {
 		return nil, err
 	}
@@ -910,6 +914,7 @@ func (t *txView) Conn() *pgx.Conn {
 type rowView struct {
 	u       *unit // nil for an error found before the statement ran
 	err     error
+	typeMap *pgtype.Map // of the connection the row was read on
 	fields  []pgconn.FieldDescription
 	values  [][]byte
 	has     bool // a row was read
@@ -928,6 +933,7 @@ func (r *rowView) read(rows pgx.Rows, err error) error {
 	}
 	if rows.Next() {
 		r.has = true
+		r.typeMap = rows.TypeMap()
 		r.fields = append([]pgconn.FieldDescription(nil), rows.FieldDescriptions()...)
 		for _, v := range rows.RawValues() {
 			if v != nil {
@@ -949,7 +955,7 @@ func (r *rowView) Scan(dest ...any) error {
 		return r.err
 	}
 	// Decoding uses the connection's type map: only while the request
-	// holds the connection.
+	// holds the connection, which no other request uses meanwhile.
 	if err := r.u.enterRead(); err != nil {
 		return err
 	}
@@ -961,7 +967,7 @@ func (r *rowView) Scan(dest ...any) error {
 		return pgx.ErrNoRows
 	}
 	r.scanned = true
-	if err := pgx.ScanRow(r.u.conn.Conn().TypeMap(), r.fields, r.values, dest...); err != nil {
+	if err := pgx.ScanRow(r.typeMap, r.fields, r.values, dest...); err != nil {
 		r.err = err
 		return err
 	}
