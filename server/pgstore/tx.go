@@ -79,7 +79,8 @@ var (
 //     one ends the transaction, every later statement of the request fails,
 //     and so does the completion, whatever the status, with an error saying
 //     that what the handler wrote may have been committed without the key's
-//     outcome. Never end the transaction through the Conn.
+//     outcome (a COMMIT AND CHAIN, which leaves a transaction open, is not
+//     even seen). Never end the transaction through the Conn.
 //
 // A write that fails aborts the transaction, as in any PostgreSQL
 // transaction: a handler that turns the error into a 409 or a 422 leaves
@@ -88,9 +89,10 @@ var (
 // released and the client gets a 500), since it would store a success whose
 // writes are gone. A statement that fails before it reaches PostgreSQL (an
 // argument pgx cannot encode, say) changes nothing, as with pgx; a first
-// statement that cannot get a connection, or whose connection breaks
-// before the transaction began, leaves the transaction unable to begin:
-// every later statement fails, and so does a 2xx or 3xx completion.
+// statement that cannot get a connection (its context done, say), or whose
+// connection breaks before the transaction began, leaves the transaction
+// unable to begin: every later statement fails, and so does a 2xx or 3xx
+// completion.
 //
 // Under REPEATABLE READ or SERIALIZABLE (the database's
 // default_transaction_isolation, or the handler's SET TRANSACTION), the
