@@ -33,9 +33,9 @@ var ErrKeyBodyField = errors.New("idem: request body cannot carry the key field"
 // new one, and is then written into the body. It always closes req.Body.
 func (op *operation) initBodyKey() error {
 	req, t := op.req, op.t
-	field := t.KeyBodyField
-	if t.KeyHeader != "" {
-		op.header = textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+	field := t.keyBodyField()
+	if h := t.keyHeaderName(); h != "" {
+		op.header = textproto.CanonicalMIMEHeaderKey(h)
 	}
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w %q: "+format, append([]any{ErrKeyBodyField, field}, args...)...)
@@ -78,9 +78,9 @@ func (op *operation) initBodyKey() error {
 		if err := keyheader.Validate(key); err != nil {
 			return fmt.Errorf("idem: the request's body field %q: %w", field, err)
 		}
-		op.key, op.val = key, keyheader.Format(key, t.KeyFormat == KeySFString)
+		op.key, op.val = key, keyheader.Format(key, t.keyFormat() == KeySFString)
 		if len(vs) > 0 {
-			hkey, val, err := keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
+			hkey, val, err := keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 			if err != nil {
 				return err
 			}
@@ -90,7 +90,7 @@ func (op *operation) initBodyKey() error {
 			op.val = val
 		}
 	} else {
-		op.key, op.val, err = keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 		if err != nil {
 			return err
 		}

@@ -125,6 +125,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	claim = strings.Replace(claim, lastCol, ", false AS lost\nFROM inserted", 1)
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
+		9: "false", 10: "NULL::timestamptz", // a request without a first-sent time
 	})
 	if err != nil {
 		return "", fmt.Errorf("claimNewSQL: %w", err)

@@ -48,6 +48,11 @@ type Config struct {
 	StoreServerErrors  bool
 	MaxBodyBytes       int64
 	FingerprintVersion int
+	// FirstSentSkew and IgnoreFirstSent are passed to
+	// [idempotency.Middleware]: the first-sent policy is on by default
+	// (see [idempotency.Options.FirstSentHeader]).
+	FirstSentSkew   time.Duration
+	IgnoreFirstSent bool
 
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
@@ -87,6 +92,10 @@ type Config struct {
 	// a retry takes it over once its lease runs out and finds the charge
 	// already made. For tests and scenarios; leave it nil.
 	AfterCharge func(ctx context.Context) error
+
+	// Faults make the keyed payments' own answers fail, vanish or lag
+	// (see [Faults]). Zero: none.
+	Faults Faults
 
 	// NoIdempotency serves POST /v1/payments without
 	// [idempotency.Middleware]: no Idempotency-Key is needed (one sent is
@@ -209,6 +218,7 @@ func New(cfg Config) (*Server, error) {
 		afterCharge:       cfg.AfterCharge,
 		crashes:           crashes,
 		storeServerErrors: cfg.StoreServerErrors,
+		faults:            cfg.Faults,
 	}
 	keyed := idempotency.Middleware(keys, idempotency.Options{
 		LockTimeout:        cfg.LockTimeout,
@@ -218,6 +228,8 @@ func New(cfg Config) (*Server, error) {
 		WaitForCompletion:  cfg.WaitForCompletion,
 		MaxBodyBytes:       cfg.MaxBodyBytes,
 		FingerprintVersion: cfg.FingerprintVersion,
+		FirstSentSkew:      cfg.FirstSentSkew,
+		IgnoreFirstSent:    cfg.IgnoreFirstSent,
 		Logger:             log,
 		OnEvent:            s.metrics.Observe,
 	})
@@ -226,7 +238,7 @@ func New(cfg Config) (*Server, error) {
 		log.Warn("server: POST /v1/payments runs WITHOUT the idempotency layer (NoIdempotency): no key is needed or stored, and a retry pays twice; for measuring the layer's cost only")
 		v1.HandleFunc("POST /v1/payments", api.createUnkeyed)
 	} else {
-		v1.Handle("POST /v1/payments", keyed(http.HandlerFunc(api.create)))
+		v1.Handle("POST /v1/payments", cfg.Faults.dropAnswers(keyed(http.HandlerFunc(api.create))))
 	}
 	v1.HandleFunc("GET /v1/payments/{id}", api.get)
 	v1.HandleFunc("/v1/payments", methodNotAllowed("POST"))

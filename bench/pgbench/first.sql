@@ -24,7 +24,12 @@
 -- claimNewSQL
 WITH existing AS (
     SELECT k.*,
-        (k.expires_at < now()) IS TRUE AS expired,
+        (k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now()) IS TRUE AS expired,
+        (((k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now())) AND (false::boolean OR k.created_at >= NULL::timestamptz::timestamptz) IS TRUE) AS refused,
         ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
         (k.status = 'released' AND k.fingerprint_version = :fpver
             AND (k.release_rejected OR k.request_hash = :fp)) AS free
@@ -37,7 +42,7 @@ WITH existing AS (
     SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
         :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
             THEN now() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END
-    WHERE NOT EXISTS (SELECT FROM existing)
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT false::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )
@@ -46,11 +51,14 @@ SELECT 1 AS outcome, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false AS lost
 FROM inserted
 UNION ALL
-SELECT 3, NULL, NULL,
+SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    expired OR stale OR free
+    (expired OR stale OR free) AND NOT refused
 FROM existing
+UNION ALL
+SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+WHERE false::boolean AND NOT EXISTS (SELECT FROM existing)
 \gset
 
 -- createChargeSQL (the fake card processor)

@@ -168,8 +168,14 @@ func (ts *testServer) mustSend(t *testing.T, c call) reply {
 // run in a synctest bubble need.
 func serve(t *testing.T, h http.Handler, c call) reply {
 	t.Helper()
+	return serveRequest(t, h, c.request(t, ""))
+}
+
+// serveRequest serves req with h in process.
+func serveRequest(t *testing.T, h http.Handler, req *http.Request) reply {
+	t.Helper()
 	rec := httptest.NewRecorder()
-	h.ServeHTTP(rec, c.request(t, ""))
+	h.ServeHTTP(rec, req)
 	resp := rec.Result()
 	b, _ := io.ReadAll(resp.Body)
 	return reply{status: resp.StatusCode, header: resp.Header, body: b}

@@ -110,7 +110,11 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	sameVersion := k != nil && k.rec.FingerprintVersion == req.FingerprintVersion
 	sameRequest := sameVersion && bytes.Equal(k.rec.Fingerprint, req.Fingerprint)
 	switch {
+	case k == nil && req.FirstSent.Stale:
+		return ClaimResult{Outcome: Refused}, nil
 	case k == nil:
+	case k.expired(now) && req.FirstSent.refuses(k.rec.CreatedAt):
+		return ClaimResult{Outcome: Refused}, nil
 	case k.expired(now),
 		k.rec.Status == StatusReleased && k.release == ReleaseRejected && sameVersion && !sameRequest:
 		// Absent, or free for another request: a new operation replaces it.
@@ -212,6 +216,9 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim) error {
 // kind, and keeps its operation ID, fingerprint and creation time (and its
 // token, which no longer owns it: ownership needs a started key).
 func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := s.owned(c)
@@ -304,6 +311,12 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	tx.done = true
 	staged := tx.staged
 	tx.staged = nil
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if !ValidStatus(resp.Status) {
+		return fmt.Errorf("%w: %d", ErrInvalidStatus, resp.Status)
+	}
 	if err := checkText(resp.ContentType); err != nil {
 		return err
 	}

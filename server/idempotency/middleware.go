@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem/internal/keyheader"
@@ -30,6 +31,17 @@ const (
 	DefaultRetention    = 24 * time.Hour
 	DefaultRetryAfter   = time.Second
 	DefaultMaxBodyBytes = 1 << 20
+	// DefaultFirstSentHeader is the header of the first-sent time, from
+	// OASIS Repeatable Requests 1.0, as Azure's APIs use it.
+	DefaultFirstSentHeader = "Repeatability-First-Sent"
+	// DefaultMaxFirstSentSkew caps the default allowance for a client
+	// clock that runs ahead ([Options.FirstSentSkew]).
+	DefaultMaxFirstSentSkew = 5 * time.Minute
+	// RetentionHeader is the response header that advertises, on every
+	// keyed response, how long the key is kept after its request finishes,
+	// in seconds, as proposed in the IETF draft's issue #49
+	// (ietf-wg-httpapi/idempotency): "Idempotency-TTL: 86400".
+	RetentionHeader = "Idempotency-TTL"
 )
 
 // Options configures [Middleware]. The zero value is ready to use: every
@@ -100,6 +112,52 @@ type Options struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
+	// FirstSentHeader names the request header that carries when the
+	// client first sent the request's operation, an HTTP-date
+	// (IMF-fixdate), the same on every retry; idem.Transport sends it on
+	// every keyed attempt. If empty, "Repeatability-First-Sent" is used.
+	//
+	// With it, the middleware never runs again an operation whose key it
+	// let go of: a keyed request whose key is absent or expired is refused
+	// with 410 [ProblemKeyExpired], nothing run, when it was first sent
+	// longer ago than Retention less FirstSentSkew (the key may have been
+	// its own, and purged), or when the key expired and the request was
+	// first sent no later than FirstSentSkew after the key's operation
+	// began (the retry belongs to that operation). A key that is present
+	// and not expired is served as without the header, whatever its time;
+	// a request without the header is served as before. A first-sent time
+	// more than FirstSentSkew in the future, or one that is not an
+	// HTTP-date, gets 400 [ProblemInvalidRequest].
+	//
+	// Clock skew. The first-sent time is on the client's clock; now, on
+	// this server's. A client clock that runs ahead by d makes a request
+	// look d younger: a retry after a purge, at least Retention after the
+	// first send on this server's clock, looks at least Retention - d old,
+	// which is refused as long as d < FirstSentSkew; past that, its first
+	// attempt already got the 400 for a time in the future. So the
+	// allowance is subtracted from the retention, never added, and a
+	// purged key never gets through for a clock off by less than it. A
+	// client clock that runs behind makes requests look older: a new
+	// operation is refused only when the clock is more than Retention -
+	// FirstSentSkew behind, which the 410 makes plain. The horizon is this
+	// server's Retention: replicas with different retentions should share
+	// the shortest one for this, since a purged key's retention is gone
+	// with it (an expired key that is still there is judged by the time
+	// its operation began, whatever its retention).
+	FirstSentHeader string
+
+	// FirstSentSkew is the allowance for a client clock that runs ahead of
+	// this server's (see FirstSentHeader). It must be less than half the
+	// Retention: it is taken off the retention. If zero, a tenth of the
+	// Retention is used, at most 5 minutes ([DefaultMaxFirstSentSkew]).
+	FirstSentSkew time.Duration
+
+	// IgnoreFirstSent turns the first-sent policy off: keyed requests are
+	// served whatever their first-sent time, and a retry that arrives
+	// after its key was purged runs its operation again. The policy is
+	// also off when keys never expire (a negative Retention).
+	IgnoreFirstSent bool
+
 	// FingerprintVersion is the version of the canonical request form
 	// ([Fingerprint]) that new keys are stored with; a key stored with
 	// another known version is compared in its own. If zero,
@@ -119,8 +177,10 @@ type Options struct {
 	Logger *slog.Logger
 
 	// OnEvent, if not nil, is called once for each [Event] of a keyed
-	// request, from the request's goroutine; it must be safe for concurrent
-	// use. Wire it to the metrics of your choice.
+	// request: [EventRenewed] and [EventLeaseLost] from the goroutine that
+	// renews the request's lease while its handler runs, the others from
+	// the request's goroutine. It must be safe for concurrent use. Wire it
+	// to the metrics of your choice.
 	OnEvent func(Event)
 }
 
@@ -130,31 +190,35 @@ type Event int
 
 // Events reported to [Options.OnEvent].
 const (
-	EventClaimed   Event = iota + 1 // the key was new, expired or released: the handler runs
-	EventTookOver                   // a stale started key was taken over: the handler runs
-	EventCompleted                  // the outcome was stored with the business writes
-	EventReplayed                   // a stored outcome was replayed
-	EventConflict                   // 409: the key's first request is still running
-	EventMismatch                   // 422: the key was used with another request
-	EventReleased                   // the outcome was not stored and the key was freed
-	EventFenced                     // the completion lost the key to a takeover
-	EventRejected                   // 400/401/413 before the claim: nothing stored
-	EventRenewed                    // the lease of a running request was renewed
-	EventLeaseLost                  // a renewal found the key taken over: the handler's context is cancelled
+	EventClaimed      Event = iota + 1 // the key was new, expired or released: the handler runs
+	EventTookOver                      // a stale started key was taken over: the handler runs
+	EventCompleted                     // the outcome was stored with the business writes
+	EventReplayed                      // a stored outcome was replayed
+	EventConflict                      // 409: the key's first request is still running
+	EventMismatch                      // 422: the key was used with another request
+	EventReleased                      // the outcome was not stored and the key was freed
+	EventFenced                        // the completion lost the key to a takeover
+	EventRejected                      // 400/401/413 before the claim: nothing stored
+	EventRenewed                       // the lease of a running request was renewed
+	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
+	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
+	EventExpiredRetry                  // 410: a request first sent longer ago than its key is kept found its key gone or expired: nothing run
 )
 
 var eventNames = [...]string{
-	EventClaimed:   "claimed",
-	EventTookOver:  "took_over",
-	EventCompleted: "completed",
-	EventReplayed:  "replayed",
-	EventConflict:  "conflict",
-	EventMismatch:  "mismatch",
-	EventReleased:  "released",
-	EventFenced:    "fenced",
-	EventRejected:  "rejected",
-	EventRenewed:   "renewed",
-	EventLeaseLost: "lease_lost",
+	EventClaimed:      "claimed",
+	EventTookOver:     "took_over",
+	EventCompleted:    "completed",
+	EventReplayed:     "replayed",
+	EventConflict:     "conflict",
+	EventMismatch:     "mismatch",
+	EventReleased:     "released",
+	EventFenced:       "fenced",
+	EventRejected:     "rejected",
+	EventRenewed:      "renewed",
+	EventLeaseLost:    "lease_lost",
+	EventCancelled:    "cancelled",
+	EventExpiredRetry: "expired_retry",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -181,10 +245,18 @@ func (e Event) String() string {
 //     same key either way): 400 [ProblemKeyMissing] without it, 400
 //     [ProblemKeyInvalid] when it is sent on several lines, empty, over 255
 //     characters, outside visible ASCII or malformed;
-//  3. reads the body (413 [ProblemTooLarge] over the limit) and computes its
+//  3. reads the first-sent time ([Options.FirstSentHeader]; 400
+//     [ProblemInvalidRequest] when it is not an HTTP-date, is sent twice,
+//     or lies further ahead than the allowance), and from here on answers
+//     every keyed response with the key header echoed and the retention in
+//     Idempotency-TTL ([RetentionHeader]);
+//  4. reads the body (413 [ProblemTooLarge] over the limit) and computes its
 //     [Fingerprint] (400 [ProblemInvalidRequest] for a malformed JSON or
 //     form body). None of these store anything;
-//  4. claims the key with [Store.Claim]. A key that exists with another
+//  5. claims the key with [Store.Claim]. A key that is absent or expired
+//     gets 410 [ProblemKeyExpired], nothing run, when the request's
+//     first-sent time says it may be a retry of the operation the key was
+//     kept for (see [Options.FirstSentHeader]). A key that exists with another
 //     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
 //     stored status, headers and body, byte for byte, with
 //     Idempotent-Replayed: true (a header whose name or value is not valid
@@ -195,9 +267,13 @@ func (e Event) String() string {
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
 //     one of a version this server does not know (stored by a newer one,
-//     during a rolling upgrade) gets 503 [ProblemInternal] with
-//     Retry-After, never a 422 that would stop the client's retry;
-//  5. otherwise it owns the key: it opens the unit of work with
+//     during a rolling upgrade) gets 503 [ProblemUnavailable] with
+//     Retry-After, never a 422 that would stop the client's retry. A
+//     request whose context ends before its key is claimed gets 503
+//     [ProblemUnavailable] with Retry-After, and one whose context ends
+//     while it waits for the first request gets that request's 409: never
+//     the empty 200 net/http sends for a handler that wrote nothing;
+//  6. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
 //     renews the claim's lease every third of [Options.LockTimeout] while
@@ -215,7 +291,13 @@ func (e Event) String() string {
 //     corrected body).
 //   - 5xx: released as [ReleaseFailed] unless
 //     [Options.StoreServerErrors] asks for Stripe's behaviour of
-//     storing them.
+//     storing them. A status above 599, which is no HTTP status, is sent
+//     but never stored (no store keeps one), and released as
+//     [ReleaseFailed].
+//   - nothing at all (no header, no body written) once the request's
+//     context is done (the client gone, a deadline, a shutdown, a lost
+//     lease): rolled back, released as [ReleaseFailed], and answered 503
+//     [ProblemUnavailable] with Retry-After instead of an empty 200.
 //   - a panic in the handler, or a completion that fails (other than
 //     fenced, below): rolled back and released as [ReleaseFailed]; a panic
 //     then goes on up.
@@ -238,9 +320,15 @@ func (e Event) String() string {
 // [ProblemKeyInUse], so only the retry's work counts.
 //
 // The outcome is decided by the status alone, also when the client has gone
-// away: a handler that finished its work is completed (store calls use
-// [context.WithoutCancel]), so the retry gets the replay. Every keyed
-// response echoes the key header as it was received.
+// away: a handler that finished its work and answered is completed (store
+// calls use [context.WithoutCancel]), so the retry gets the replay. Every
+// keyed response echoes the key header as it was received.
+//
+// The handler's context carries the claim ([ClaimFromContext]), the unit of
+// work, and the client the key is scoped by ([ClientIDFromContext]), also
+// when [Options.ClientID] found it. A Middleware behind another one on the
+// same route (a router group's and the route's) passes requests through to
+// its handler, and logs once at Error that one should go.
 func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m := &middleware{store: store, opts: opts}
 	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
@@ -255,6 +343,18 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	if !knownVersion(m.fpVersion) {
 		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
 			opts.FingerprintVersion, maxFingerprintVersion))
+	}
+	m.firstSentHeader = http.CanonicalHeaderKey(cmpOr(opts.FirstSentHeader, DefaultFirstSentHeader))
+	m.skew = opts.FirstSentSkew
+	if m.skew == 0 {
+		m.skew = min(m.retention/10, DefaultMaxFirstSentSkew)
+	}
+	if m.retention > 0 && !(m.skew > 0 && m.skew < m.retention/2) {
+		panic(fmt.Sprintf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention))
+	}
+	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
+	if m.retention > 0 {
+		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
 	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
@@ -304,8 +404,14 @@ type middleware struct {
 	retryAfter  string
 	maxBody     int64
 	fpVersion   int
-	clientID    func(*http.Request) (string, bool)
-	log         *slog.Logger
+	// The first-sent policy: on, its header and its allowance.
+	firstSent       bool
+	firstSentHeader string
+	skew            time.Duration
+	ttl             string // RetentionHeader's value; "" when keys never expire
+	clientID        func(*http.Request) (string, bool)
+	log             *slog.Logger
+	nested          sync.Once // logs a Middleware nested in another once
 }
 
 func (m *middleware) event(e Event) {
@@ -328,6 +434,17 @@ var keyDetails = []struct {
 }
 
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if _, ok := r.Context().Value(runKey).(*run); ok {
+		// Behind another Middleware that already owns the key (a router
+		// group's and a route's): claiming it again would find it started
+		// by the outer one, and answer 409 until the outer one gave up.
+		m.nested.Do(func() {
+			m.log.Error("idempotency: Middleware is applied twice on this route (a router group's and the route's?); the inner one passes requests through: remove one",
+				"method", r.Method, "path", r.URL.Path)
+		})
+		next.ServeHTTP(w, r)
+		return
+	}
 	clientID, ok := m.clientID(r)
 	if !ok {
 		m.event(EventRejected)
@@ -357,9 +474,20 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemKeyInvalid, http.StatusBadRequest, detail)
 		return
 	}
-	// From here on every response carries the key back.
+	// From here on every response carries the key back, and how long
+	// it is kept.
 	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
+	if m.ttl != "" {
+		w.Header().Set(RetentionHeader, m.ttl)
+	}
 	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+	firstSent, bad := m.firstSentCheck(r)
+	if bad != "" {
+		m.event(EventRejected)
+		refuseUnread(w, r)
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, bad)
+		return
+	}
 	if !ValidText(clientID) {
 		log.Error("idempotency: the client id is not valid UTF-8 text; check Options.ClientID")
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server could not identify the client. Retry later.")
@@ -401,6 +529,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		FingerprintVersion: m.fpVersion,
 		LockTimeout:        m.lockTimeout,
 		Retention:          m.retention,
+		FirstSent:          firstSent,
 	}
 	ctx := r.Context()
 	var deadline time.Time
@@ -411,7 +540,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	recomputed := false
 	for {
 		if ctx.Err() != nil {
-			return // the client is gone and nothing was claimed
+			m.notRun(w, r) // nothing was claimed
+			return
 		}
 		// The claim does not end with the client: a claim cancelled
 		// while its answer travels back may have committed (a database
@@ -439,6 +569,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				// Released as failed, since the claim may have resumed or
 				// taken over an operation that did work (see run).
 				m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
+				m.notRun(w, r)
 				return
 			}
 			r.Body = io.NopCloser(bytes.NewReader(body))
@@ -447,6 +578,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			m.run(w, r, next, res.Claim, log)
 			return
 		case Exists:
+		case Refused:
+			m.event(EventExpiredRetry)
+			log.Info("idempotency: refused a retry first sent longer ago than its key is kept; its key is gone or expired",
+				"first_sent", r.Header.Get(m.firstSentHeader))
+			writeProblem(w, r, ProblemKeyExpired, http.StatusGone, fmt.Sprintf(
+				"This request was first sent longer ago than its %s is kept (%s), and the key is gone: the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.",
+				m.keyHeader, m.retention))
+			return
 		default:
 			log.Error("idempotency: store returned an unknown outcome", "outcome", res.Outcome)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
@@ -466,7 +605,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				log.Warn("idempotency: key stored with a fingerprint version this server does not know; is a newer version deployed beside it?",
 					"version", rec.FingerprintVersion, "newest_known", maxFingerprintVersion)
 				w.Header().Set("Retry-After", "1")
-				writeProblem(w, r, ProblemInternal, http.StatusServiceUnavailable,
+				writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable,
 					"This Idempotency-Key was stored by a newer version of this service. Retry the same request with the same key shortly.")
 				return
 			}
@@ -508,7 +647,10 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				t := time.NewTimer(min(wait, left))
 				select {
 				case <-ctx.Done():
+					// Whatever ended the wait (a deadline in front, a
+					// shutdown), the first request is still running.
 					t.Stop()
+					m.conflict(w, r)
 					return
 				case <-t.C:
 				}
@@ -516,12 +658,64 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				continue
 			}
 		}
-		m.event(EventConflict)
-		w.Header().Set("Retry-After", m.retryAfter)
-		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
-			"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
+		m.conflict(w, r)
 		return
 	}
+}
+
+// conflict answers a duplicate of a request still running: 409 with
+// Retry-After.
+func (m *middleware) conflict(w http.ResponseWriter, r *http.Request) {
+	m.event(EventConflict)
+	w.Header().Set("Retry-After", m.retryAfter)
+	writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
+		"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
+}
+
+// notRun answers a request whose context ended before it ran, or before
+// its handler answered anything: 503 with Retry-After, never the empty 200
+// that net/http sends for a handler that wrote nothing, which a client
+// would take for a success. Nothing of the request was stored; when a
+// client is still there to read it (a deadline in front of the
+// middleware ended the context, not the client), it retries with the same
+// key.
+func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
+	m.event(EventCancelled)
+	w.Header().Set("Retry-After", m.retryAfter)
+	writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
+		"The request ended before it was processed (its deadline passed, or the server is shutting down), and nothing of it was done. Retry the same request with the same %s.", m.keyHeader))
+}
+
+// firstSentCheck reads the request's first-sent time into the check its
+// claim makes (see [Options.FirstSentHeader]); the zero check without the
+// header or with the policy off. bad, when not empty, says what is wrong
+// with the header: the detail of a 400.
+func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad string) {
+	if !m.firstSent {
+		return c, ""
+	}
+	values := r.Header.Values(m.firstSentHeader)
+	switch len(values) {
+	case 0:
+		return c, ""
+	case 1:
+	default:
+		return c, fmt.Sprintf("Send the %s header once; the key was not used.", m.firstSentHeader)
+	}
+	sent, err := http.ParseTime(strings.TrimSpace(values[0]))
+	if err != nil {
+		return c, fmt.Sprintf("The %s header is not an HTTP-date such as %q; the key was not used.",
+			m.firstSentHeader, "Tue, 01 Dec 2026 10:00:00 GMT")
+	}
+	now := time.Now()
+	if sent.After(now.Add(m.skew)) {
+		return c, fmt.Sprintf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
+			m.firstSentHeader, sent.Sub(now).Round(time.Second), m.skew)
+	}
+	return FirstSentCheck{
+		Stale:         now.Sub(sent) > m.retention-m.skew,
+		EarliestBegin: sent.Add(-m.skew),
+	}, ""
 }
 
 // refuseUnread prepares the answer to a request refused before its body
@@ -563,7 +757,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			"The operation could not be started. Retry with the same key.")
 		return
 	}
-	ctx, cancel := context.WithCancelCause(NewContext(r.Context(), claim, tx))
+	// The handler reads the client the key is scoped by, however the
+	// service authenticates ([Options.ClientID] included).
+	ctx, cancel := context.WithCancelCause(WithClientID(NewContext(r.Context(), claim, tx), claim.ClientID))
 	defer cancel(nil)
 	stopRenewing := m.renew(ctx, claim, cancel, log)
 	rec := newRecorder()
@@ -587,7 +783,19 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	returned = true
 	stopRenewing()
 
+	if !rec.wroteHeader && rec.body.Len() == 0 && ctx.Err() != nil {
+		// The handler answered nothing, its context done (the client
+		// gone, a deadline, a shutdown, a lost lease): net/http would send
+		// an empty 200, and storing it would replay a success to every
+		// retry of an operation that may not have been done.
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		m.notRun(w, r)
+		return
+	}
 	status := rec.result()
+	if !ValidStatus(status) {
+		log.Error("idempotency: the handler answered a status outside 100-599, which is not stored; the key is released", "status", status)
+	}
 	if !m.storable(status) {
 		kind := ReleaseRejected
 		if status >= 500 {
@@ -672,6 +880,8 @@ func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCa
 // storable reports whether a handler's status is the key's final outcome.
 func (m *middleware) storable(status int) bool {
 	switch {
+	case !ValidStatus(status): // no store keeps it
+		return false
 	case status >= 500:
 		return m.opts.StoreServerErrors
 	case status < 400:

@@ -37,6 +37,19 @@ const (
 	// [Options.StoreServerErrors] is set, the key is released and a retry of
 	// the same request runs again.
 	ProblemInternal = "https://idemkit.dev/problems/internal"
+	// ProblemUnavailable (503, with Retry-After): the request was not run,
+	// and nothing of it was done: its context ended first (the client's
+	// deadline passed, or the server is shutting down), or the key was
+	// stored by a newer version of the service. Retry the same request
+	// with the same key.
+	ProblemUnavailable = "https://idemkit.dev/problems/unavailable"
+	// ProblemKeyExpired (410): the request was first sent (its
+	// Repeatability-First-Sent) longer ago than its key is kept, and the
+	// key is gone or expired: the original outcome of the operation is
+	// unknown and can no longer be looked up. Nothing was run. The client
+	// must not retry with a new key blindly: the operation may have taken
+	// effect; check for it by other means first.
+	ProblemKeyExpired = "https://idemkit.dev/problems/idempotency-key-expired"
 )
 
 // problemTitles holds the fixed, human-readable title of each type.
@@ -49,6 +62,8 @@ var problemTitles = map[string]string{
 	ProblemUnauthorized:   "Authentication required",
 	ProblemTooLarge:       "Request body too large",
 	ProblemInternal:       "Internal server error",
+	ProblemUnavailable:    "The request was not run",
+	ProblemKeyExpired:     "Idempotency-Key has expired",
 }
 
 // Problem is an RFC 9457 problem details object, as written with the media

@@ -72,6 +72,11 @@ var (
 	// columns refuse; every store refuses the same values (see
 	// [ValidText]).
 	ErrInvalidText = errors.New("idempotency: text is not valid UTF-8 or holds a NUL byte")
+	// ErrInvalidStatus is returned (wrapped) by [Tx.Complete] asked to
+	// store a status outside 100 to 599, the HTTP status codes (RFC 9110,
+	// section 15); every store refuses the same values, and [Middleware]
+	// never asks (see [ValidStatus]).
+	ErrInvalidStatus = errors.New("idempotency: status is not an HTTP status code (100 to 599)")
 )
 
 // ClaimRequest asks a [Store] to claim a key for one request.
@@ -100,6 +105,31 @@ type ClaimRequest struct {
 	// its lease is renewed; one whose owner died expires Retention after
 	// its lease ran out. Zero: the key never expires.
 	Retention time.Duration
+	// FirstSent, when not zero, bars the claim from beginning a new
+	// operation for a request that may belong to an operation whose key
+	// expired or was purged ([Options.IgnoreFirstSent] says why). A store
+	// that does not know the field never refuses, and serves such a
+	// request as a new operation.
+	FirstSent FirstSentCheck
+}
+
+// FirstSentCheck is what the first-sent time of a request tells a
+// [Store.Claim] about the key it may have had: the claim returns
+// [Refused], changing nothing, when it would begin a new operation because
+// the key is absent or expired and either rule below says the request may
+// be a retry of the operation the key was kept for. A key that is present
+// and not expired is claimed (or found) as without it.
+type FirstSentCheck struct {
+	// Stale reports that the request's operation was first sent longer
+	// ago than the key is kept: an absent or expired key may have been
+	// its own.
+	Stale bool
+	// EarliestBegin is the first-sent time less the allowance for a
+	// client clock that runs ahead: an expired key whose operation began
+	// at or after it ([Record.CreatedAt]) was begun by this request's
+	// operation, and let go of before the client asked again. Zero: no
+	// such rule.
+	EarliestBegin time.Time
 }
 
 // Outcome says what [Store.Claim] did.
@@ -121,9 +151,13 @@ const (
 	// lease, or completed), or its fingerprint differs, or it was released
 	// under another fingerprint version; [ClaimResult.Record] holds it.
 	Exists
+	// Refused: the key is absent or expired, and the request's first-sent
+	// time says it may belong to the operation the key was kept for
+	// ([ClaimRequest.FirstSent]); nothing changed.
+	Refused
 )
 
-// String returns "claimed", "took over" or "exists".
+// String returns "claimed", "took over", "exists" or "refused".
 func (o Outcome) String() string {
 	switch o {
 	case Claimed:
@@ -132,6 +166,8 @@ func (o Outcome) String() string {
 		return "took over"
 	case Exists:
 		return "exists"
+	case Refused:
+		return "refused"
 	}
 	return "outcome(" + strconv.Itoa(int(o)) + ")"
 }
@@ -178,6 +214,7 @@ type Record struct {
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.
 type StoredResponse struct {
+	// Status is the HTTP status, 100 to 599 (see [ErrInvalidStatus]).
 	Status      int
 	ContentType string
 	// Header holds the other headers worth replaying (Location), each
@@ -189,6 +226,11 @@ type StoredResponse struct {
 // Store keeps idempotency keys. Implementations are safe for concurrent use
 // by many goroutines and, for a shared database, many processes. Package
 // storetest is the conformance suite every Store passes.
+//
+// A method called with a context that is already done returns the
+// context's error and changes nothing ([Middleware] calls Release and
+// Complete with [context.WithoutCancel], so a request whose client left
+// still finishes its key).
 type Store interface {
 	// Claim atomically claims the key, takes over a started row whose
 	// lease ran out, or returns the live row as it is. Exactly one of many
@@ -196,7 +238,9 @@ type Store interface {
 	// row it finds:
 	//
 	//   - none, or an expired one, whatever its state: Claimed, a new
-	//     operation (new OperationID, created now);
+	//     operation (new OperationID, created now); or Refused, changing
+	//     nothing, when req.FirstSent says the request may be a retry of
+	//     the operation the key was kept for (see [FirstSentCheck]);
 	//   - released, same fingerprint and version: Claimed, the same
 	//     operation (same OperationID and creation time), so downstream
 	//     work keyed by it is found, not redone;
@@ -263,15 +307,24 @@ type Store interface {
 // Tx is the unit of work of one claimed key.
 type Tx interface {
 	// Complete stores resp as the key's outcome, expiring its retention
-	// from now, and commits it with the business writes; or it rolls
+	// from now (the time of the completion, however long the unit of work
+	// was open), and commits it with the business writes; or it rolls
 	// everything back and returns ErrFenced when the claim no longer owns
 	// the key, or another error when the writes or the outcome could not
-	// be committed.
+	// be committed: one wrapping [ErrInvalidStatus] for a status outside
+	// 100 to 599, [ErrInvalidText] for a header or content type a store
+	// cannot keep. After an error the key stays started.
 	Complete(ctx context.Context, resp StoredResponse) error
 	// Rollback abandons the unit of work and its writes; the key stays
 	// started. Safe to call after Complete (it does nothing then) and
 	// more than once.
 	Rollback(ctx context.Context) error
+}
+
+// ValidStatus reports whether status is an HTTP status code a [Store]
+// keeps: 100 to 599.
+func ValidStatus(status int) bool {
+	return status >= 100 && status <= 599
 }
 
 // ValidText reports whether s can be stored in a text column: valid UTF-8
@@ -280,4 +333,10 @@ type Tx interface {
 // before any side effect, and answer 400.
 func ValidText(s string) bool {
 	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
+}
+
+// refuses reports whether c bars a new operation on a key that expired,
+// whose operation began at began.
+func (c FirstSentCheck) refuses(began time.Time) bool {
+	return c.Stale || (!c.EarliestBegin.IsZero() && !began.Before(c.EarliestBegin))
 }

@@ -116,13 +116,28 @@ const maxRaces = 10
 const (
 	// staleExpr: k is started and its owner stopped renewing its lease.
 	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
-	// expiredExpr: k counts as absent (expires_at NULL: never).
-	expiredExpr = `(k.expires_at < statement_timestamp())`
+	// expiredExpr: k counts as absent. For every row this package writes
+	// it is expires_at < statement_timestamp() (expires_at NULL: never): a started key
+	// expires retention after its lease runs out, a finished one
+	// retention after it finished. It is computed again from locked_at,
+	// the lease and the retention, never earlier than expires_at, for the
+	// rows that replicas of an idem-server from before this package write
+	// while they serve beside this one during a rolling upgrade: they
+	// claim, take over, resume, complete and release keys without
+	// touching expires_at (see schema/legacy_replicas.sql), and a row
+	// one of them has just claimed must not count as expired.
+	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp())`
 	// lockedExpiryExpr is the expiry of a key whose lease starts now,
 	// from its lease_us and retention_us: retention after the lease runs
 	// out, or never.
 	lockedExpiryExpr = `CASE WHEN lease_us > 0 AND retention_us > 0
         THEN statement_timestamp() + (lease_us + retention_us) * interval '1 microsecond' END`
+	// refusedExpr: k is expired and the claim's first-sent check ($9
+	// stale, $10 earliest begin, NULL for none) says the request may belong
+	// to its operation (see idempotency.FirstSentCheck).
+	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
 	// finishedExpiryExpr is the expiry of a key that finishes now.
 	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END`
 )
@@ -192,6 +207,7 @@ WITH ` + existingCTE + `, renewed AS (
         response_body = NULL
     WHERE k.client_id = $1 AND k.idempotency_key = $2
         AND k.status = (SELECT status FROM existing)
+        AND NOT ` + refusedExpr + `
         AND (` + expiredExpr + `
             OR (k.status = 'released' AND k.fingerprint_version = $6
                 AND (k.release_rejected OR k.request_hash = $5))
@@ -209,7 +225,9 @@ SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
 FROM renewed
 UNION ALL
 ` + existingRow + `
-WHERE NOT EXISTS (SELECT FROM renewed)`
+WHERE NOT EXISTS (SELECT FROM renewed)
+UNION ALL
+` + refusedAbsentRow
 
 // claimNewSQL is the claim that Claim runs first (without BatchClaims):
 // claimSQL without its renewed branch, which takes a tenth to a fifth off
@@ -228,7 +246,9 @@ SELECT 1, lock_token, operation_id::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
 FROM inserted
 UNION ALL
-` + existingRow
+` + existingRow + `
+UNION ALL
+` + refusedAbsentRow
 
 // The parts that claimSQL and claimNewSQL share. existingCTE reads the
 // key's row without locking it, with what claimSQL may do with it:
@@ -239,6 +259,7 @@ const (
 	existingCTE = `existing AS (
     SELECT k.*,
         ` + expiredExpr + ` IS TRUE AS expired,
+        ` + refusedExpr + ` AS refused,
         (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
         (k.status = 'released' AND k.fingerprint_version = $6
             AND (k.release_rejected OR k.request_hash = $5)) AS free
@@ -252,15 +273,20 @@ const (
     SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         $7, $8, CASE WHEN $7::bigint > 0 AND $8::bigint > 0
             THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
-    WHERE NOT EXISTS (SELECT FROM existing)
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
-	existingRow = `SELECT 3, NULL, NULL,
+	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
     request_method, request_path, request_hash, fingerprint_version, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    expired OR stale OR free
+    (expired OR stale OR free) AND NOT refused
 FROM existing`
+	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
+	// did not have, for a stale first-sent check ($9), which inserted
+	// nothing.
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
 
 // asyncCommitSQL turns synchronous_commit off for the current transaction
@@ -324,7 +350,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
-	if s.BatchClaims {
+	if s.BatchClaims && !req.FirstSent.Stale { // a stale request must not insert the key
 		switch c, claimed, err := s.batchClaim(ctx, req); {
 		case err != nil:
 			return idempotency.ClaimResult{}, err
@@ -359,6 +385,8 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 			continue
 		}
 		switch row.outcome {
+		case idempotency.Refused:
+			return idempotency.ClaimResult{Outcome: idempotency.Refused}, nil
 		case idempotency.Claimed, idempotency.TookOver:
 			return idempotency.ClaimResult{Outcome: row.outcome, Claim: idempotency.Claim{
 				ClientID:    req.ClientID,
@@ -406,8 +434,12 @@ type querier interface {
 // claimOnce runs sql (claimNewSQL or claimSQL) once on q; found is false
 // when it returned no row.
 func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row claimRow, found bool, err error) {
+	var earliest *time.Time
+	if !req.FirstSent.EarliestBegin.IsZero() {
+		earliest = &req.FirstSent.EarliestBegin
+	}
 	args := []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
-		micros(req.LockTimeout), micros(req.Retention)}
+		micros(req.LockTimeout), micros(req.Retention), req.FirstSent.Stale, earliest}
 	var rows pgx.Rows
 	if s.AsyncClaims {
 		b := &pgx.Batch{}
@@ -607,9 +639,9 @@ func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 const purgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM idempotency_keys
-    WHERE expires_at < statement_timestamp()
-    ORDER BY expires_at
+    SELECT ctid FROM idempotency_keys k
+    WHERE k.expires_at < statement_timestamp() AND ` + expiredExpr + `
+    ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`
 

@@ -110,6 +110,13 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"ClaimRefusesInvalidText", testClaimInvalidText},
 		{"ClaimKeepsUnicodeText", testClaimUnicodeText},
 		{"CompleteRefusesInvalidText", testCompleteInvalidText},
+		// The edges every store agrees on.
+		{"CompleteStatusRange", testCompleteStatusRange},
+		{"DoneContextChangesNothing", testDoneContext},
+		// The first-sent check of a claim.
+		{"FirstSentAbsentKey", testFirstSentAbsent},
+		{"FirstSentLiveKey", testFirstSentLive},
+		{"FirstSentExpiredKey", testFirstSentExpired},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
