@@ -843,6 +843,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		w.Header().Set("Retry-After", m.retryAfter)
 		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
 			"This request lost its hold on the %s (it could not renew it in time) and a retry with the same key took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
+	case errors.Is(err, ErrUnitEnded):
+		log.Error("idempotency: completion failed: the handler ended its own transaction, and what it wrote before may be committed without the key's outcome; fix the handler", "err", err)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved, and part of what this request wrote may have been committed without it (a defect of this service). Retrying the same request with the same key runs it again.")
 	default:
 		log.Error("idempotency: completion failed", "err", err)
 		m.abandon(detached, tx, claim, ReleaseFailed, log)

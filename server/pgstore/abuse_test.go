@@ -316,18 +316,20 @@ func TestAbuseConnBypass(t *testing.T) {
 		later = insert(ctx, tx, s.row(r, "b")) // ignored, as a careless handler would
 		w.WriteHeader(http.StatusCreated)
 	})
-	send := func(key, verb string) int {
+	send := func(key, verb string) (int, string) {
 		r := httptest.NewRequestWithContext(idempotency.WithClientID(context.Background(), "cli_a"),
 			"POST", "/v1/orders", strings.NewReader(`{}`))
 		r.Header.Set("Idempotency-Key", key)
 		r.Header.Set("X-Verb", verb)
 		rec := httptest.NewRecorder()
 		s.h.ServeHTTP(rec, r)
-		return rec.Code
+		return rec.Code, rec.Body.String()
 	}
 	for i, verb := range []string{"ROLLBACK", "COMMIT"} {
 		key := fmt.Sprintf("k%d", i)
-		status := send(key, verb)
+		status, body := send(key, verb)
+		// The client is told the truth: not "nothing was committed".
+		assert.Contains(t, body, "may have been committed", "%s: the answer after the handler's %s", key, verb)
 		assert.Error(t, later, "%s: a statement after the handler's %s", key, verb)
 		assert.Equal(t, http.StatusInternalServerError, status, "%s: the handler's %s, then 201", key, verb)
 		assert.Contains(t, s.logs.String(), "may have been committed without the key's outcome")

@@ -34,7 +34,7 @@ var (
 	// savepoints or batches, is running, from another goroutine.
 	errTxBusy = errors.New("pgstore: the request's transaction is in use by another call (a pgx.Tx is not safe for concurrent use)")
 	// errTxEnded: a statement sent past the transaction's checks ended it.
-	errTxEnded = errors.New("pgstore: the request's transaction was ended by the handler (a COMMIT or ROLLBACK sent on its Conn, say), not by pgstore; no statement of the request runs after it, and what the handler wrote before it may have been committed without the key's outcome")
+	errTxEnded = fmt.Errorf("pgstore: the request's transaction was ended by the handler (a COMMIT or ROLLBACK sent on its Conn, say), not by pgstore; no statement of the request runs after it (%w)", idempotency.ErrUnitEnded)
 )
 
 // TxFromContext returns the transaction of the request in ctx, for a handler
