@@ -71,6 +71,20 @@
 // never commits twice; its context is cancelled with [ErrLeaseLost] as soon
 // as a renewal learns of the takeover.
 //
+// # One transaction
+//
+// A route whose handler writes only to the key's database can set
+// [Options.OneTransaction]: the key is claimed in the handler's own
+// transaction and commits with its writes and the stored outcome, one
+// commit per first execution. Nothing of a request that fails (a crash,
+// a panic, a 5xx) is left, the key included, so its retry runs at once:
+// there is no lease to wait out. Its duplicates get 409 at once while it
+// runs. The price is a connection held from the claim to the completion;
+// a handler that calls a slow or external system (a card processor)
+// keeps the default, where the claim commits first and a failed request's
+// OperationID survives for its retry. Follow-up work goes to an outbox
+// written in the same transaction.
+//
 // # Retention
 //
 // Keys are kept for 24 hours by default after their request finished

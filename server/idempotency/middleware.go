@@ -181,6 +181,50 @@ type Options struct {
 	// know.
 	BodyFormat BodyFormat
 
+	// OneTransaction claims each new key in the handler's own unit of
+	// work instead of in a commit of its own: the key, the handler's
+	// writes and the stored outcome commit together, one commit per first
+	// execution, and nothing of a request is visible before it. It is for
+	// routes whose handler writes only to the key's database, through the
+	// store's unit of work (pgstore.TxFromContext), and calls no other
+	// system before it answers; work that must follow goes to an outbox
+	// written in the same transaction (a job queue's table, such as
+	// River's InsertTx), and is done after the commit by workers that key
+	// their calls by [Claim.OperationID]. Set it per route: a route that
+	// calls a card processor keeps the default.
+	//
+	// A crash, a panic, a lost connection or an answer that is not stored
+	// (a 5xx, a 4xx that releases the key) rolls the key back with the
+	// writes, so the retry runs at once, as a new operation (a new
+	// OperationID: nothing of the old one was kept). There is no lease,
+	// no renewal and no takeover for these keys; LockTimeout does not
+	// apply to them. A duplicate that arrives while the first request
+	// runs gets 409 at once (or waits, see WaitForCompletion), however
+	// long the first takes, and whatever its body: a request cannot be
+	// compared with one that has not committed. Once the first commits,
+	// the duplicate gets the replay, or 422 for another request. A key
+	// that has a row (started by a route without the option, released,
+	// or expired but not purged) is claimed as without the option.
+	// Fingerprints, scoping, retention from the completion, the
+	// first-sent policy and the events hold as without it.
+	//
+	// The price: the unit of work begins with the claim, so the request
+	// holds one of the store's connections from the claim to the
+	// completion, however long the handler takes (size the pool for the
+	// route's concurrency), and it runs in the database's default
+	// isolation level (a SET TRANSACTION after the claim fails; set the
+	// connections' default_transaction_isolation instead). Do not use it
+	// for a handler that calls a slow or external system: the connection
+	// is held across the call, and a crash after a call keyed by the
+	// OperationID leaves nothing that kept the OperationID, so the retry
+	// calls again under a new one (a second charge). The default, where
+	// the claim commits first, is made for such handlers.
+	//
+	// A store that cannot claim in a unit of work ([Store.Claim]) claims
+	// in a commit of its own, and the request runs as without the option.
+	// [MemoryStore] emulates the mode; pgstore does it.
+	OneTransaction bool
+
 	// Logger receives what an operator must act on, at Warn and Error:
 	// takeovers, lost leases, fenced completions, panics and store errors,
 	// each with the client, key, method and path as attributes; per-request
@@ -278,7 +322,9 @@ func (e Event) String() string {
 //     but not stored, so its replays go without it; see [ValidText]); a
 //     started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
-//     [Options.WaitForCompletion]). A stored record of another
+//     [Options.WaitForCompletion]), as does a key that another request
+//     claimed in its unit of work and has not committed
+//     ([Options.OneTransaction]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
 //     one of a version this server does not know (stored by a newer one,
 //     during a rolling upgrade) gets 503 [ProblemUnavailable] with
@@ -291,7 +337,8 @@ func (e Event) String() string {
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
 //     renews the claim's lease every third of [Options.LockTimeout] while
-//     the handler runs, and buffers the handler's response.
+//     the handler runs (a claim made in one transaction has no lease), and
+//     buffers the handler's response.
 //
 // The buffered response is then stored or not, by status:
 //
@@ -553,6 +600,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		LockTimeout:        m.lockTimeout,
 		Retention:          m.retention,
 		FirstSent:          firstSent,
+		OneTransaction:     m.opts.OneTransaction,
 	}
 	ctx := r.Context()
 	var deadline time.Time
@@ -601,6 +649,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			m.run(w, r, next, res.Claim, log)
 			return
 		case Exists:
+		case Busy:
+			// Held in another request's unit of work, not committed
+			// (Options.OneTransaction): as a started key.
+			if m.waitFirst(ctx, deadline, &wait) {
+				continue
+			}
+			m.conflict(w, r)
+			return
 		case Refused:
 			m.event(EventExpiredRetry)
 			log.Info("idempotency: refused a retry first sent longer ago than its key is kept; its key is gone or expired",
@@ -665,25 +721,37 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
 			return
 		}
-		if !deadline.IsZero() {
-			if left := time.Until(deadline); left > 0 {
-				t := time.NewTimer(min(wait, left))
-				select {
-				case <-ctx.Done():
-					// Whatever ended the wait (a deadline in front, a
-					// shutdown), the first request is still running.
-					t.Stop()
-					m.conflict(w, r)
-					return
-				case <-t.C:
-				}
-				wait = min(2*wait, 250*time.Millisecond)
-				continue
-			}
+		if m.waitFirst(ctx, deadline, &wait) {
+			continue
 		}
 		m.conflict(w, r)
 		return
 	}
+}
+
+// waitFirst waits for the first request of a key that is still running,
+// for the next interval of the wait ([Options.WaitForCompletion]), which
+// it then grows. It returns false, at once, when the wait is over
+// (no deadline, or past it), or when ctx ends during it: whatever ended
+// it (a deadline in front, a shutdown), the first request is still
+// running, and the caller answers 409.
+func (m *middleware) waitFirst(ctx context.Context, deadline time.Time, wait *time.Duration) bool {
+	if deadline.IsZero() {
+		return false
+	}
+	left := time.Until(deadline)
+	if left <= 0 {
+		return false
+	}
+	t := time.NewTimer(min(*wait, left))
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return false
+	case <-t.C:
+	}
+	*wait = min(2**wait, 250*time.Millisecond)
+	return true
 }
 
 // conflict answers a duplicate of a request still running: 409 with
@@ -863,7 +931,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 // store unreachable) is logged and tried again at the next tick: the lease
 // runs out only when no renewal reaches the store for a whole lock timeout.
 func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) (stop func()) {
-	if m.lockTimeout <= 0 {
+	if m.lockTimeout <= 0 || c.OneTransaction { // no lease to renew
 		return func() {}
 	}
 	// The renewals outlive the client (like the completion) but not the
@@ -926,10 +994,15 @@ func (m *middleware) storable(status int) bool {
 }
 
 // abandon rolls back the unit of work and releases the key, keeping its
-// operation for the retry (see [Store.Release]).
+// operation for the retry (see [Store.Release]). The key of a claim made
+// in one transaction goes with the rollback: nothing is left to release.
 func (m *middleware) abandon(ctx context.Context, tx Tx, c Claim, kind ReleaseKind, log *slog.Logger) {
 	if err := tx.Rollback(ctx); err != nil {
 		log.Error("idempotency: rollback failed", "err", err)
+	}
+	if c.OneTransaction {
+		m.event(EventReleased)
+		return
 	}
 	m.release(ctx, c, kind, log)
 }

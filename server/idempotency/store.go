@@ -116,6 +116,20 @@ type ClaimRequest struct {
 	// that does not know the field never refuses, and serves such a
 	// request as a new operation.
 	FirstSent FirstSentCheck
+	// OneTransaction asks the store to claim a key that has no row in the
+	// claim's unit of work rather than in a commit of its own (see
+	// [Options.OneTransaction]). The store opens the unit of work with
+	// the claim, and the key exists only in it: other requests see
+	// nothing of it, and a claim of theirs gets [Busy] at once, never
+	// waiting for the unit of work to end, until [Tx.Complete] commits
+	// the key, completed, with the unit's writes; a rollback leaves no
+	// trace of it. The claim says so ([Claim.OneTransaction]). A key
+	// that has a row (live, released or expired) is claimed, or found,
+	// as without the field, whatever the row's state. A store that
+	// cannot claim in a unit of work ignores the field and claims in a
+	// commit of its own; the caller reads [Claim.OneTransaction] to know
+	// which it got.
+	OneTransaction bool
 }
 
 // FirstSentCheck is what the first-sent time of a request tells a
@@ -160,9 +174,17 @@ const (
 	// time says it may belong to the operation the key was kept for
 	// ([ClaimRequest.FirstSent]); nothing changed.
 	Refused
+	// Busy: the key has no committed row, and another request holds it
+	// in a unit of work that claimed it in one transaction
+	// ([ClaimRequest.OneTransaction]) and has not ended. Nothing of that
+	// request can be read until it commits, not even its fingerprint;
+	// the caller answers as for a started key (409, or a wait) and
+	// claims again later. Only a store that claims in one transaction
+	// returns it.
+	Busy
 )
 
-// String returns "claimed", "took over", "exists" or "refused".
+// String returns "claimed", "took over", "exists", "refused" or "busy".
 func (o Outcome) String() string {
 	switch o {
 	case Claimed:
@@ -173,6 +195,8 @@ func (o Outcome) String() string {
 		return "exists"
 	case Refused:
 		return "refused"
+	case Busy:
+		return "busy"
 	}
 	return "outcome(" + strconv.Itoa(int(o)) + ")"
 }
@@ -201,6 +225,16 @@ type Claim struct {
 	// with [ReleaseRejected] and is claimed by another request, gets a new
 	// one.
 	OperationID string
+	// OneTransaction reports a claim made in its unit of work
+	// ([ClaimRequest.OneTransaction]). The store holds the unit of work
+	// open from the claim: the caller opens it with [Store.Begin] and
+	// ends it with [Tx.Complete] or [Tx.Rollback], or ends it with
+	// [Store.Release] without beginning it. The key exists only in the
+	// unit of work, with no lease ([Store.Renew] does nothing), and goes
+	// with it when it rolls back: nothing is left to release, the claim
+	// owns nothing more ([ErrFenced]), and the next claim of the key is a
+	// new operation, with a new OperationID.
+	OneTransaction bool
 }
 
 // Record is a stored key as a duplicate request sees it.
@@ -263,6 +297,12 @@ type Store interface {
 	//   - otherwise (started with a live lease, completed, or another
 	//     fingerprint): Exists.
 	//
+	// A claim that asks for one transaction (req.OneTransaction) of a key
+	// that has no row gets, from a store that does it, Claimed in a unit
+	// of work of its own ([Claim.OneTransaction]), or Busy while another
+	// such claim of the key holds its unit of work open; a key that has a
+	// row is served as above.
+	//
 	// Every claim stores req.LockTimeout and req.Retention with the key.
 	// A store refuses, with an error wrapping [ErrInvalidText], a client,
 	// key, method or path that is not valid text.
@@ -273,13 +313,17 @@ type Store interface {
 	// must not hold scarce resources (a pooled connection, a lock) until
 	// they are needed: the PostgreSQL store begins its transaction on its
 	// first use, the memory store stages writes and applies them in
-	// Complete.
+	// Complete. For a claim made in one transaction
+	// ([Claim.OneTransaction]) it returns the unit of work that the claim
+	// opened; once that has ended, one whose Complete returns ErrFenced.
 	Begin(ctx context.Context, c Claim) (Tx, error)
 	// Renew extends the lease of a started key still owned by c by the
 	// lock timeout it was claimed with, counted from now, and pushes its
 	// expiry back with it. It returns ErrFenced when c no longer owns the
 	// key; then it changes nothing. The middleware renews every third of
-	// the lock timeout while the handler runs.
+	// the lock timeout while the handler runs. A claim made in one
+	// transaction has no lease: Renew returns nil while its unit of work
+	// is open, ErrFenced after.
 	Renew(ctx context.Context, c Claim) error
 	// Release gives up a started key still owned by c, without an outcome,
 	// so the next request with it runs (validation failures, server errors,
@@ -300,6 +344,12 @@ type Store interface {
 	// operation is found again only by a retry of the same request, which
 	// is why a key released with [ReleaseFailed] refuses every other
 	// request.
+	//
+	// A claim made in one transaction ([Claim.OneTransaction]) has no row
+	// to mark: Release rolls back its unit of work, begun or not, which
+	// takes the key with it (the next claim is a new operation, whatever
+	// kind says), and returns nil; once the unit of work has ended, it
+	// returns ErrFenced.
 	Release(ctx context.Context, c Claim, kind ReleaseKind) error
 	// Purge deletes at most limit expired keys (see
 	// [ClaimRequest.Retention]), whatever their status, those that expired
@@ -318,11 +368,14 @@ type Tx interface {
 	// the key, or another error when the writes or the outcome could not
 	// be committed: one wrapping [ErrInvalidStatus] for a status outside
 	// 100 to 599, [ErrInvalidText] for a header or content type a store
-	// cannot keep. After an error the key stays started.
+	// cannot keep. After an error the key stays started; the key of a
+	// claim made in one transaction ([Claim.OneTransaction]), which
+	// Complete writes, completed, with the outcome, is absent.
 	Complete(ctx context.Context, resp StoredResponse) error
 	// Rollback abandons the unit of work and its writes; the key stays
-	// started. Safe to call after Complete (it does nothing then) and
-	// more than once.
+	// started, or, for a claim made in one transaction, goes with them.
+	// Safe to call after Complete (it does nothing then) and more than
+	// once.
 	Rollback(ctx context.Context) error
 }
 
