@@ -23,7 +23,11 @@ var errTxDone = errors.New("idempotency: unit of work already completed or rolle
 // same request, retention stored with each key and exact at lookup, fenced
 // completion that applies the staged writes ([MemoryStore.Stage]) together
 // with the key's completion or not at all, a bounded purge, and the same
-// refusal of text PostgreSQL cannot store. It keeps everything in process
+// refusal of text PostgreSQL cannot store. It emulates claims in one
+// transaction ([ClaimRequest.OneTransaction]): such a claim of an absent key
+// holds the key apart, where other claims of it see [Busy], until the unit of
+// work completes (the key is then stored, completed, with the staged writes)
+// or ends otherwise (the key is forgotten). It keeps everything in process
 // memory, so it serves demos and fast tests; its contents die with the
 // process.
 //
@@ -34,6 +38,7 @@ type MemoryStore struct {
 
 	mu        sync.Mutex
 	keys      map[keyRef]*memKey
+	pending   map[keyRef]*memKey // claimed in one transaction, not completed: Busy to other claims
 	lastToken int64
 }
 
@@ -53,7 +58,7 @@ type memKey struct {
 
 // NewMemoryStore returns an empty store.
 func NewMemoryStore() *MemoryStore {
-	return &MemoryStore{now: time.Now, keys: make(map[keyRef]*memKey)}
+	return &MemoryStore{now: time.Now, keys: make(map[keyRef]*memKey), pending: make(map[keyRef]*memKey)}
 }
 
 // expired reports whether k counts as absent.
@@ -112,6 +117,8 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	switch {
 	case k == nil && req.FirstSent.Stale:
 		return ClaimResult{Outcome: Refused}, nil
+	case k == nil && req.OneTransaction:
+		return s.claimApart(ref, req, now), nil
 	case k == nil:
 	case k.expired(now) && req.FirstSent.refuses(k.rec.CreatedAt):
 		return ClaimResult{Outcome: Refused}, nil
@@ -129,24 +136,66 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 		return ClaimResult{Outcome: TookOver, Claim: k.claim()}, nil
 	}
 	if k == nil {
-		k = &memKey{
-			rec: Record{
-				ClientID:           req.ClientID,
-				Key:                req.Key,
-				Method:             req.Method,
-				Path:               req.Path,
-				Fingerprint:        bytes.Clone(req.Fingerprint),
-				FingerprintVersion: req.FingerprintVersion,
-				CreatedAt:          now,
-			},
-			operationID: uuid.NewString(), // a UUIDv4, like the PostgreSQL store's
-		}
+		k = s.newKey(req, now)
 		s.keys[ref] = k
-		s.own(k, req, now)
 		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil
 	}
 	rec := k.rec.clone()
 	return ClaimResult{Outcome: Exists, Record: &rec}, nil
+}
+
+// newKey returns a new operation on req's key, started at now under a new
+// token.
+func (s *MemoryStore) newKey(req ClaimRequest, now time.Time) *memKey {
+	k := &memKey{
+		rec: Record{
+			ClientID:           req.ClientID,
+			Key:                req.Key,
+			Method:             req.Method,
+			Path:               req.Path,
+			Fingerprint:        bytes.Clone(req.Fingerprint),
+			FingerprintVersion: req.FingerprintVersion,
+			CreatedAt:          now,
+		},
+		operationID: uuid.NewString(), // a UUIDv4, like the PostgreSQL store's
+	}
+	s.own(k, req, now)
+	return k
+}
+
+// claimApart claims the absent key ref in one transaction: the new key is
+// kept apart from the stored ones until its unit of work completes, and
+// other claims of it in one transaction meanwhile get Busy, as PostgreSQL's
+// store answers them while the claiming transaction is open. A claim in a
+// commit of its own does not see it, and stores the key, which fences the
+// completion of the claim kept apart, as in PostgreSQL.
+func (s *MemoryStore) claimApart(ref keyRef, req ClaimRequest, now time.Time) ClaimResult {
+	if s.pending[ref] != nil {
+		return ClaimResult{Outcome: Busy}
+	}
+	k := s.newKey(req, now)
+	s.pending[ref] = k
+	c := k.claim()
+	c.OneTransaction = true
+	return ClaimResult{Outcome: Claimed, Claim: c}
+}
+
+// apart returns the key that c claimed in one transaction and that is
+// still kept apart, or nil once its unit of work ended.
+func (s *MemoryStore) apart(c Claim) *memKey {
+	k := s.pending[keyRef{c.ClientID, c.Key}]
+	if k == nil || k.token != c.Token {
+		return nil
+	}
+	return k
+}
+
+// dropApart forgets the key that c claimed in one transaction, if it is
+// still kept apart.
+func (s *MemoryStore) dropApart(c Claim) {
+	if s.apart(c) != nil {
+		delete(s.pending, keyRef{c.ClientID, c.Key})
+	}
 }
 
 // own makes k started under a new token, with req's lease and retention.
@@ -204,6 +253,12 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if c.OneTransaction { // no lease
+		if s.apart(c) == nil {
+			return ErrFenced
+		}
+		return nil
+	}
 	k := s.owned(c)
 	if k == nil {
 		return ErrFenced
@@ -214,13 +269,21 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim) error {
 
 // Release implements [Store.Release]: the key is marked released, with
 // kind, and keeps its operation ID, fingerprint and creation time (and its
-// token, which no longer owns it: ownership needs a started key).
+// token, which no longer owns it: ownership needs a started key). A claim
+// in one transaction is forgotten, and its staged writes with it.
 func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if c.OneTransaction {
+		if s.apart(c) == nil {
+			return ErrFenced
+		}
+		s.dropApart(c)
+		return nil
+	}
 	k := s.owned(c)
 	if k == nil {
 		return ErrFenced
@@ -301,7 +364,10 @@ type memTx struct {
 
 // Complete implements [Tx.Complete]: under the store's lock it checks that
 // the claim still owns the key and that the response is storable, runs the
-// staged writes, and completes the key; or it applies nothing.
+// staged writes, and completes the key; or it applies nothing. The key of
+// a claim in one transaction is stored then, completed, unless a claim in a
+// commit of its own stored the key meanwhile (ErrFenced); after an error it
+// is forgotten.
 func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	tx.mu.Lock()
 	defer tx.mu.Unlock()
@@ -309,6 +375,9 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 		return errTxDone
 	}
 	tx.done = true
+	if tx.claim.OneTransaction {
+		defer tx.store.forgetApart(tx.claim) // the unit of work is over
+	}
 	staged := tx.staged
 	tx.staged = nil
 	if err := ctx.Err(); err != nil {
@@ -329,6 +398,13 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := s.owned(tx.claim)
+	if tx.claim.OneTransaction {
+		k = s.apart(tx.claim)
+		ref := keyRef{tx.claim.ClientID, tx.claim.Key}
+		if k != nil && s.keys[ref] != nil {
+			k = nil // stored meanwhile by a claim in a commit of its own
+		}
+	}
 	if k == nil {
 		return ErrFenced
 	}
@@ -342,13 +418,28 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	k.rec.Status = StatusCompleted
 	k.rec.Response = &resp
 	k.finish(s.now())
+	if tx.claim.OneTransaction {
+		s.dropApart(tx.claim)
+		s.keys[keyRef{tx.claim.ClientID, tx.claim.Key}] = k
+	}
 	return nil
 }
 
-// Rollback implements [Tx.Rollback]: it drops the staged writes.
+// forgetApart is dropApart under the store's lock.
+func (s *MemoryStore) forgetApart(c Claim) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.dropApart(c)
+}
+
+// Rollback implements [Tx.Rollback]: it drops the staged writes, and the
+// key of a claim in one transaction.
 func (tx *memTx) Rollback(ctx context.Context) error {
 	tx.mu.Lock()
 	defer tx.mu.Unlock()
+	if !tx.done && tx.claim.OneTransaction {
+		tx.store.forgetApart(tx.claim)
+	}
 	tx.done = true
 	tx.staged = nil
 	return nil

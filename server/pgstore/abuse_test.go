@@ -63,8 +63,13 @@ func newService(t *testing.T, opts idempotency.Options, configure func(*pgxpool.
 // send sends a keyed POST of client cli_a and returns the status the
 // client got, or the handler's panic (status 0).
 func (s *service) send(key string) (status int, panicked any) {
+	return s.sendBody(key, `{"item":"book"}`)
+}
+
+// sendBody is send with another body.
+func (s *service) sendBody(key, body string) (status int, panicked any) {
 	r := httptest.NewRequestWithContext(idempotency.WithClientID(context.Background(), "cli_a"),
-		"POST", "/v1/orders", strings.NewReader(`{"item":"book"}`))
+		"POST", "/v1/orders", strings.NewReader(body))
 	r.Header.Set("Idempotency-Key", key)
 	rec := httptest.NewRecorder()
 	defer func() {

@@ -40,6 +40,47 @@
 // costs two. See [Store] for what happens
 // when a connection breaks, and [Migrate] for the table.
 //
+// # One transaction
+//
+// A route whose handler writes only to this database, and calls no other
+// system before it answers, can set [idempotency.Options.OneTransaction]:
+//
+//	orders := idempotency.Middleware(store, idempotency.Options{ClientID: clientOf, OneTransaction: true})
+//	mux.Handle("POST /orders", orders(http.HandlerFunc(createOrder)))
+//
+// The claim is then the first statement of the handler's transaction, sent
+// with its BEGIN, and writes nothing: the completion inserts the key,
+// completed, and commits it with the handler's rows. A first execution costs
+// one commit instead of two (the claim's own, and the completion's) and
+// writes the key row once instead of inserting and updating it. The
+// handler's statements run on the transaction as it has begun (no BEGIN to
+// pipeline). A replay or a duplicate costs two round trips, the claim and
+// its ROLLBACK.
+//
+// While the request runs the key has no row, committed or not, so nothing
+// can wait on one: the claim holds a transaction-level advisory lock on a
+// hash of the key (pg_try_advisory_xact_lock, which never waits), and a
+// duplicate that finds it held gets 409 at once, however long the first
+// request runs. PostgreSQL releases the lock when the transaction ends, by a
+// commit, a rollback, or the end of its connection: a panic, a 5xx, a crash
+// of the service or a connection cut under the request leave neither the
+// key nor the rows, and the retry runs at once. A claim of the key from a
+// route without the option does not see the lock: it claims the key in its
+// own commit, and the completion of the request in one transaction then
+// finds the key taken and commits nothing (409, and its retry gets the
+// other request's outcome). A key that has a row (from such a route,
+// released, or expired) is claimed as without the option.
+//
+// The price is the connection, held from the claim to the completion,
+// whatever the handler does meanwhile: size the pool for the concurrency of
+// these routes, and keep calls to slow systems off them. The transaction
+// begins in the database's default isolation level; under REPEATABLE READ
+// or SERIALIZABLE a SET TRANSACTION after the claim fails, and under
+// SERIALIZABLE the claim's read of the key table takes a predicate lock, so
+// two requests whose keys fall on one page of the key table's index may fail
+// one another's commit (a serialization failure: the request gets 500, and
+// its retry runs again). READ COMMITTED suits this mode best.
+//
 // Size the pool for the handlers' transactions and, beside them, the
 // claims, the lease renewals and the completions without a transaction: a
 // renewal that waits for a connection longer than the lock timeout loses

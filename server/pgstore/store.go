@@ -350,6 +350,13 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
+	if req.OneTransaction {
+		// A key that has a row to renew is claimed by claimSQL below.
+		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+			return res, err
+		}
+		return s.claimLoop(ctx, claimSQL, req)
+	}
 	if s.BatchClaims && !req.FirstSent.Stale { // a stale request must not insert the key
 		switch c, claimed, err := s.batchClaim(ctx, req); {
 		case err != nil:
@@ -358,13 +365,19 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 			return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
 		}
 	}
-	retried := false
 	sql := claimNewSQL
 	if s.BatchClaims {
 		// The batch took the new key's case; what is left needs claimSQL
 		// as often as not (a retry after a release), so no claimNewSQL.
 		sql = claimSQL
 	}
+	return s.claimLoop(ctx, sql, req)
+}
+
+// claimLoop runs sql (claimNewSQL or claimSQL), then claimSQL while the
+// key is to renew or a race was lost, and returns the outcome.
+func (s *Store) claimLoop(ctx context.Context, sql string, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
+	retried := false
 	for range maxRaces {
 		row, found, err := s.claimOnce(ctx, s.pool, sql, req)
 		if err = interpretError(err); errors.Is(err, errConnLost) && !retried && ctx.Err() == nil {
@@ -384,43 +397,49 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 			sql = claimSQL
 			continue
 		}
-		switch row.outcome {
-		case idempotency.Refused:
-			return idempotency.ClaimResult{Outcome: idempotency.Refused}, nil
-		case idempotency.Claimed, idempotency.TookOver:
-			return idempotency.ClaimResult{Outcome: row.outcome, Claim: idempotency.Claim{
-				ClientID:    req.ClientID,
-				Key:         req.Key,
-				Token:       *row.token,
-				OperationID: *row.operationID,
-			}}, nil
-		}
-		rec := &idempotency.Record{
-			ClientID:           req.ClientID,
-			Key:                req.Key,
-			Method:             *row.method,
-			Path:               *row.path,
-			Fingerprint:        row.fingerprint,
-			FingerprintVersion: int(*row.fingerprintVersion),
-			Status:             idempotency.Status(*row.status),
-			CreatedAt:          *row.createdAt,
-		}
-		if row.lockedAt != nil {
-			rec.LockedAt = *row.lockedAt
-		}
-		if rec.Status == idempotency.StatusCompleted {
-			rec.Response = &idempotency.StoredResponse{
-				Status: int(*row.respStatus),
-				Header: row.respHeader,
-				Body:   row.respBody,
-			}
-			if row.respContentType != nil {
-				rec.Response.ContentType = *row.respContentType
-			}
-		}
-		return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}, nil
+		return row.result(req), nil
 	}
 	return idempotency.ClaimResult{}, fmt.Errorf("pgstore: claim of key %q lost %d races in a row", req.Key, maxRaces)
+}
+
+// result is the outcome of a claim of req that returned row, which is not
+// lost.
+func (row *claimRow) result(req idempotency.ClaimRequest) idempotency.ClaimResult {
+	switch row.outcome {
+	case idempotency.Refused, idempotency.Busy:
+		return idempotency.ClaimResult{Outcome: row.outcome}
+	case idempotency.Claimed, idempotency.TookOver:
+		return idempotency.ClaimResult{Outcome: row.outcome, Claim: idempotency.Claim{
+			ClientID:    req.ClientID,
+			Key:         req.Key,
+			Token:       *row.token,
+			OperationID: *row.operationID,
+		}}
+	}
+	rec := &idempotency.Record{
+		ClientID:           req.ClientID,
+		Key:                req.Key,
+		Method:             *row.method,
+		Path:               *row.path,
+		Fingerprint:        row.fingerprint,
+		FingerprintVersion: int(*row.fingerprintVersion),
+		Status:             idempotency.Status(*row.status),
+		CreatedAt:          *row.createdAt,
+	}
+	if row.lockedAt != nil {
+		rec.LockedAt = *row.lockedAt
+	}
+	if rec.Status == idempotency.StatusCompleted {
+		rec.Response = &idempotency.StoredResponse{
+			Status: int(*row.respStatus),
+			Header: row.respHeader,
+			Body:   row.respBody,
+		}
+		if row.respContentType != nil {
+			rec.Response.ContentType = *row.respContentType
+		}
+	}
+	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}
 }
 
 // querier runs statements: a *pgxpool.Pool, or one *pgxpool.Conn of it.
@@ -434,12 +453,7 @@ type querier interface {
 // claimOnce runs sql (claimNewSQL or claimSQL) once on q; found is false
 // when it returned no row.
 func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row claimRow, found bool, err error) {
-	var earliest *time.Time
-	if !req.FirstSent.EarliestBegin.IsZero() {
-		earliest = &req.FirstSent.EarliestBegin
-	}
-	args := []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
-		micros(req.LockTimeout), micros(req.Retention), req.FirstSent.Stale, earliest}
+	args := claimArgs(req)
 	var rows pgx.Rows
 	if s.AsyncClaims {
 		b := &pgx.Batch{}
@@ -458,7 +472,27 @@ func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempo
 	} else {
 		rows, err = q.Query(ctx, sql, args...)
 	}
+	return scanClaim(rows, err)
+}
+
+// claimArgs returns the parameters of claimSQL and its kin for req.
+func claimArgs(req idempotency.ClaimRequest) []any {
+	var earliest *time.Time
+	if !req.FirstSent.EarliestBegin.IsZero() {
+		earliest = &req.FirstSent.EarliestBegin
+	}
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
+		micros(req.LockTimeout), micros(req.Retention), req.FirstSent.Stale, earliest}
+}
+
+// scanClaim reads the row of a claim statement from rows, as Query
+// returned them with err, and closes them; found is false when there was
+// no row.
+func scanClaim(rows pgx.Rows, err error) (row claimRow, found bool, _ error) {
 	if err != nil {
+		if rows != nil {
+			rows.Close()
+		}
 		return row, false, err
 	}
 	defer rows.Close()
@@ -486,13 +520,11 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	u := &unit{store: s, claim: c}
-	s.unitsMu.Lock()
-	if s.units == nil {
-		s.units = make(map[int64]*unit)
+	if c.OneTransaction {
+		return s.beginInTx(c), nil
 	}
-	s.units[c.Token] = u
-	s.unitsMu.Unlock()
+	u := &unit{store: s, claim: c, opened: true}
+	s.register(u)
 	return u, nil
 }
 
@@ -533,6 +565,9 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // once another transaction has updated the row since the transaction's
 // snapshot. The lease then runs out a lock timeout after the last renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
+	if c.OneTransaction {
+		return s.inTxOpen(ctx, c)
+	}
 	if u := s.unitOf(c); u != nil {
 		return u.renew(ctx)
 	}
@@ -579,6 +614,9 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // claimed again under another token meanwhile) is
 // [idempotency.ErrFenced], as without the retry.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
+	if c.OneTransaction {
+		return s.releaseInTx(ctx, c)
+	}
 	return s.ownedUpdate(ctx, c, releaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
 }
 
@@ -676,11 +714,22 @@ FOR SHARE`
 // it from the pool, and the next is tried, up to the pool's size plus one
 // (a new connection, then).
 func (s *Store) onLiveConn(ctx context.Context, f func(q querier) error) error {
+	c, err := s.liveConn(ctx)
+	if err != nil {
+		return err
+	}
+	defer c.Release()
+	return f(c)
+}
+
+// liveConn acquires a connection of the pool that answers a ping (see
+// onLiveConn).
+func (s *Store) liveConn(ctx context.Context) (*pgxpool.Conn, error) {
 	var err error
 	for range s.pool.Stat().MaxConns() + 1 {
 		var c *pgxpool.Conn
 		if c, err = s.pool.Acquire(ctx); err != nil {
-			return err
+			return nil, err
 		}
 		if err = c.Ping(ctx); err != nil {
 			dead := c.Conn().IsClosed()
@@ -688,13 +737,11 @@ func (s *Store) onLiveConn(ctx context.Context, f func(q querier) error) error {
 			if dead && ctx.Err() == nil {
 				continue
 			}
-			return err
+			return nil, err
 		}
-		err = f(c)
-		c.Release()
-		return err
+		return c, nil
 	}
-	return err
+	return nil, err
 }
 
 // interpretError translates an error of pgx into the package's sentinels,

@@ -47,7 +47,9 @@ var (
 //
 // The transaction begins on its first statement, on a connection of the
 // store's pool, so a handler that first calls a slow downstream system
-// holds no connection meanwhile. It takes every statement a pgx.Tx takes,
+// holds no connection meanwhile; on a route with
+// [idempotency.Options.OneTransaction] it began with the claim, and holds
+// its connection from the start (see the package documentation). It takes every statement a pgx.Tx takes,
 // with the same results, and these differences:
 //
 //   - Commit and Rollback return [ErrTxOwned] and do nothing (a habitual
@@ -131,6 +133,11 @@ func TxFromContext(ctx context.Context) (pgx.Tx, bool) {
 type unit struct {
 	store *Store
 	claim idempotency.Claim
+	// inTx is the key of a claim made in one transaction, which the
+	// completion writes (see claimTxSQL); nil otherwise. Such a unit's
+	// transaction is begun by the claim.
+	inTx   *inTxKey
+	opened bool // Begin returned it (a unit of a claim in one transaction is opened by the claim)
 
 	mu     sync.Mutex
 	done   bool
@@ -528,6 +535,9 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	}
 	c := u.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}
+	if u.inTx != nil {
+		return u.completeInTx(ctx, resp.Status, append(args, u.inTx.args()...))
+	}
 	if u.tx == nil && u.err != nil && resp.Status < 400 {
 		// The handler's first statement failed before its transaction
 		// began: a success stored now would have no writes behind it.
@@ -546,7 +556,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		}
 		switch u.conn.Conn().PgConn().TxStatus() {
 		case 'T': // a transaction in progress: complete and commit it
-			return u.commitLocked(ctx, args)
+			return u.commitLocked(ctx, completeInTxSQL, args)
 		case 'E': // a write failed: nothing of the handler's can commit
 			u.rollbackLocked(ctx)
 			if resp.Status < 400 {
@@ -560,13 +570,14 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	return u.store.ownedUpdate(ctx, c, completeSQL, args[3:], idempotency.StatusCompleted)
 }
 
-// commitLocked sends completeInTxSQL and COMMIT on the handler's
-// transaction in one round trip. The caller holds u.mu.
-func (u *unit) commitLocked(ctx context.Context, args []any) error {
+// commitLocked sends sql (completeInTxSQL, or completeNewInTxSQL) and
+// COMMIT on the handler's transaction in one round trip. The caller holds
+// u.mu.
+func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	conn := u.conn
 	u.conn, u.tx = nil, nil
 	b := &pgx.Batch{}
-	b.Queue(completeInTxSQL, args...)
+	b.Queue(sql, args...)
 	b.Queue("COMMIT")
 	err := conn.SendBatch(ctx, b).Close()
 	if err == nil {
