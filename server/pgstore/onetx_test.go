@@ -2,12 +2,15 @@ package pgstore_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -163,4 +166,81 @@ func TestOneTransactionFailureLeavesNoKey(t *testing.T) {
 			s.mustReplay(t, "k1", http.StatusCreated, "a")
 		})
 	}
+}
+
+// trips counts the round trips of a pool's connections: each query and
+// each batch (a pipeline) is one.
+type trips struct{ n atomic.Int64 }
+
+func (c *trips) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+func (c *trips) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *trips) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	c.n.Add(1)
+	return ctx
+}
+func (c *trips) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
+func (c *trips) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
+
+// TestOneTransactionRoundTrips pins the round trips of a request in one
+// transaction whose handler makes one write: a first execution costs three
+// (the claim with the BEGIN, the write, the completion with the COMMIT),
+// as in two commits, with one commit; a replay and a duplicate cost two
+// (the claim with the BEGIN, and the ROLLBACK).
+func TestOneTransactionRoundTrips(t *testing.T) {
+	counter := &trips{}
+	entered := make(chan struct{}, 1)
+	g := newGate()
+	defer g.Open()
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.Tracer = counter
+		cfg.MaxConns = 2
+	}, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+		if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if r.Header.Get("Idempotency-Key") == "held" {
+			entered <- struct{}{}
+			<-g.open
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	for i, tt := range []struct {
+		name string
+		key  func(j int) string
+		want int64
+	}{
+		{"first execution", func(j int) string { return fmt.Sprint("k", j) }, 3},
+		{"replay", func(int) string { return "k0" }, 2},
+	} {
+		// The first send prepares the statements on the connections.
+		for j := range 2 {
+			before := counter.n.Load()
+			status, _ := s.send(tt.key(j))
+			require.Equal(t, http.StatusCreated, status, s.logs.String())
+			if got := counter.n.Load() - before; j == 1 && got != tt.want {
+				t.Errorf("%d: %s: %d round trips, want %d", i, tt.name, got, tt.want)
+			}
+		}
+	}
+	held := make(chan int, 1)
+	go func() {
+		status, _ := s.send("held")
+		held <- status
+	}()
+	<-entered
+	for j := range 2 {
+		before := counter.n.Load()
+		status, _ := s.send("held")
+		require.Equal(t, http.StatusConflict, status, s.logs.String())
+		if got := counter.n.Load() - before; j == 1 && got != 2 {
+			t.Errorf("duplicate: %d round trips, want 2", got)
+		}
+	}
+	g.Open()
+	require.Equal(t, http.StatusCreated, <-held)
 }
