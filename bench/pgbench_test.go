@@ -82,7 +82,7 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 --
 -- The statements are the server's, with its $n parameters as pgbench
 -- variables, and these changes, which pgbench needs and which leave the
--- plans alone: unnamed result columns of the claim and the charge are
+-- plans alone: an unnamed result column of the charge is
 -- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
 -- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
 -- the INSERT, the SHOW, the completion and COMMIT as five round trips; the
@@ -95,9 +95,9 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 
 // pgbenchScript builds a pgbench script from the server's SQL constants.
 func pgbenchScript(src map[string]string, async bool) (string, error) {
-	// claimNewSQL: what pgstore's Claim runs first, and all that a new key
-	// needs (claimSQL follows only for a key to resume or take over).
-	claim, err := goConst(src, "claimNewSQL")
+	// claimInsertSQL: what pgstore's Claim runs first, and all that a new
+	// key needs (claimReadSQL follows only for a key that has a row).
+	claim, err := goConst(src, "claimInsertSQL")
 	if err != nil {
 		return "", err
 	}
@@ -117,22 +117,11 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	const firstCol = "SELECT 1, lock_token, operation_id::text,"
-	if !strings.Contains(claim, firstCol) {
-		return "", fmt.Errorf("claimNewSQL has no %q any more; update pgbenchScript", firstCol)
-	}
-	claim = strings.Replace(claim, firstCol, "SELECT 1 AS outcome, lock_token, operation_id::text,", 1)
-	const lastCol = ", false\nFROM inserted"
-	if !strings.Contains(claim, lastCol) {
-		return "", fmt.Errorf("claimNewSQL has no %q any more; update pgbenchScript", lastCol)
-	}
-	claim = strings.Replace(claim, lastCol, ", false AS lost\nFROM inserted", 1)
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
-		9: "false", 10: "NULL::timestamptz", // a request without a first-sent time
 	})
 	if err != nil {
-		return "", fmt.Errorf("claimNewSQL: %w", err)
+		return "", fmt.Errorf("claimInsertSQL: %w", err)
 	}
 	if charge, err = pgbenchCharge(charge); err != nil {
 		return "", err
@@ -166,7 +155,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 		}
 		b.WriteString("BEGIN;\n" + strings.TrimSpace(async) + ";\n")
 	}
-	b.WriteString("-- claimNewSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
+	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
 	if async {
 		b.WriteString("COMMIT;\n")
 	}

@@ -46,14 +46,18 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //     pgstore.TxFromContext, sent in one pipeline with the BEGIN that
 //     pgstore defers to it; and the key's completion, pipelined with the
 //     COMMIT.
-//   - A replay makes one: the claim, which returns the stored outcome.
+//   - A replay makes two: the claim's insert, which finds the key there,
+//     and the read of the key's row, which returns the stored outcome
+//     (see pgstore's claimInsertSQL: a new key is claimed by a plain
+//     insert, which costs PostgreSQL less, and a key that has a row pays
+//     for it with this second statement).
 //   - A request whose key is released (here a 400 from the handler's
 //     validation) makes two: the claim and the release. The handler wrote
 //     nothing, so its transaction never began: no BEGIN and no ROLLBACK.
-//   - The corrected request with the key of such a 400 makes five: the
-//     claim takes two statements, one to find the key released and one to
-//     claim it again (see pgstore's claimNewSQL), then three as a first
-//     execution.
+//   - The corrected request with the key of such a 400 makes six: the
+//     claim takes three statements, the insert that finds the key there,
+//     the read that finds it released, and the claim that claims it again
+//     (see pgstore's claimReadSQL), then three as a first execution.
 //   - An unkeyed payment (Config.NoIdempotency) makes four too: the charge,
 //     and BEGIN, INSERT and COMMIT of pgx.BeginFunc, one round trip each.
 //     The idempotency layer adds no round trip to it: the claim it adds is
@@ -83,12 +87,13 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 				want       int64
 			}{
 				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
-				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 1},
+				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 2},
 				{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
 				// The corrected request with the key of a 400: the claim
-				// reads the released row (claimNewSQL), then replaces it
-				// (claimSQL), and the payment goes on as a first execution.
-				{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 5},
+				// fails to insert (claimInsertSQL), reads the released row
+				// (claimReadSQL), then replaces it (claimSQL), and the
+				// payment goes on as a first execution.
+				{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 6},
 			}
 			for _, c := range cases {
 				// The first send prepares the statements on the connection.

@@ -392,8 +392,8 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 }
 
 // claimStatements counts the claim statements a pool runs, to show in
-// the log that the races took the retry paths: claimNewSQL, claimSQL,
-// batchClaimSQL. Armed (see hold), it holds the next batch of claims
+// the log that the races took the retry paths: claimInsertSQL,
+// claimReadSQL, claimSQL, batchClaimSQL. Armed (see hold), it holds the next batch of claims
 // until released.
 type claimStatements struct {
 	mu     sync.Mutex
@@ -421,8 +421,10 @@ func (c *claimStatements) add(sql string) {
 	switch {
 	case strings.Contains(sql, "renewed AS"):
 		kind = "claimSQL"
-	case strings.Contains(sql, "inserted AS"):
-		kind = "claimNewSQL"
+	case strings.Contains(sql, "typed AS"):
+		kind = "claimReadSQL"
+	case strings.HasPrefix(strings.TrimSpace(sql), "INSERT INTO idempotency_keys") && strings.Contains(sql, "VALUES"):
+		kind = "claimInsertSQL"
 	case strings.Contains(sql, "FROM unnest("):
 		kind = "batchClaimSQL"
 	default:

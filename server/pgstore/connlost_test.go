@@ -156,7 +156,7 @@ func TestClaimConnLost(t *testing.T) {
 			{"answer lost", rerun, idempotency.Exists},
 		} {
 			t.Run(map[bool]string{false: "sync", true: "async"}[async]+"/"+tt.name, func(t *testing.T) {
-				k := &terminator{prefix: "WITH existing", meanwhile: tt.meanwhile}
+				k := &terminator{prefix: "INSERT INTO idempotency_keys", meanwhile: tt.meanwhile}
 				s, pool := terminatedStore(t, k)
 				s.AsyncClaims = async
 				res, err := s.Claim(ctx, lostReq)
@@ -176,6 +176,24 @@ func TestClaimConnLost(t *testing.T) {
 			})
 		}
 	}
+}
+
+// TestClaimInTxConnLost ends the connection under a claim in one
+// transaction: nothing of it was committed, and the retry, on another
+// connection, claims the key in one transaction.
+func TestClaimInTxConnLost(t *testing.T) {
+	ctx := context.Background()
+	k := &terminator{prefix: "WITH existing"}
+	s, pool := terminatedStore(t, k)
+	req := lostReq
+	req.OneTransaction = true
+	res, err := s.Claim(ctx, req)
+	k.check(t)
+	if err != nil || res.Outcome != idempotency.Claimed || !res.Claim.OneTransaction {
+		t.Fatalf("Claim = %+v, %v; want Claimed in one transaction", res, err)
+	}
+	mustComplete(t, s, res.Claim, "w_lost")
+	mustBeWritten(t, pool, "w_lost", true)
 }
 
 // completePrefix starts the completion of a key whose handler wrote
@@ -676,7 +694,7 @@ func TestContextDoneNotRetried(t *testing.T) {
 		prefix string // of the statement given up on
 		run    func(ctx context.Context, w *proxied, c idempotency.Claim) error
 	}{
-		{"claim", "WITH existing", func(ctx context.Context, w *proxied, _ idempotency.Claim) error {
+		{"claim", "INSERT INTO idempotency_keys", func(ctx context.Context, w *proxied, _ idempotency.Claim) error {
 			_, err := w.store.Claim(ctx, lostReq)
 			return err
 		}},

@@ -35,9 +35,11 @@
 // own transaction as it would cost without the middleware (BEGIN, its
 // statements; the BEGIN travels with the first statement of Exec or
 // QueryRow), whose COMMIT carries the key's completion in the same round
-// trip; a replay costs one, the claim. A claim that resumes, replaces or
-// takes over a key (a retry after a release or an expiry, a takeover)
-// costs two. See [Store] for what happens
+// trip. The claim of a new key is a plain INSERT, the cheapest statement
+// that claims it; a key that has a row costs a second, the read of its row:
+// a replay and a duplicate cost two round trips, and a claim that resumes,
+// replaces or takes over a key (a retry after a release or an expiry, a
+// takeover) three. See [Store] for what happens
 // when a connection breaks, and [Migrate] for the table.
 //
 // # One transaction

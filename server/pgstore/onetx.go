@@ -20,7 +20,7 @@ import (
 
 // claimTxSQL is the claim of a key in one transaction, sent with the BEGIN
 // of the transaction the key's request runs in; the same parameters as
-// claimSQL. A key that has a row is read as claimNewSQL reads it (outcome 3,
+// claimSQL. A key that has a row is read as claimReadSQL reads it (outcome 3,
 // or 4, flagged when claimSQL would renew it). A key that has none is held
 // with a transaction-level advisory lock, taken without waiting, on a hash
 // of the table, the client and the key: outcome 1 with a new token and

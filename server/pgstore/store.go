@@ -27,9 +27,10 @@ import (
 // counts from the completion.
 //
 // Each operation on a key is one SQL statement in one round trip, but for
-// the rarer claims: a claim inserts a new key or reads its row (a replay, a
-// duplicate) in one, and resumes, replaces or takes over a key in two (see
-// claimNewSQL), or more in the rare case it lost a race to another
+// the claims of keys that have a row: a claim inserts a new key in one
+// (claimInsertSQL), reads the row of a key it could not insert (a replay, a
+// duplicate) in two, and resumes, replaces or takes over a key in three (see
+// claimReadSQL), or more in the rare case it lost a race to another
 // writer of the key; a renewal, a release and a completion
 // each update the row under the claim's fencing token. A completion whose
 // handler wrote through [TxFromContext] is the last statement of the
@@ -138,6 +139,11 @@ const (
 	// stale, $10 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
 	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
+	// claimedExpiryExpr is the expiry of a key claimed now with the lease
+	// $7 and the retention $8: retention after the lease runs out, or
+	// never.
+	claimedExpiryExpr = `CASE WHEN $7::bigint > 0 AND $8::bigint > 0
+            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END`
 	// finishedExpiryExpr is the expiry of a key that finishes now.
 	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END`
 )
@@ -198,8 +204,7 @@ WITH ` + existingCTE + `, renewed AS (
         locked_at = statement_timestamp(),
         lease_us = $7,
         retention_us = $8,
-        expires_at = CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END,
+        expires_at = ` + claimedExpiryExpr + `,
         release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
@@ -229,28 +234,42 @@ WHERE NOT EXISTS (SELECT FROM renewed)
 UNION ALL
 ` + refusedAbsentRow
 
-// claimNewSQL is the claim that Claim runs first (without BatchClaims):
-// claimSQL without its renewed branch, which takes a tenth to a fifth off
-// the claim's CPU in PostgreSQL (the executor state of the UPDATE and its
-// subqueries, built on every execution; see bench/pgcost). It inserts the row of a key that has none (outcome
-// 1), or returns the key's row as the statement's snapshot saw it (outcome
-// 3) flagged when claimSQL would renew it (expired, free or stale), in
-// which case the caller runs claimSQL. So a new key, a replay and a
-// duplicate of a live key cost one statement, as with claimSQL alone, and
-// only a key that is taken over, resumed or replaced costs two. Same
-// parameters and rows as claimSQL.
-const claimNewSQL = `
-WITH ` + existingCTE + `, ` + insertedCTE + `
-SELECT 1, lock_token, operation_id::text,
-    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
-FROM inserted
-UNION ALL
+// claimInsertSQL is the claim that Claim runs first (without BatchClaims,
+// and for a request whose first-sent check is not stale, which must not
+// insert the key): a plain insert of the key's row, started, which inserts
+// nothing when the key has a row. A new key, the common case, costs
+// PostgreSQL the insert alone: no read of the row first, no subquery, no
+// CTE to set up (a sixth less CPU than a statement that reads the row and
+// inserts it when it is absent; see bench/pgcost). It returns the new token
+// and operation ID, or no row, and then Claim reads the row with
+// claimReadSQL. Parameters $1 to $8 as claimSQL's.
+const claimInsertSQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+    lease_us, retention_us, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), $7, $8, ` + claimedExpiryExpr + `)
+ON CONFLICT (client_id, idempotency_key) DO NOTHING
+RETURNING lock_token, operation_id::text`
+
+// claimReadSQL reads the row of a key that claimInsertSQL could not insert,
+// or that a stale request claims: outcome 3 (Exists), or 4 (Refused),
+// flagged (lost) when claimSQL would renew it (expired, free or stale), in
+// which case the caller runs claimSQL; outcome 4 for a stale request whose
+// key is absent; no row for any other absent key (deleted since the insert
+// failed), which claimSQL then inserts. So a replay and a duplicate of a
+// live key cost two statements, the failed insert and this read, and only a
+// key that is taken over, resumed or replaced costs three. Same parameters
+// and rows as claimSQL.
+const claimReadSQL = `
+WITH ` + existingCTE + `, typed AS (
+    SELECT $3::text, $4::text, $7::bigint, $8::bigint -- unused: typed for the prepared statement
+)
 ` + existingRow + `
 UNION ALL
 ` + refusedAbsentRow
 
-// The parts that claimSQL and claimNewSQL share. existingCTE reads the
+// The parts that claimSQL, claimReadSQL and claimTxSQL share. existingCTE reads the
 // key's row without locking it, with what claimSQL may do with it:
 // expired, stale or free. insertedCTE creates the row when the snapshot
 // had none; ON CONFLICT DO NOTHING covers a row inserted since. existingRow
@@ -271,8 +290,7 @@ const (
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
     SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
-        $7, $8, CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
+        $7, $8, ` + claimedExpiryExpr + `
     WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
@@ -332,10 +350,13 @@ func checkText(fields ...string) error {
 	return nil
 }
 
-// Claim implements [idempotency.Store.Claim] in one statement
-// (claimNewSQL) for a new key or a key to read, and claimSQL after it for a
-// key to resume, replace or take over; claimSQL is re-run when it lost a
-// race to a concurrent writer of the same key.
+// Claim implements [idempotency.Store.Claim] in one statement for a new
+// key (claimInsertSQL), a second to read a key that has a row
+// (claimReadSQL), and claimSQL after it for a key to resume, replace or
+// take over; claimSQL is re-run when it lost a race to a concurrent writer
+// of the same key. A claim in one transaction
+// ([idempotency.ClaimRequest.OneTransaction]) is claimTxSQL, sent with
+// the BEGIN of the request's transaction, and claimSQL for a key to renew.
 //
 // When the connection broke under the statement, ended by PostgreSQL or
 // failed without a word from it (see errConnLost), and ctx is not done,
@@ -357,24 +378,61 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		}
 		return s.claimLoop(ctx, claimSQL, req)
 	}
-	if s.BatchClaims && !req.FirstSent.Stale { // a stale request must not insert the key
-		switch c, claimed, err := s.batchClaim(ctx, req); {
-		case err != nil:
-			return idempotency.ClaimResult{}, err
-		case claimed:
-			return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
-		}
+	if req.FirstSent.Stale { // a stale request must not insert the key
+		return s.claimLoop(ctx, claimReadSQL, req)
 	}
-	sql := claimNewSQL
+	claim := s.insertClaim
 	if s.BatchClaims {
-		// The batch took the new key's case; what is left needs claimSQL
-		// as often as not (a retry after a release), so no claimNewSQL.
+		claim = s.batchClaim
+	}
+	switch c, claimed, err := claim(ctx, req); {
+	case err != nil:
+		return idempotency.ClaimResult{}, err
+	case claimed:
+		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
+	}
+	sql := claimReadSQL
+	if s.BatchClaims {
+		// What the batch leaves needs claimSQL as often as not (a retry
+		// after a release), so no read first.
 		sql = claimSQL
 	}
 	return s.claimLoop(ctx, sql, req)
 }
 
-// claimLoop runs sql (claimNewSQL or claimSQL), then claimSQL while the
+// insertClaim claims req's key with claimInsertSQL; claimed is false when
+// the key has a row. When the connection broke under the insert, it runs it
+// once more on a connection that answers (see Claim).
+func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
+	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
+	insert := func(q querier) error {
+		var rows pgx.Rows
+		rows, err = s.query(ctx, q, claimInsertSQL, claimArgs(req)[:8])
+		if err != nil {
+			return err
+		}
+		if rows.Next() { // no row: the key has one
+			if err = rows.Scan(&c.Token, &c.OperationID); err == nil {
+				claimed = true
+			}
+		}
+		rows.Close()
+		return cmpErr(err, rows.Err())
+	}
+	for range maxRaces {
+		claimed = false
+		err = interpretError(insert(s.pool))
+		if errors.Is(err, errConnLost) && ctx.Err() == nil {
+			err = interpretError(s.onLiveConn(ctx, insert))
+		}
+		if !serializationFailure(err) || ctx.Err() != nil {
+			break // else it lost a race under REPEATABLE READ or SERIALIZABLE, and did nothing
+		}
+	}
+	return c, claimed, err
+}
+
+// claimLoop runs sql (claimReadSQL or claimSQL), then claimSQL while the
 // key is to renew or a race was lost, and returns the outcome.
 func (s *Store) claimLoop(ctx context.Context, sql string, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	retried := false
@@ -450,29 +508,58 @@ type querier interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
-// claimOnce runs sql (claimNewSQL or claimSQL) once on q; found is false
+// claimOnce runs sql (claimReadSQL or claimSQL) once on q; found is false
 // when it returned no row.
 func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row claimRow, found bool, err error) {
-	args := claimArgs(req)
-	var rows pgx.Rows
-	if s.AsyncClaims {
-		b := &pgx.Batch{}
-		b.Queue(asyncCommitSQL)
-		b.Queue(sql, args...)
-		br := q.SendBatch(ctx, b)
-		defer func() {
-			if cerr := br.Close(); err == nil {
-				err = cerr
-			}
-		}()
-		if _, err := br.Exec(); err != nil {
-			return row, false, err
-		}
-		rows, err = br.Query()
-	} else {
-		rows, err = q.Query(ctx, sql, args...)
+	if sql == claimReadSQL { // writes nothing: nothing to commit
+		return scanClaim(q.Query(ctx, sql, claimArgs(req)...))
 	}
-	return scanClaim(rows, err)
+	return scanClaim(s.query(ctx, q, sql, claimArgs(req)))
+}
+
+// query runs a claim statement on q, after asyncCommitSQL in the same
+// round trip with AsyncClaims. Closing the rows ends the batch.
+func (s *Store) query(ctx context.Context, q querier, sql string, args []any) (pgx.Rows, error) {
+	if !s.AsyncClaims {
+		return q.Query(ctx, sql, args...)
+	}
+	b := &pgx.Batch{}
+	b.Queue(asyncCommitSQL)
+	b.Queue(sql, args...)
+	br := q.SendBatch(ctx, b)
+	if _, err := br.Exec(); err != nil {
+		br.Close()
+		return nil, err
+	}
+	rows, err := br.Query()
+	if err != nil {
+		br.Close()
+		return nil, err
+	}
+	return &batchRows{Rows: rows, br: br}, nil
+}
+
+// batchRows are the rows of the last statement of a batch: closing them
+// closes the batch, whose error Err then returns.
+type batchRows struct {
+	pgx.Rows
+	br  pgx.BatchResults
+	err error
+}
+
+func (r *batchRows) Close() {
+	r.Rows.Close()
+	if r.br != nil {
+		r.err = r.br.Close()
+		r.br = nil
+	}
+}
+
+func (r *batchRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	return r.err
 }
 
 // claimArgs returns the parameters of claimSQL and its kin for req.
