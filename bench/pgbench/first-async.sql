@@ -35,7 +35,7 @@ INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, reques
     lease_us, retention_us, expires_at)
 VALUES (:client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
     statement_timestamp(), statement_timestamp(), :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
-            THEN statement_timestamp() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END)
+            THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text
 \gset
@@ -69,7 +69,9 @@ UPDATE idempotency_keys SET
     response_content_type = :ctype,
     response_headers = :hdr,
     response_body = :body,
-    expires_at = CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END
+    locked_at = statement_timestamp(),
+    expires_at = CASE WHEN retention_us > 0
+        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END
 WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
     RETURNING 1)
 SELECT 1 / (SELECT count(*)::integer FROM done);

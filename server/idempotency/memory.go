@@ -83,6 +83,7 @@ func (k *memKey) lock(now time.Time) {
 
 // finish marks k finished at now: it expires its retention later.
 func (k *memKey) finish(now time.Time) {
+	k.rec.LockedAt = now
 	k.expiresAt = time.Time{}
 	if k.retention > 0 {
 		k.expiresAt = now.Add(k.retention)

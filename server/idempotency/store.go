@@ -248,7 +248,7 @@ type Record struct {
 	Status             Status          // StatusReleased: see StatusReleased
 	Response           *StoredResponse // set when Status is StatusCompleted
 	CreatedAt          time.Time       // when its operation began
-	LockedAt           time.Time       // the last claim or renewal of its lease
+	LockedAt           time.Time       // the last claim or renewal of its lease; once it finished, when it finished
 }
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.
@@ -353,7 +353,8 @@ type Store interface {
 	Release(ctx context.Context, c Claim, kind ReleaseKind) error
 	// Purge deletes at most limit expired keys (see
 	// [ClaimRequest.Retention]), whatever their status, those that expired
-	// first first, and returns how many it deleted. A key whose lease is
+	// first first (or about so: a store may order them by a bound on their
+	// expiry), and returns how many it deleted. A key whose lease is
 	// live is never expired, and so never purged. A limit of zero or less
 	// deletes nothing.
 	Purge(ctx context.Context, limit int) (int64, error)

@@ -10,9 +10,10 @@ import (
 )
 
 // TestRenewExtendsLease: Renew moves locked_at to now and the expiry with
-// it, by the lease and retention stored with the key; a key claimed with no
-// lease never expires while started. Renew of another token is fenced and
-// changes nothing.
+// it, by the lease and retention stored with the key, and leaves expires_at
+// (the purge's bound below the expiry) as the claim wrote it; a key claimed
+// with no lease never expires while started. Renew of another token is
+// fenced and changes nothing.
 func TestRenewExtendsLease(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
@@ -22,20 +23,23 @@ func TestRenewExtendsLease(t *testing.T) {
 	if before.expiresAt == nil || before.leaseUS != lease.Microseconds() || before.keepUS != keep.Microseconds() {
 		t.Fatalf("claimed key %+v: want an expiry, the lease and the retention stored", before)
 	}
-	if got := before.expiresAt.Sub(before.lockedAt); got != lease+keep {
-		t.Errorf("expires_at - locked_at = %v, want lease + retention = %v", got, lease+keep)
+	if got := before.expiresAt.Sub(before.lockedAt); got != keep {
+		t.Errorf("expires_at - locked_at = %v, want the retention %v: the bound below the expiry", got, keep)
+	}
+	if got := expiry(t, pool, "key-1"); got == nil || got.Sub(before.lockedAt) != lease+keep {
+		t.Errorf("expiry of the claimed key %v, want locked_at %v + lease + retention", got, before.lockedAt)
 	}
 	time.Sleep(20 * time.Millisecond)
 	if err := s.Renew(ctx, c); err != nil {
 		t.Fatalf("Renew: %v", err)
 	}
 	after, _ := readKey(t, pool, "key-1")
-	if !after.lockedAt.After(before.lockedAt) || !after.expiresAt.After(*before.expiresAt) {
-		t.Errorf("after Renew: locked_at %v, expires_at %v; want both later than %v, %v",
+	if !after.lockedAt.After(before.lockedAt) || !after.expiresAt.Equal(*before.expiresAt) {
+		t.Errorf("after Renew: locked_at %v, expires_at %v; want locked_at later than %v, expires_at %v as it was",
 			after.lockedAt, after.expiresAt, before.lockedAt, before.expiresAt)
 	}
-	if got := after.expiresAt.Sub(after.lockedAt); got != lease+keep {
-		t.Errorf("after Renew: expires_at - locked_at = %v, want %v", got, lease+keep)
+	if got := expiry(t, pool, "key-1"); got == nil || got.Sub(after.lockedAt) != lease+keep {
+		t.Errorf("after Renew: expiry %v, want locked_at %v + lease + retention", got, after.lockedAt)
 	}
 	if after.status != "started" || after.token != c.Token {
 		t.Errorf("after Renew: %+v, want started under token %d", after, c.Token)

@@ -104,14 +104,19 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // The key table, for operators: one row per (client_id, idempotency_key),
 // the primary key. status is started, completed or released; a started row
 // is owned by lock_token, whose lease of lease_us microseconds was renewed
-// at locked_at; a completed row holds the response replayed to retries
+// at locked_at; a finished row (completed or released) finished at
+// locked_at; a completed row holds the response replayed to retries
 // (response_status, response_content_type, response_headers as a JSON
-// object, response_body byte for byte). expires_at is when the key starts
-// counting as absent: retention_us after its request finished, or, while
-// started, retention_us after its lease runs out; NULL means never. The
-// purge ([Store.Purge]) deletes rows whose expires_at has passed, through
-// idempotency_keys_expires_idx, in bounded batches; it never deletes a row
-// whose lease is being renewed.
+// object, response_body byte for byte). A key starts counting as absent
+// retention_us after its request finished, or, while started, retention_us
+// after its lease runs out, and never with a retention of 0, nor while
+// started with a lease of 0: at greatest(expires_at, locked_at +
+// retention_us, plus lease_us while started). expires_at is a bound below
+// that time (the claim's time plus the retention; NULL: never), kept as it
+// is when a key is renewed, completed or released, so that these updates
+// touch no indexed column. The purge ([Store.Purge]) deletes the rows that
+// count as absent, through idempotency_keys_expires_idx, in bounded
+// batches; it never deletes a row whose lease is being renewed.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {

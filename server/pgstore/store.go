@@ -117,35 +117,47 @@ const maxRaces = 10
 const (
 	// staleExpr: k is started and its owner stopped renewing its lease.
 	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
-	// expiredExpr: k counts as absent. For every row this package writes
-	// it is expires_at < statement_timestamp() (expires_at NULL: never): a started key
-	// expires retention after its lease runs out, a finished one
-	// retention after it finished. It is computed again from locked_at,
-	// the lease and the retention, never earlier than expires_at, for the
-	// rows that replicas of an idem-server from before this package write
-	// while they serve beside this one during a rolling upgrade: they
-	// claim, take over, resume, complete and release keys without
-	// touching expires_at (see schema/legacy_replicas.sql), and a row
-	// one of them has just claimed must not count as expired.
+	// expiredExpr: k counts as absent. Its expiry is computed from
+	// locked_at, which is the last claim or renewal of a started key and
+	// the time a finished one finished: a started key expires retention
+	// after its lease runs out, a finished one retention after it
+	// finished; never without a retention, nor while started without a
+	// lease. expires_at is not the expiry but a bound below it, which the
+	// purge walks in its index: this package writes the claim's time plus
+	// the retention (NULL while started without a lease, or without a
+	// retention), which is never after the expiry, and leaves it alone
+	// afterwards, so that a renewal, a completion and a release update no
+	// indexed column and PostgreSQL can make them HOT updates, which add
+	// nothing to the indexes (a completion lowers it to the expiry of a key
+	// whose expires_at is later, or sets it on one whose expires_at is
+	// NULL: a key claimed without a lease, or by a replica of the previous
+	// release, which wrote the expiry itself, as finishedExpiryExpr did).
+	// The greatest() covers every other writer: replicas of the previous
+	// release, which write the expiry itself, and those of an idem-server
+	// from before this package, which claim, take over, resume, complete
+	// and release keys without touching expires_at (see
+	// schema/legacy_replicas.sql), while they serve beside this one during
+	// a rolling upgrade; their rows and this package's read the same.
 	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         AND greatest(k.expires_at, k.locked_at + (k.retention_us
             + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp())`
-	// lockedExpiryExpr is the expiry of a key whose lease starts now,
-	// from its lease_us and retention_us: retention after the lease runs
-	// out, or never.
-	lockedExpiryExpr = `CASE WHEN lease_us > 0 AND retention_us > 0
-        THEN statement_timestamp() + (lease_us + retention_us) * interval '1 microsecond' END`
 	// refusedExpr: k is expired and the claim's first-sent check ($9
 	// stale, $10 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
 	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
-	// claimedExpiryExpr is the expiry of a key claimed now with the lease
-	// $7 and the retention $8: retention after the lease runs out, or
-	// never.
+	// claimedExpiryExpr is the expires_at of a key claimed now with the
+	// lease $7 and the retention $8: now plus the retention, a bound below
+	// the key's expiry (see expiredExpr), or NULL for a key that never
+	// expires while started.
 	claimedExpiryExpr = `CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END`
-	// finishedExpiryExpr is the expiry of a key that finishes now.
-	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END`
+            THEN statement_timestamp() + $8::bigint * interval '1 microsecond' END`
+	// finishedSetExpr sets the columns of a key that finishes now: locked_at
+	// to now, and expires_at to the key's expiry if that is earlier, or if
+	// expires_at is NULL; for a key this package claimed with a lease it
+	// is not, and expires_at stays as it was (see expiredExpr).
+	finishedSetExpr = `locked_at = statement_timestamp(),
+    expires_at = CASE WHEN retention_us > 0
+        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END`
 )
 
 // claimSQL claims, resumes or takes over a key, or returns it as it is (see
@@ -636,9 +648,11 @@ func (s *Store) unitOf(c idempotency.Claim) *unit {
 }
 
 // renewSQL renews the lease of a key its claim still owns ($1 client, $2
-// key, $3 token), by the lease stored with it.
+// key, $3 token), by the lease stored with it: the lease, and the key's
+// expiry with it, run from locked_at (see expiredExpr). It changes no
+// indexed column, so it can be a HOT update.
 const renewSQL = `
-UPDATE idempotency_keys SET locked_at = statement_timestamp(), expires_at = ` + lockedExpiryExpr + `
+UPDATE idempotency_keys SET locked_at = statement_timestamp()
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Renew implements [idempotency.Store.Renew] in one statement. When the
@@ -682,9 +696,9 @@ func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
 
 // releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
 // token), as rejected or not ($4; see [idempotency.ReleaseKind]); the key
-// expires its retention from now.
+// expires its retention from now (see finishedSetExpr).
 const releaseSQL = `
-UPDATE idempotency_keys SET status = 'released', release_rejected = $4, expires_at = ` + finishedExpiryExpr + `
+UPDATE idempotency_keys SET status = 'released', release_rejected = $4, ` + finishedSetExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Release implements [idempotency.Store.Release] in one statement: the row
@@ -742,11 +756,14 @@ func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string
 }
 
 // Purge implements [idempotency.Store.Purge]. One call is one short
-// statement: it walks the expires_at index from the key that expired first,
-// locks at most limit expired keys (skipping those another transaction
-// holds) and deletes them by their physical address. A started key whose
-// lease is renewed has no expiry in the past, so it is never purged. A
-// limit that is zero or negative purges nothing.
+// statement: it walks the expires_at index, a bound below each key's expiry
+// (see expiredExpr), from the lowest, so about in the order in which the
+// keys expired (the keys claimed first first), passes over the few keys
+// whose expiry is still to come (those that ran longer than they have
+// been past their bound), locks at most limit expired keys (skipping those
+// another transaction holds) and deletes them by their physical address.
+// A started key whose lease is renewed has no expiry in the past, so it is
+// never purged. A limit that is zero or negative purges nothing.
 func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, nil

@@ -460,8 +460,10 @@ func (u *unit) renew(ctx context.Context) error {
 
 // completeSQL completes a key its claim still owns ($1 client, $2 key, $3
 // token) with the response ($4 status, $5 content type, $6 headers, $7
-// body); the key expires its retention from now. It updates no row when
-// the claim was fenced.
+// body); the key expires its retention from now (see finishedSetExpr). It
+// changes no indexed column of a key this package claimed with a lease,
+// so it can be a HOT update (one that adds no index entry, when the row's
+// page has room). It updates no row when the claim was fenced.
 const completeSQL = `
 UPDATE idempotency_keys SET
     status = 'completed',
@@ -469,7 +471,7 @@ UPDATE idempotency_keys SET
     response_content_type = $5,
     response_headers = $6,
     response_body = $7,
-    expires_at = ` + finishedExpiryExpr + `
+    ` + finishedSetExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // completeInTxSQL is completeSQL as the last statement of the handler's

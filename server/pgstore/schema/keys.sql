@@ -26,10 +26,14 @@ CREATE TABLE idempotency_keys (
     -- bytea, not jsonb: a replay must be the first response byte for byte.
     response_body         bytea,
     created_at            timestamptz NOT NULL DEFAULT now(),  -- when the operation began
-    locked_at             timestamptz NOT NULL DEFAULT now(),  -- the last claim or renewal of the lease
+    locked_at             timestamptz NOT NULL DEFAULT now(),  -- the last claim or renewal of the lease; once finished, when it finished
     lease_us              bigint      NOT NULL,  -- the owner's lease in microseconds; 0: never runs out
     retention_us          bigint      NOT NULL,  -- kept this long after finishing; 0: forever
-    expires_at            timestamptz,           -- counts as absent after this; NULL: never
+    -- A bound below the time the key counts as absent, for the purge's
+    -- index: greatest(expires_at, locked_at + retention, plus the lease
+    -- while started); NULL: never. Written at the claim, so that a
+    -- renewal, a completion and a release change no indexed column.
+    expires_at            timestamptz,
     CONSTRAINT idempotency_keys_pkey PRIMARY KEY (client_id, idempotency_key),
     CONSTRAINT idempotency_keys_key_check CHECK (octet_length(idempotency_key) BETWEEN 1 AND 255),
     CONSTRAINT idempotency_keys_status_check CHECK (status IN ('started', 'completed', 'released')),
@@ -38,6 +42,6 @@ CREATE TABLE idempotency_keys (
     CONSTRAINT idempotency_keys_lease_check CHECK (lease_us >= 0 AND retention_us >= 0)
 );
 
--- The purge walks this index, from the key that expired first, in bounded
--- batches; keys that never expire (NULL) are not in it.
+-- The purge walks this index, from the lowest bound, in bounded batches;
+-- keys that never expire (NULL) are not in it.
 CREATE INDEX idempotency_keys_expires_idx ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL;
