@@ -36,9 +36,10 @@ var (
 // an error after it was retried, or when an error that would be retried
 // could not be: attempts, time or retry budget ran out, the context ended
 // while waiting, the request body could not be reopened (GetBody failed),
-// or MaxElapsedTime cut an attempt short. It is also returned when the
-// request's context ends a keyed request's first attempt, whose outcome is
-// then unknown, so that the key to retry it with is at hand. Err is the
+// or MaxElapsedTime cut an attempt short. Every error that ends a keyed
+// request is one (the request's context ending its first attempt, or an
+// error that is not retried, such as a certificate the client refuses), so
+// that the key to retry it with is at hand. Err is the
 // reason, with the last attempt's outcome in its chain, so errors.Is(err,
 // context.DeadlineExceeded) and the like work through it. Attempts counts
 // only the attempts sent.

@@ -42,9 +42,10 @@ const maxDrainTime = time.Second
 //     the JSON body, and a key already in that field comes first.
 //   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
 //     as idempotent. Other methods are sent once.
-//   - Connection errors (HTTP/2 stream resets and GOAWAY before a
-//     response among them), attempt timeouts, 408, 429, 500, 502, 503 and 504
-//     are retried with exponential backoff and jitter, within
+//   - Errors before a response (connection errors, answers that cannot be
+//     read, HTTP/2 stream resets, GOAWAY and lost connections), attempt
+//     timeouts, 408, 429, 500, 502, 503 and 504 are retried with
+//     exponential backoff and jitter, within
 //     [RetryPolicy.MaxAttempts], [RetryPolicy.MaxElapsedTime], the request
 //     context and the [RetryBudget]. Retry-After (seconds or HTTP-date) is
 //     honoured on any retried answer, up to [RetryPolicy.MaxRetryAfter];
@@ -57,6 +58,9 @@ const maxDrainTime = time.Second
 //     RoundTrip returns a [*KeyReuseError] without retrying.
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
+//     Errors not retried are those known to recur (a certificate the
+//     client refuses, a TLS alert, a name that does not resolve) and the
+//     context's; a keyed request's come in a RetryError too, with the key.
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
@@ -236,8 +240,9 @@ var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.
 
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
-// [*KeyReuseError], [*InProgressError] or [*RetryError], or the error of a
-// single attempt that is not retryable. It always closes req.Body.
+// [*KeyReuseError], [*InProgressError] or [*RetryError], or, for an unkeyed
+// request, the error of a single attempt that is not retried. It always
+// closes req.Body.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	op := operation{
 		t:      t,
@@ -582,15 +587,16 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
 // the outcome called for a retry that could not be made; an error is then a
-// RetryError, as it is after any retry, and so is the error of a keyed
-// attempt that the request's context ended, whose outcome is unknown: the
-// caller needs the key to learn it. Only the error of a first attempt that
-// is not retryable comes back as it is.
+// RetryError, as it is after any retry, and so is every error of a keyed
+// operation: its request may have reached the server (its context ended
+// it, an answer could not be read, …), and the caller needs the key to
+// learn what happened. Only the error of an unkeyed request's first
+// attempt that is not retried comes back as it is.
 func (op *operation) finish(resp *http.Response, err error, cancel func(), why string, gaveUp bool) (*http.Response, error) {
 	if err != nil {
 		cancel()
 		op.report(nil, err, false, 0, why)
-		if op.attempts > 1 || gaveUp || (op.key != "" && op.ctx.Err() != nil) {
+		if op.attempts > 1 || gaveUp || op.key != "" {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
 		}
 		return nil, err
