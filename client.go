@@ -54,8 +54,9 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // A POST or PATCH whose ctx pins no key ([WithKey]) gets a new key
 // ([NewKey]) pinned for the call: every attempt and every redirect of the
 // call sends it, and every error of the call names it (APIError.Key, and
-// the message of any other error, even http.Client.Timeout's), so that a
-// failed call can be retried with the same key.
+// the message of any other error, even http.Client.Timeout's and that of a
+// 2xx answer whose body cannot be decoded), so that a failed call can be
+// retried with the same key.
 func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*http.Response, error) {
 	var key string
 	if method == http.MethodPost || method == http.MethodPatch {
@@ -91,10 +92,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	resp, err := hc.Do(req)
 	if err != nil {
-		if key != "" {
-			return nil, fmt.Errorf("idem: %s %s with idempotency key %s: %w", method, redact(req), key, err)
-		}
-		return nil, err
+		return nil, withKey(method, req, key, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
@@ -107,9 +105,23 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	if out != nil && resp.StatusCode != http.StatusNoContent {
 		if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-			return resp, fmt.Errorf("idem: decoding %s %s answer: %w", method, redact(req), err)
+			// The operation is done: its key fetches the answer again.
+			err = fmt.Errorf("decoding the %s answer: %w", resp.Status, err)
+			if key == "" {
+				return resp, fmt.Errorf("idem: %s %s: %w", method, redact(req), err)
+			}
+			return resp, withKey(method, req, key, err)
 		}
 	}
 	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
 	return resp, nil
+}
+
+// withKey returns err with the request and its key in front, for a keyed
+// request; else err as it is.
+func withKey(method string, req *http.Request, key string, err error) error {
+	if key == "" {
+		return err
+	}
+	return fmt.Errorf("idem: %s %s with idempotency key %s: %w", method, redact(req), key, err)
 }

@@ -10,6 +10,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 type payment struct {
@@ -399,4 +402,26 @@ func TestClientPinsOneKeyPerCall(t *testing.T) {
 			t.Errorf("err = %#v, want an APIError with the key sent", err)
 		}
 	})
+}
+
+// TestClientDecodeErrorNamesTheKey checks that a 2xx answer to a keyed
+// call whose body cannot be decoded gives an error naming the key sent:
+// the payment was made, and the key is how to fetch its answer again.
+func TestClientDecodeErrorNamesTheKey(t *testing.T) {
+	for _, body := range []string{`{"id":`, `not JSON`, `{"id": 5}`} {
+		t.Run(body, func(t *testing.T) {
+			url, requests := apiServer(t, answerJSON(http.StatusCreated, "application/json", body))
+			var out payment
+			resp, err := newClient(t, url).Post(context.Background(), "/v1/payments", payment{Amount: 5}, &out)
+			require.Error(t, err)
+			require.NotNil(t, resp)
+			assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			reqs := requests()
+			require.Len(t, reqs, 1)
+			key := reqs[0].header.Get(DefaultKeyHeader)
+			require.NotEmpty(t, key)
+			assert.Contains(t, err.Error(), key, "the error must name the key sent")
+			assert.Contains(t, err.Error(), "decoding")
+		})
+	}
 }
