@@ -78,6 +78,7 @@ func (op *operation) initBodyKey() error {
 		if err := keyheader.Validate(key); err != nil {
 			return fmt.Errorf("idem: the request's body field %q: %w", field, err)
 		}
+		noteSentKey(req.Context(), key) // not the pinned one, for a Client
 		op.key, op.val = key, keyheader.Format(key, t.KeyFormat == KeySFString)
 		if len(vs) > 0 {
 			hkey, val, err := keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)

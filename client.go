@@ -56,15 +56,19 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // call sends it, and every error of the call names it (APIError.Key, and
 // the message of any other error, even http.Client.Timeout's and that of a
 // 2xx answer whose body cannot be decoded), so that a failed call can be
-// retried with the same key.
+// retried with the same key. A Transport with [Transport.KeyBodyField]
+// sends the key already in that field of in, if any: the errors then name
+// that one, the key the server saw.
 func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*http.Response, error) {
-	var key string
+	var ck *clientKey
 	if method == http.MethodPost || method == http.MethodPatch {
-		var pinned bool
-		if key, pinned = KeyFromContext(ctx); !pinned {
+		key, pinned := KeyFromContext(ctx)
+		if !pinned {
 			key = NewKey()
-			ctx = WithKey(ctx, key)
 		}
+		// Pinned again, so that the Transport says which key it sent: a
+		// key already in the body (KeyBodyField) wins over this one.
+		ctx, ck = withClientKey(ctx, key)
 	}
 	var body io.Reader
 	if in != nil {
@@ -91,6 +95,10 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 		hc = defaultHTTPClient
 	}
 	resp, err := hc.Do(req)
+	var key string // the key sent
+	if ck != nil {
+		key = ck.sentKey()
+	}
 	if err != nil {
 		return nil, withKey(method, req, key, err)
 	}

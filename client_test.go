@@ -425,3 +425,56 @@ func TestClientDecodeErrorNamesTheKey(t *testing.T) {
 		})
 	}
 }
+
+// TestClientReportsTheKeySent checks that a Client whose Transport takes
+// the key from a body field reports the key the body carried, which the
+// server saw, and not the one the Client pinned and never sent.
+func TestClientReportsTheKeySent(t *testing.T) {
+	const bodyKey = "body-key-0001"
+	in := map[string]any{"idempotency_key": bodyKey, "amount": 5}
+	newBodyKeyClient := func(url string) *Client {
+		c := newClient(t, url)
+		c.HTTPClient.Transport.(*Transport).KeyBodyField = "idempotency_key"
+		return c
+	}
+	sentKey := func(t *testing.T, reqs []seen) string {
+		t.Helper()
+		require.NotEmpty(t, reqs)
+		var got map[string]any
+		require.NoError(t, json.Unmarshal([]byte(reqs[0].body), &got))
+		require.Equal(t, bodyKey, got["idempotency_key"], "the body's key is the one sent")
+		return bodyKey
+	}
+
+	t.Run("APIError", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusBadRequest, "application/problem+json", `{"title":"Bad Request"}`))
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, sentKey(t, requests()), apiErr.Key)
+	})
+	t.Run("attempts ran out", func(t *testing.T) {
+		url, requests := apiServer(t, func(w http.ResponseWriter, _ *http.Request) {
+			panic(http.ErrAbortHandler) // the connection is cut: an error, retried
+		})
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, nil)
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "idempotency key "+sentKey(t, requests())+":")
+	})
+	t.Run("decode error", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusCreated, "application/json", `{"id":`))
+		var out payment
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, &out)
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "idempotency key "+sentKey(t, requests())+":")
+	})
+	t.Run("pinned key inserted", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusBadRequest, "application/problem+json", `{"title":"Bad Request"}`))
+		ctx := WithKey(context.Background(), "pinned-key-0001")
+		_, err := newBodyKeyClient(url).Post(ctx, "/v1/payments", map[string]any{"amount": 5}, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, "pinned-key-0001", apiErr.Key)
+		assert.Contains(t, requests()[0].body, `"idempotency_key":"pinned-key-0001"`)
+	})
+}
