@@ -111,12 +111,12 @@ func readRequestBody(req *http.Request, limit int64, extra int) ([]byte, error) 
 		return nil, nil
 	}
 	defer req.Body.Close()
-	size := min(limit+1, 64<<10)
+	size := min(plusOne(limit), 64<<10)
 	if req.ContentLength > 0 && req.ContentLength <= limit {
 		size = req.ContentLength + 1 + int64(extra) // +1 to see io.EOF without growing
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, size+bytes.MinRead)) // ReadFrom wants MinRead free
-	if _, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body); err != nil {
+	if _, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, plusOne(limit)), req.Body); err != nil {
 		return nil, fmt.Errorf("idem: reading request body: %w", err)
 	}
 	return buf.Bytes(), nil

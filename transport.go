@@ -9,6 +9,7 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"math"
 	"net/http"
 	"net/textproto"
 	"strings"
@@ -746,12 +747,12 @@ func (b *body) init(req *http.Request, limit int64) error {
 		b.replayable = false
 		return nil
 	}
-	size := limit + 1
+	size := plusOne(limit)
 	if req.ContentLength > 0 && req.ContentLength <= limit {
-		size = req.ContentLength + 1 // +1 to see io.EOF without growing
+		size = plusOne(req.ContentLength) // +1 to see io.EOF without growing
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, min(size, 64<<10)))
-	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body)
+	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, plusOne(limit)), req.Body)
 	if err != nil {
 		req.Body.Close()
 		return fmt.Errorf("idem: reading request body: %w", err)
@@ -776,6 +777,16 @@ func (b *body) init(req *http.Request, limit int64) error {
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
 	return nil
+}
+
+// plusOne returns n+1, or n if that would overflow: a read limit of
+// limit+1 bytes tells a body over limit from one of limit bytes, and none
+// is over math.MaxInt64.
+func plusOne(n int64) int64 {
+	if n == math.MaxInt64 {
+		return n
+	}
+	return n + 1
 }
 
 // copyUntilDone copies src to dst until EOF, an error, or the end of ctx.
