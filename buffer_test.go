@@ -1,10 +1,12 @@
 package idem
 
 import (
+	"context"
 	"math"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -39,5 +41,65 @@ func TestMaxBufferedBodyLargest(t *testing.T) {
 			assert.Equal(t, base.bodies[0], base.bodies[1], "the retry sends the same bytes")
 			assert.Contains(t, base.bodies[0], `"amount":4200`)
 		}
+	}
+}
+
+// TestNilResponseBody checks that a Base answering with a nil Body, which
+// http.Client accepts as an empty one, is taken the same way: the
+// Transport drains and reads problem details from it without panicking
+// (a panic in the drain's timer goroutine could not even be recovered).
+// A nil Body with a ContentLength is refused, as http.Client refuses it.
+func TestNilResponseBody(t *testing.T) {
+	noBody := func(code int, contentLength int64) *http.Response {
+		return &http.Response{StatusCode: code, Status: http.StatusText(code), Header: http.Header{}, ContentLength: contentLength}
+	}
+	for _, tt := range []struct {
+		name   string
+		script []*http.Response
+		check  func(t *testing.T, resp *http.Response, err error)
+	}{
+		{"503 then 201", []*http.Response{noBody(503, 0), noBody(201, 0)}, func(t *testing.T, resp *http.Response, err error) {
+			require.NoError(t, err)
+			assert.Equal(t, 201, resp.StatusCode)
+			assert.Equal(t, http.NoBody, resp.Body)
+		}},
+		{"unknown length", []*http.Response{noBody(503, -1), noBody(201, -1)}, func(t *testing.T, resp *http.Response, err error) {
+			require.NoError(t, err)
+			assert.Equal(t, http.NoBody, resp.Body)
+		}},
+		{"409 then 201", []*http.Response{noBody(409, 0), noBody(201, 0)}, func(t *testing.T, resp *http.Response, err error) {
+			require.NoError(t, err)
+			assert.Equal(t, 201, resp.StatusCode)
+		}},
+		{"422", []*http.Response{noBody(422, 0)}, func(t *testing.T, _ *http.Response, err error) {
+			var reuse *KeyReuseError
+			require.ErrorAs(t, err, &reuse)
+			assert.NotNil(t, reuse.Problem)
+		}},
+		{"ContentLength without a Body", []*http.Response{noBody(201, 5)}, func(t *testing.T, _ *http.Response, err error) {
+			require.Error(t, err)
+			assert.Contains(t, err.Error(), "nil Body")
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var n int
+			base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+				req.Body.Close()
+				resp := tt.script[min(n, len(tt.script)-1)]
+				n++
+				copied := *resp
+				copied.Request = req
+				return &copied, nil
+			})
+			// AttemptTimeout arms the drain's timer too.
+			p := fastPolicy
+			p.AttemptTimeout = time.Minute
+			tr := &Transport{Base: base, Retry: p}
+			resp, err := post(t, tr, context.Background(), mockURL, `{"amount":4200}`)
+			tt.check(t, resp, err)
+			if resp != nil {
+				resp.Body.Close()
+			}
+		})
 	}
 }

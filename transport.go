@@ -548,6 +548,14 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
 	}
+	if resp != nil && resp.Body == nil {
+		// As http.Client takes it: an empty body, unless it should not be.
+		if resp.ContentLength > 0 && areq.Method != http.MethodHead {
+			resp, err = nil, fmt.Errorf("idem: the base RoundTripper (%T) returned a *Response with content length %d but a nil Body", op.t.base(), resp.ContentLength)
+		} else {
+			resp.Body = http.NoBody
+		}
+	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
 		// The attempt ran out of time: the headers came too late, or not
 		// at all. Its context is canceled either way.
@@ -613,6 +621,8 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
+		} else if resp.Body == http.NoBody {
+			cancel() // nothing left to read
 		} else {
 			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
 		}
