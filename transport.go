@@ -346,6 +346,7 @@ func (op *operation) run() (*http.Response, error) {
 		}
 		v, reason := op.classify(resp, err)
 		if v == conflict {
+			op.polled()
 			// A keyed operation that ends on a 409 ends with an
 			// InProgressError, which carries the last problem details.
 			op.problem, _ = readProblem(resp, op.drainTime())
@@ -434,10 +435,6 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 		wait, why = ra, "Retry-After"
 	}
 	if v == conflict {
-		op.conflicts++
-		if op.conflicts == 1 {
-			op.firstConflict = time.Now()
-		}
 		if !hasRA {
 			wait = next(&op.conflictBackoff, p)
 		}
@@ -661,6 +658,14 @@ func (op *operation) inProgress(resp *http.Response, cancel func(), why string, 
 	return nil, &InProgressError{
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
 		Polls: max(op.conflicts, 1), Waited: waited, Problem: op.problem, Err: err, reason: why,
+	}
+}
+
+// polled counts a 409 (or what Classify takes as one), as it arrives.
+func (op *operation) polled() {
+	op.conflicts++
+	if op.conflicts == 1 {
+		op.firstConflict = time.Now()
 	}
 }
 
