@@ -3,6 +3,9 @@ package idem
 import (
 	"context"
 	"net/http"
+	"net/url"
+	"strings"
+	"syscall"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -41,4 +44,44 @@ func TestSynctestInProgressCountsEvery409(t *testing.T) {
 		assert.Equal(t, 2*time.Second, inprog.Waited, "from the first 409 to the last")
 		assert.ErrorIs(t, err, context.Canceled)
 	})
+}
+
+// TestSynctestRetryErrorTimeout checks that a RetryError says whether a
+// timeout ended the operation, so that url.Error.Timeout, which asks the
+// error http.Client wraps, answers for the operation.
+func TestSynctestRetryErrorTimeout(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		policy RetryPolicy
+		ctx    time.Duration // the context's timeout; 0: none
+		base   roundTripFunc
+		want   bool
+	}{
+		{"attempt timeouts", RetryPolicy{AttemptTimeout: time.Second, MaxAttempts: 2}, 0, blockUntilDone, true},
+		{"context deadline", RetryPolicy{}, 5 * time.Second, blockUntilDone, true},
+		{"MaxElapsedTime", RetryPolicy{MaxElapsedTime: 3 * time.Second}, 0, blockUntilDone, true},
+		{"net timeout", RetryPolicy{MaxAttempts: 2}, 0, roundTripFunc(fail(urlErr(netError{timeout: true}))), true},
+		{"connection refused", RetryPolicy{MaxAttempts: 2}, 0, roundTripFunc(fail(dialErr(syscall.ECONNREFUSED))), false},
+		{"connection reset", RetryPolicy{MaxAttempts: 2}, 0, roundTripFunc(fail(readErr(syscall.ECONNRESET))), false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := context.WithCancel(context.Background())
+				if tt.ctx > 0 {
+					ctx, cancel = context.WithTimeout(ctx, tt.ctx)
+				}
+				defer cancel()
+				client := &http.Client{Transport: &Transport{Base: tt.base, Retry: tt.policy, DisableBudget: true}}
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, mockURL, strings.NewReader(`{}`))
+				require.NoError(t, err)
+				_, err = client.Do(req)
+				var rerr *RetryError
+				require.ErrorAs(t, err, &rerr)
+				assert.Equal(t, tt.want, rerr.Timeout())
+				var uerr *url.Error
+				require.ErrorAs(t, err, &uerr)
+				assert.Equal(t, tt.want, uerr.Timeout(), "url.Error.Timeout of %v", err)
+			})
+		})
+	}
 }

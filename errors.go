@@ -3,10 +3,12 @@ package idem
 import (
 	"bytes"
 	"cmp"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"mime"
+	"net"
 	"net/http"
 	"strings"
 	"time"
@@ -69,6 +71,18 @@ func (e *RetryError) Error() string {
 
 // Unwrap returns e.Err.
 func (e *RetryError) Unwrap() error { return e.Err }
+
+// Timeout reports whether a timeout ended the operation: the last
+// attempt's ([RetryPolicy.AttemptTimeout], or a network timeout), the
+// operation's ([RetryPolicy.MaxElapsedTime]) or the context's deadline.
+// Through [http.Client], the *url.Error's Timeout says the same.
+func (e *RetryError) Timeout() bool {
+	if errors.Is(e.Err, ErrAttemptTimeout) || errors.Is(e.Err, context.DeadlineExceeded) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(e.Err, &ne) && ne.Timeout()
+}
 
 // InProgressError is returned by [Transport.RoundTrip] when a keyed
 // operation ends on 409 Conflict (the first request with the key is still
