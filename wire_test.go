@@ -6,9 +6,13 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httptrace"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -150,4 +154,111 @@ func TestUnreadableAnswerIsRetriedWithTheKey(t *testing.T) {
 			assert.Equal(t, DefaultMaxAttempts, rerr.Attempts)
 		})
 	}
+}
+
+// killableConn is a client connection that a test can make read EOF, as
+// if the server had closed it, and that says when net/http closes it.
+type killableConn struct {
+	net.Conn
+	killed atomic.Bool
+	closed chan struct{}
+	once   sync.Once
+}
+
+func (c *killableConn) Read(p []byte) (int, error) {
+	n, err := c.Conn.Read(p)
+	if c.killed.Load() {
+		return 0, io.EOF
+	}
+	return n, err
+}
+
+func (c *killableConn) Close() error {
+	c.once.Do(func() { close(c.closed) })
+	return c.Conn.Close()
+}
+
+// kill makes the connection's pending and future reads return EOF, and
+// waits until net/http has closed it.
+func (c *killableConn) kill() {
+	c.killed.Store(true)
+	c.Conn.SetReadDeadline(time.Now()) // wake the read loop's Peek
+	<-c.closed
+}
+
+// TestServerClosedIdleIsRetried checks the race of a keep-alive
+// connection that the server closes just as a request is handed to it:
+// net/http then returns "http: server closed idle connection", and
+// re-sends the request itself only if it looks replayable (an
+// Idempotency-Key header). A key in another header, PayPal's, gets no
+// such replay, and the Transport retries it, with the same key.
+func TestServerClosedIdleIsRetried(t *testing.T) {
+	var mu sync.Mutex
+	var keys []string
+	srv := newServer(t, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			mu.Lock()
+			keys = append(keys, r.Header.Get("PayPal-Request-Id"))
+			mu.Unlock()
+		}
+		w.WriteHeader(http.StatusCreated)
+	}))
+	// The race is made, not waited for: a GotConn hook kills the idle
+	// connection just handed to the request, before net/http counts the
+	// request as sent on it. The hook returns once net/http has closed the
+	// connection; net/http marks it closed a moment later, and only then
+	// does the request fail with the error sought. Tries that lose that
+	// moment fail otherwise (and are retried by net/http itself), so the
+	// scenario runs until one gets the error.
+	for try := 1; try <= 50; try++ {
+		var conns []*killableConn
+		base := &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			kc := &killableConn{Conn: c, closed: make(chan struct{})}
+			conns = append(conns, kc)
+			return kc, nil
+		}}
+		// Warm up: one connection, idle in the pool.
+		resp, err := base.RoundTrip(httptest.NewRequest(http.MethodGet, srv.URL, nil).WithContext(context.Background()))
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Len(t, conns, 1)
+
+		trace := &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) {
+			if info.Reused {
+				conns[0].kill()
+			}
+		}}
+		ctx := httptrace.WithClientTrace(context.Background(), trace)
+		var first error
+		tr := &Transport{Base: base, KeyHeader: "PayPal-Request-Id", Retry: fastPolicy, OnAttempt: func(a Attempt) {
+			if a.Number == 1 {
+				first = a.Err
+			}
+		}}
+		mu.Lock()
+		keys = nil
+		mu.Unlock()
+		resp, err = post(t, tr, ctx, srv.URL+"/v1/orders", `{"amount":4200}`)
+		base.CloseIdleConnections()
+		if first == nil || first.Error() != "http: server closed idle connection" {
+			t.Logf("try %d: the first attempt ended with %v, not the race sought", try, first)
+			if resp != nil {
+				resp.Body.Close()
+			}
+			continue
+		}
+		require.NoError(t, err, "the first attempt failed with %v: want it retried", first)
+		assert.Equal(t, http.StatusCreated, resp.StatusCode)
+		resp.Body.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		require.Len(t, keys, 1, "the first attempt never reached the server")
+		assert.NotEmpty(t, keys[0])
+		return
+	}
+	t.Fatal("the race was never won")
 }
