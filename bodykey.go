@@ -29,13 +29,22 @@ var ErrKeyBodyField = errors.New("idem: request body cannot carry the key field"
 // body field t.KeyBodyField, and prepares the body every attempt sends.
 // The body is read once (up to MaxBufferedBody bytes, GetBody or not); the
 // key is the body field's string value if it has one, else the one in the
-// request's KeyHeader (when KeyHeader is set), else the pinned one, else a
-// new one, and is then written into the body. It always closes req.Body.
+// request's KeyHeader (when KeyHeader is set; else its Idempotency-Key),
+// else the pinned one, else a new one, and is then written into the body.
+// It always closes req.Body.
 func (op *operation) initBodyKey() error {
 	req, t := op.req, op.t
 	field := t.KeyBodyField
 	if t.KeyHeader != "" {
 		op.header = textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+	}
+	if op.header == "" {
+		if vs, _ := headerValues(req.Header, DefaultKeyHeader); len(vs) > 0 {
+			// The caller's own key header is read as KeyHeader's would
+			// be: else it would go on the wire beside another key in the
+			// body.
+			op.header = DefaultKeyHeader
+		}
 	}
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w %q: "+format, append([]any{ErrKeyBodyField, field}, args...)...)

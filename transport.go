@@ -102,7 +102,9 @@ type Transport struct {
 	// just after the brace, and no other byte changes. Names match exactly
 	// once unescaped; nested objects do not count; a field named twice or
 	// holding something other than a string is refused. A key header is
-	// sent only if KeyHeader is set, and must then agree with the field.
+	// sent only if KeyHeader is set, or, without KeyHeader, if the request
+	// has an Idempotency-Key header: its key is then the operation's, and
+	// must agree with the field.
 	KeyBodyField string
 
 	// KeyFormat says how new and pinned keys are written: KeyBare (the
