@@ -85,3 +85,42 @@ func TestSynctestRetryErrorTimeout(t *testing.T) {
 		})
 	}
 }
+
+// TestSynctestPollCutShortIsInProgress checks that a poll of a request
+// still running (the attempt after a 409) cut short by the context or by
+// MaxElapsedTime ends in an InProgressError, as a wait between polls cut
+// short does: the last word from the server was that the key is running.
+func TestSynctestPollCutShortIsInProgress(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		policy  RetryPolicy
+		timeout time.Duration
+		want    error
+	}{
+		{"context deadline", RetryPolicy{}, 5 * time.Second, context.DeadlineExceeded},
+		{"MaxElapsedTime", RetryPolicy{MaxElapsedTime: 5 * time.Second}, 0, context.DeadlineExceeded},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				ctx, cancel := context.WithCancel(context.Background())
+				if tt.timeout > 0 {
+					ctx, cancel = context.WithTimeout(ctx, tt.timeout)
+				}
+				defer cancel()
+				var as attempts
+				srv := newFake(replyBody(409, "application/problem+json", `{"title":"Request in progress"}`, "Retry-After", "1"), blockUntilDone)
+				_, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy, OnAttempt: as.hook}, ctx)
+				var inprog *InProgressError
+				require.ErrorAs(t, err, &inprog, "got %v", err)
+				assert.Equal(t, srv.keys[0], inprog.Key)
+				assert.Equal(t, 1, inprog.Polls)
+				require.NotNil(t, inprog.Problem)
+				assert.Equal(t, "Request in progress", inprog.Problem.Title)
+				assert.ErrorIs(t, err, tt.want)
+				require.Len(t, as, 2, "both attempts are reported")
+				assert.Error(t, as[1].Err)
+				assert.False(t, as[1].Retry)
+			})
+		})
+	}
+}

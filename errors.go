@@ -89,7 +89,8 @@ func (e *RetryError) Timeout() bool {
 // running): the conflict budget ([RetryPolicy.ConflictTimeout],
 // [RetryPolicy.MaxConflictRetries]) ran out, the next wait would pass
 // [RetryPolicy.MaxElapsedTime], [RetryPolicy.MaxRetryAfter] or the context's
-// deadline, or the context ended. The outcome of the operation is unknown:
+// deadline, or the context or MaxElapsedTime ended the wait or the next
+// poll (the attempt after a 409). The outcome of the operation is unknown:
 // it may yet complete. Retry it later with the same key ([WithKey](ctx,
 // e.Key)) to learn its outcome; never with a new key, which could perform
 // it twice.
@@ -100,8 +101,9 @@ type InProgressError struct {
 	Polls   int           // 409 answers received
 	Waited  time.Duration // time spent waiting on them
 	Problem *Problem      // the last 409's problem details, if any
-	// Err is the context's error when the context ended the waiting, so
-	// that errors.Is(err, context.DeadlineExceeded) holds; else nil.
+	// Err is the context's error when the context ended the waiting, or
+	// the cut poll's error, so that errors.Is(err,
+	// context.DeadlineExceeded) holds; else nil.
 	Err error
 
 	reason string // why the waiting stopped, for Error

@@ -343,6 +343,12 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
 		}
 		resp, cancel, err := op.send(body)
+		if err != nil && lastVerdict == conflict && (op.ctx.Err() != nil || errors.Is(err, errOperationTimedOut)) {
+			// A poll cut short: the last the server said is that the
+			// key's request is still running.
+			op.report(nil, err, false, 0, "409: "+errorReason(err)+" during the next poll")
+			return op.inProgress(nil, cancel, "409: "+errorReason(err)+" during the next poll", err)
+		}
 		if err != nil && errors.Is(err, errOperationTimedOut) {
 			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
 		}
