@@ -47,7 +47,8 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // Do sends a request with in (if not nil) as its JSON body and decodes a
 // 2xx answer's JSON body into out (if not nil). It returns the response
 // with its body already read and closed, for its status and headers (see
-// [Replayed]). A non-2xx answer is returned as an [*APIError]; the
+// [Replayed]). A non-2xx answer is returned as an [*APIError], with the
+// start of its body (64 KiB, read for one second at most); the
 // Transport's own errors ([*KeyReuseError], [*InProgressError],
 // [*RetryError]) come back inside a *url.Error, reachable with errors.As.
 //
@@ -104,7 +105,9 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		problem, raw := readProblem(resp, 0) // the caller's context bounds it
+		// Bounded as the Transport bounds problem details: a caller whose
+		// context has no deadline is not held by a body that stalls.
+		problem, raw := readProblem(resp, maxDrainTime)
 		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Key: key, Body: raw}
 		if isJSON(resp.Header.Get("Content-Type")) {
 			apiErr.Problem = problem
@@ -121,7 +124,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 			return resp, withKey(method, req, key, err)
 		}
 	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
+	readBody(io.Discard, resp, maxDrain, maxDrainTime) // what follows the JSON, for the connection's sake
 	return resp, nil
 }
 

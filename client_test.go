@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -476,5 +477,24 @@ func TestClientReportsTheKeySent(t *testing.T) {
 		require.ErrorAs(t, err, &apiErr)
 		assert.Equal(t, "pinned-key-0001", apiErr.Key)
 		assert.Contains(t, requests()[0].body, `"idempotency_key":"pinned-key-0001"`)
+	})
+}
+
+// TestSynctestClientErrorBodyIsBounded checks that a Client reads an error
+// answer's body for a bounded time, as the Transport reads problem details:
+// a server that stalls mid-body gets an APIError with what came, not a
+// caller stuck for good on a context with no deadline.
+func TestSynctestClientErrorBodyIsBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		body := newStallingBody(`{"title":"Bad Req`)
+		base := roundTripFunc(stalling(http.StatusBadRequest, body))
+		c := &Client{BaseURL: "https://api.example.com", HTTPClient: &http.Client{Transport: &Transport{Base: base}}}
+		start := time.Now()
+		_, err := c.Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, http.StatusBadRequest, apiErr.StatusCode)
+		assert.Equal(t, `{"title":"Bad Req`, string(apiErr.Body))
+		assert.LessOrEqual(t, time.Since(start), maxDrainTime)
 	})
 }
