@@ -113,8 +113,9 @@ func (op *operation) initBodyKey() error {
 // readRequestBody reads and closes the body of req, up to limit+1 bytes
 // (so that a longer body is seen as such), and stops when the request's
 // context ends, as buffering a body without GetBody does (see
-// copyUntilDone). The buffer is sized for the request's ContentLength plus
-// extra bytes, so that inserting the key field does not grow it.
+// copyUntilDone). The buffer is sized for the request's ContentLength (up
+// to 64 KiB) plus extra bytes, so that inserting the key field into a body
+// of that size does not grow it.
 func readRequestBody(req *http.Request, limit int64, extra int) ([]byte, error) {
 	if req.Body == nil || req.Body == http.NoBody {
 		return nil, nil
@@ -122,7 +123,9 @@ func readRequestBody(req *http.Request, limit int64, extra int) ([]byte, error) 
 	defer req.Body.Close()
 	size := min(plusOne(limit), 64<<10)
 	if req.ContentLength > 0 && req.ContentLength <= limit {
-		size = req.ContentLength + 1 + int64(extra) // +1 to see io.EOF without growing
+		// +1 to see io.EOF without growing; at most 64 KiB up front, as
+		// ContentLength may claim more than the body holds.
+		size = min(req.ContentLength, 64<<10) + 1 + int64(extra)
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, size+bytes.MinRead)) // ReadFrom wants MinRead free
 	if _, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, plusOne(limit)), req.Body); err != nil {

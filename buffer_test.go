@@ -4,6 +4,7 @@ import (
 	"context"
 	"math"
 	"net/http"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -101,5 +102,26 @@ func TestNilResponseBody(t *testing.T) {
 				resp.Body.Close()
 			}
 		})
+	}
+}
+
+// TestLyingContentLengthAllocatesLittle checks that a request whose
+// ContentLength claims far more than its body holds is not given a buffer
+// of that size up front: it is refused, as net/http refuses it, having
+// allocated about what the body holds.
+func TestLyingContentLengthAllocatesLittle(t *testing.T) {
+	const claimed = 1 << 30
+	for _, field := range []string{"", testField} {
+		tr := &Transport{Base: &sentBody{}, KeyBodyField: field, MaxBufferedBody: 2 * claimed}
+		req, err := http.NewRequestWithContext(context.Background(), http.MethodPost, mockURL, bodyOnly{strings.NewReader(`{"amount":4200}`)})
+		require.NoError(t, err)
+		req.ContentLength = claimed
+		var before, after runtime.MemStats
+		runtime.ReadMemStats(&before)
+		_, err = tr.RoundTrip(req)
+		runtime.ReadMemStats(&after)
+		require.Error(t, err, "field %q", field)
+		assert.Contains(t, err.Error(), "ContentLength=1073741824 with Body length 15")
+		assert.Less(t, after.TotalAlloc-before.TotalAlloc, uint64(16<<20), "field %q: bytes allocated for a 15-byte body", field)
 	}
 }
