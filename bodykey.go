@@ -34,9 +34,9 @@ var ErrKeyBodyField = errors.New("idem: request body cannot carry the key field"
 // It always closes req.Body.
 func (op *operation) initBodyKey() error {
 	req, t := op.req, op.t
-	field := t.KeyBodyField
-	if t.KeyHeader != "" {
-		op.header = textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+	field := t.keyBodyField()
+	if h := t.keyHeaderName(); h != "" {
+		op.header = textproto.CanonicalMIMEHeaderKey(h)
 	}
 	if op.header == "" {
 		if vs, _ := headerValues(req.Header, DefaultKeyHeader); len(vs) > 0 {
@@ -88,9 +88,9 @@ func (op *operation) initBodyKey() error {
 			return fmt.Errorf("idem: the request's body field %q: %w", field, err)
 		}
 		noteSentKey(req.Context(), key) // not the pinned one, for a Client
-		op.key, op.val = key, keyheader.Format(key, t.KeyFormat == KeySFString)
+		op.key, op.val = key, keyheader.Format(key, t.keyFormat() == KeySFString)
 		if len(vs) > 0 {
-			hkey, val, err := keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
+			hkey, val, err := keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 			if err != nil {
 				return err
 			}
@@ -100,7 +100,7 @@ func (op *operation) initBodyKey() error {
 			op.val = val
 		}
 	} else {
-		op.key, op.val, err = keyFor(req, vs, op.header, t.KeyFormat, t.NewKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 		if err != nil {
 			return err
 		}

@@ -33,26 +33,38 @@ const (
 	VerdictKeyReuse
 )
 
-// classify applies t.Classify, if set, to an attempt's outcome: it returns
-// the verdict to act on and the reason to report.
+// classify decides what an attempt's outcome calls for: the table
+// (decide), overridden by the Provider's verdict on a response of status
+// 400 or more, overridden in turn by t.Classify, if set. It returns the
+// verdict to act on and the reason to report.
 func (op *operation) classify(resp *http.Response, err error) (verdict, string) {
 	v, reason := decide(op.keyed, resp, err)
-	if op.t.Classify == nil {
-		return v, reason
+	if resp != nil && resp.StatusCode >= 400 && op.t.Provider.Classify != nil {
+		v, reason = op.override(op.providerVerdict(resp), resp, v, reason, op.t.Provider.name()) // provider.go
 	}
-	override := op.t.Classify(resp, err)
+	if op.t.Classify != nil {
+		v, reason = op.override(op.t.Classify(resp, err), resp, v, reason, "Classify")
+	}
+	return v, reason
+}
+
+// override returns the verdict to act on when by (a Provider, or Classify)
+// says o of an outcome the Transport judged v: v itself for
+// VerdictDefault, else what o means for this outcome, with by named in the
+// reason.
+func (op *operation) override(o Verdict, resp *http.Response, v verdict, reason, by string) (verdict, string) {
 	applies := op.keyed && resp != nil
 	switch {
-	case override == VerdictRetry, override == VerdictConflict && !applies:
+	case o == VerdictRetry, o == VerdictConflict && !applies:
 		v = retry
-	case override == VerdictStop, override == VerdictKeyReuse && !applies:
+	case o == VerdictStop, o == VerdictKeyReuse && !applies:
 		v = done
-	case override == VerdictConflict:
+	case o == VerdictConflict:
 		v = conflict
-	case override == VerdictKeyReuse:
+	case o == VerdictKeyReuse:
 		v = keyReuse
 	default:
 		return v, reason
 	}
-	return v, reason + " (Classify)"
+	return v, reason + " (" + by + ")"
 }

@@ -86,7 +86,8 @@ func (e *RetryError) Timeout() bool {
 
 // InProgressError is returned by [Transport.RoundTrip] when a keyed
 // operation ends on 409 Conflict (the first request with the key is still
-// running): the conflict budget ([RetryPolicy.ConflictTimeout],
+// running), or on what the Transport's [Provider] reads as such: the
+// conflict budget ([RetryPolicy.ConflictTimeout],
 // [RetryPolicy.MaxConflictRetries]) ran out, the next wait would pass
 // [RetryPolicy.MaxElapsedTime], [RetryPolicy.MaxRetryAfter] or the context's
 // deadline, or the context or MaxElapsedTime ended the wait or the next
@@ -123,11 +124,12 @@ func (e *InProgressError) Error() string {
 func (e *InProgressError) Unwrap() error { return e.Err }
 
 // KeyReuseError is returned by [Transport.RoundTrip] when the server answers
-// 422 Unprocessable Content to a keyed request: the idempotency key was
-// already used for a different request (another body, method or path). It
-// is a bug in the caller, never retried: a key belongs to one logical
-// operation, and a new operation needs [NewKey]. Through [http.Client] it
-// arrives inside a *url.Error; reach it with errors.As:
+// 422 Unprocessable Content to a keyed request, or what the Transport's
+// [Provider] reads as such (Stripe's 400 idempotency_error, say): the
+// idempotency key was already used for a different request (another body,
+// method or path). It is a bug in the caller, never retried: a key belongs
+// to one logical operation, and a new operation needs [NewKey]. Through
+// [http.Client] it arrives inside a *url.Error; reach it with errors.As:
 //
 //	var reuse *idem.KeyReuseError
 //	if errors.As(err, &reuse) {

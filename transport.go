@@ -57,6 +57,9 @@ const maxDrainTime = time.Second
 //     [*InProgressError] when that runs out.
 //   - 422 to a keyed request means the key was used for another request:
 //     RoundTrip returns a [*KeyReuseError] without retrying.
+//   - A [Transport.Provider] reads the answers of an API that speaks
+//     otherwise, such as Stripe's 400 idempotency_error (key reuse) or
+//     PayPal's 422 UNPROCESSABLE_ENTITY (a refused request, returned).
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
 //     Errors not retried are those known to recur (a certificate the
@@ -81,16 +84,18 @@ type Transport struct {
 	// fields take the documented defaults.
 	Retry RetryPolicy
 
-	// KeyHeader names the header that carries the key. If empty,
-	// DefaultKeyHeader ("Idempotency-Key") is used, unless KeyBodyField is
-	// set: then no key header is sent. Some APIs use another name, such as
+	// KeyHeader names the header that carries the key. If empty, the
+	// Provider's is used; if that is empty too, DefaultKeyHeader
+	// ("Idempotency-Key") is used, unless a KeyBodyField is set: then no
+	// key header is sent. Some APIs use another name, such as
 	// "PayPal-Request-Id".
 	KeyHeader string
 
 	// KeyBodyField names a top-level field of the JSON object request body
 	// that carries the key, for APIs that take it there, such as Square's
-	// "idempotency_key" or the "ClientToken" of AWS APIs. If empty, the key
-	// goes only in the header and the body is sent as it is.
+	// "idempotency_key" or the "ClientToken" of AWS APIs. If empty, the
+	// Provider's is used; if that is empty too, the key goes only in the
+	// header and the body is sent as it is.
 	//
 	// When set, the body of a keyed request must be a JSON object of at
 	// most MaxBufferedBody bytes (GetBody or not); it is read once per
@@ -109,8 +114,17 @@ type Transport struct {
 
 	// KeyFormat says how new and pinned keys are written: KeyBare (the
 	// zero value, as Stripe expects) or KeySFString (the IETF draft's
-	// quoted form). A key header already on the request is sent as it is.
+	// quoted form). If KeyBare, the Provider's KeyFormat is used. A key
+	// header already on the request is sent as it is.
 	KeyFormat KeyFormat
+
+	// Provider is the dialect of the API called, such as [Stripe] or
+	// [PayPal]: where it takes the key, and what its answers for a reused
+	// key, a request still running, "retry" and "do not retry" look like
+	// (see [Provider]). The zero value is the IETF draft's dialect, the
+	// table above. KeyHeader, KeyBodyField, KeyFormat and Classify set on
+	// the Transport win over the Provider's.
+	Provider Provider
 
 	// NewKey makes the key of an operation that has none. If nil, [NewKey]
 	// (a random UUIDv4) is used. It must return a fresh key on every call.
@@ -138,12 +152,13 @@ type Transport struct {
 	// Classify, if not nil, sees each attempt's outcome, a response or an
 	// error (the other is nil), and may override what the Transport makes
 	// of it: retry, stop, wait out a conflict, or end on key reuse (see
-	// [Verdict]). VerdictDefault keeps the Transport's own decision. It is
-	// called from the goroutine that called RoundTrip, and must not read or
-	// close the response body: it decides on the status and headers, such
-	// as Stripe's Stripe-Should-Retry. Whatever it says, nothing is sent
-	// once the request's context is done, methods that are not retried are
-	// sent once, and MaxAttempts, the time limits and the retry budget hold.
+	// [Verdict]). VerdictDefault keeps the Transport's own decision, the
+	// Provider's verdict included. It is called from the goroutine that
+	// called RoundTrip, and must not read or close the response body: it
+	// decides on the status and headers, such as Stripe's
+	// Stripe-Should-Retry. Whatever it says, nothing is sent once the
+	// request's context is done, methods that are not retried are sent
+	// once, and MaxAttempts, the time limits and the retry budget hold.
 	Classify func(resp *http.Response, err error) Verdict
 
 	// OnAttempt, if not nil, is called after every attempt, from the
@@ -178,8 +193,9 @@ type Attempt struct {
 	// (Response.Status) or the error's kind ("connection reset", …) if the
 	// outcome called for no retry, or why no retry could be made:
 	// "attempts exhausted", "retry budget exhausted", "conflict budget
-	// exhausted", "wait would pass MaxElapsedTime", "422: key used for
-	// another request", and so on.
+	// exhausted", "wait would pass MaxElapsedTime", "422 Unprocessable
+	// Entity: key used for another request", and so on. A verdict of the
+	// Provider or Classify names them: "400 Bad Request (Stripe)".
 	Reason string
 }
 
@@ -199,12 +215,14 @@ func (t *Transport) base() http.RoundTripper {
 }
 
 // keyHeader returns the name of the key header in its canonical form:
-// DefaultKeyHeader as it is, or KeyHeader canonicalized.
+// DefaultKeyHeader as it is, or the Transport's KeyHeader (else the
+// Provider's) canonicalized.
 func (t *Transport) keyHeader() string {
-	if t.KeyHeader == "" {
+	name := t.keyHeaderName() // provider.go
+	if name == "" {
 		return DefaultKeyHeader
 	}
-	return textproto.CanonicalMIMEHeaderKey(t.KeyHeader)
+	return textproto.CanonicalMIMEHeaderKey(name)
 }
 
 func (t *Transport) retryBudget() *RetryBudget {
@@ -308,13 +326,13 @@ func (op *operation) run() (*http.Response, error) {
 	method := cmp.Or(req.Method, http.MethodGet)
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
-	bodyKey := op.keyed && op.t.KeyBodyField != ""
+	bodyKey := op.keyed && op.t.keyBodyField() != ""
 	if op.keyed && !bodyKey {
 		op.header = op.t.keyHeader()
 		var vs []string
 		vs, op.respelt = headerValues(req.Header, op.header)
 		var err error
-		op.key, op.val, err = keyFor(req, vs, op.header, op.t.KeyFormat, op.t.NewKey)
+		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
 		if err != nil {
 			closeBody(req)
 			return nil, err
@@ -357,7 +375,9 @@ func (op *operation) run() (*http.Response, error) {
 			op.polled()
 			// A keyed operation that ends on a 409 ends with an
 			// InProgressError, which carries the last problem details.
-			op.problem, _ = readProblem(resp, op.drainTime())
+			var body []byte
+			op.problem, body = readProblem(resp, op.drainTime())
+			op.describe(op.problem, body) // provider.go
 			resp.Body = http.NoBody
 			if op.ctx.Err() != nil {
 				return op.inProgress(resp, cancel, "409: "+errorReason(op.ctx.Err()), op.ctx.Err())
@@ -373,9 +393,10 @@ func (op *operation) run() (*http.Response, error) {
 		case done:
 			return op.finish(resp, err, cancel, reason, false)
 		case keyReuse:
-			problem, _ := readProblem(resp, op.drainTime())
+			problem, body := readProblem(resp, op.drainTime())
+			op.describe(problem, body) // provider.go
 			cancel()
-			op.report(resp, nil, false, 0, "422: key used for another request")
+			op.report(resp, nil, false, 0, reason+": key used for another request")
 			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts}
 		}
 		wait, why, end := op.plan(v, resp)

@@ -43,6 +43,7 @@ type payments struct {
 	// storeServerErrors is [Config.StoreServerErrors]: what a 5xx tells
 	// the client about retrying depends on it.
 	storeServerErrors bool
+	faults            Faults
 }
 
 // paymentResource is the JSON form of a payment.
@@ -267,6 +268,12 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 		log.Error("payments: storing the payment failed", "err", err)
 		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError,
 			"The payment could not be stored. "+a.retryHint(o)+".")
+		return
+	}
+	if o.key != "" && a.faults.afterWrite(log) {
+		log.Warn("payments: injected failure after the payment was written (Faults.FailAfterWriteRate)", "charge", charge.ID)
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError,
+			"Injected failure after the payment was written; nothing of it was committed. "+a.retryHint(o)+".")
 		return
 	}
 	w.Header().Set("Location", "/v1/payments/"+p.ID)

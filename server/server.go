@@ -88,6 +88,10 @@ type Config struct {
 	// already made. For tests and scenarios; leave it nil.
 	AfterCharge func(ctx context.Context) error
 
+	// Faults make the keyed payments' own answers fail, vanish or lag
+	// (see [Faults]). Zero: none.
+	Faults Faults
+
 	// NoIdempotency serves POST /v1/payments without
 	// [idempotency.Middleware]: no Idempotency-Key is needed (one sent is
 	// ignored), no key is stored, and every request is a new payment,
@@ -209,6 +213,7 @@ func New(cfg Config) (*Server, error) {
 		afterCharge:       cfg.AfterCharge,
 		crashes:           crashes,
 		storeServerErrors: cfg.StoreServerErrors,
+		faults:            cfg.Faults,
 	}
 	keyed := idempotency.Middleware(keys, idempotency.Options{
 		LockTimeout:        cfg.LockTimeout,
@@ -226,7 +231,7 @@ func New(cfg Config) (*Server, error) {
 		log.Warn("server: POST /v1/payments runs WITHOUT the idempotency layer (NoIdempotency): no key is needed or stored, and a retry pays twice; for measuring the layer's cost only")
 		v1.HandleFunc("POST /v1/payments", api.createUnkeyed)
 	} else {
-		v1.Handle("POST /v1/payments", keyed(http.HandlerFunc(api.create)))
+		v1.Handle("POST /v1/payments", cfg.Faults.dropAnswers(keyed(http.HandlerFunc(api.create))))
 	}
 	v1.HandleFunc("GET /v1/payments/{id}", api.get)
 	v1.HandleFunc("/v1/payments", methodNotAllowed("POST"))

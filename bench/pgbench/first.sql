@@ -24,7 +24,9 @@
 -- claimNewSQL
 WITH existing AS (
     SELECT k.*,
-        (k.expires_at < now()) IS TRUE AS expired,
+        (k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now()) IS TRUE AS expired,
         ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
         (k.status = 'released' AND k.fingerprint_version = :fpver
             AND (k.release_rejected OR k.request_hash = :fp)) AS free

@@ -28,9 +28,6 @@ const (
 	streamClients // + client number
 )
 
-// stopTimeout bounds the graceful stop of a replica at the end of a run.
-const stopTimeout = 15 * time.Second
-
 // chaos is one run in progress.
 type chaos struct {
 	cfg   config
@@ -133,15 +130,15 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 				"-purge-interval", "1s",
 				"-processor-delay", delay.String(),
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
-				"-shutdown-timeout", (stopTimeout - 5*time.Second).String(),
+				"-shutdown-timeout", cfg.shutdownTimeout().String(),
 				"-log-format", "json",
 				"-log-level", "debug", // the outcomes stored, counted in the report
-			}, cfg.serverArgs...),
+			}, append(holdArgs(cfg), cfg.serverArgs...)...),
 			logPath: filepath.Join(logsDir, fmt.Sprintf("replica-%d.log", i)),
 			onLog:   c.fleet.countLog,
 		})
 	}
-	defer c.fleet.stopAll(stopTimeout) // on the error paths; a no-op after the stop below
+	defer c.fleet.stopAll(cfg.stopTimeout()) // on the error paths; a no-op after the stop below
 	var targets []string
 	for _, r := range c.fleet.replicas {
 		addr, err := r.start(ctx)
@@ -221,7 +218,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps()}
 	c.proxy.Close()
 	rep.proxy = c.proxy.Stats()
-	rep.stopProblem = c.fleet.stopAll(stopTimeout)
+	rep.stopProblem = c.fleet.stopAll(cfg.stopTimeout())
 	rep.kills, rep.restarts, rep.termRounds, rep.terminated = c.kills, c.restarts, c.terminationRounds, c.backendsTerminated
 	rep.serverLogs = c.fleet.logCounts()
 
@@ -237,6 +234,15 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	}
 	rep.print(out)
 	return rep, nil
+}
+
+// holdArgs are the replicas' flags that hold a share of the payments'
+// transactions past the retention; none when cfg.holdRate is 0.
+func holdArgs(cfg config) []string {
+	if cfg.holdRate == 0 {
+		return nil
+	}
+	return []string{"-hold-after-write", cfg.hold().String(), "-hold-rate", strconv.FormatFloat(cfg.holdRate, 'g', -1, 64)}
 }
 
 // killer kills a replica with SIGKILL at cfg.kills random times while
@@ -297,7 +303,7 @@ func (c *chaos) restarter(ctx, faults context.Context, rng *mrand.Rand) {
 		c.fleet.mu.Lock()
 		r := c.fleet.replicas[i]
 		c.event("graceful restart of replica %d (pid %d): SIGTERM, draining", i, r.pid())
-		stopErr := r.stop(stopTimeout)
+		stopErr := r.stop(c.cfg.stopTimeout())
 		c.count(func() { c.restarts++ })
 		if stopErr != nil {
 			c.count(func() { c.errs = append(c.errs, fmt.Errorf("graceful stop of replica %d: %w", i, stopErr)) })

@@ -37,7 +37,7 @@ func testChaos(t *testing.T, serverArgs string) {
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
-		"-invalid-text", "0.1",
+		"-invalid-text", "0.1", "-hold", "0.05", "-cancel", "0.05",
 		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
@@ -69,6 +69,14 @@ func testChaos(t *testing.T, serverArgs string) {
 	if v.invalid == 0 || v.acceptedInvalid != 0 || v.orphanCharges != 0 {
 		t.Errorf("%d operations sent invalid text first, %d accepted; %d charges without a payment; want some, 0 and 0",
 			v.invalid, v.acceptedInvalid, v.orphanCharges)
+	}
+	// Transactions were held past the retention, and calls cancelled
+	// mid-flight; their operations still succeeded once.
+	if held := rep.serverLogs["payments: holding the transaction after the payment's insert (Faults.HoldAfterWrite)"]; held == 0 {
+		t.Errorf("no transaction held past the retention")
+	}
+	if cancelled := rep.stats.unknown["cancelled by the caller"]; cancelled == 0 {
+		t.Errorf("no call cancelled by its caller")
 	}
 	if rep.proxy.Connections == 0 || rep.proxy.Connections == rep.proxy.Faults[faultproxy.Pass] {
 		t.Errorf("proxy stats %+v: want connections, some of them faulted", rep.proxy)

@@ -268,7 +268,7 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 			}
 			continue
 		}
-		c.call(ctx, acct, o)
+		c.call(ctx, acct, o, rng)
 		if o.state == pending {
 			// Ask again later; the wait grows with the calls made.
 			wait := min(100*time.Millisecond<<min(o.calls-1, 5), 2*time.Second)
@@ -278,9 +278,21 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 	}
 }
 
-// call makes one call for o and records what it learned.
-func (c *clients) call(ctx context.Context, acct int, o *op) {
+// call makes one call for o and records what it learned. A share of the
+// calls (-cancel) is cancelled by the caller at a random moment, as an
+// application's own deadline or shutdown would.
+func (c *clients) call(ctx context.Context, acct int, o *op, rng *rand.Rand) {
 	o.calls++
+	callCtx := ctx
+	if rng.Float64() < c.cfg.cancelRate {
+		var cancel context.CancelFunc
+		callCtx, cancel = context.WithCancel(ctx)
+		t := time.AfterFunc(time.Duration(rng.Int64N(int64(2*c.cfg.attemptTimeout))), cancel)
+		defer func() {
+			t.Stop()
+			cancel()
+		}()
+	}
 	var out struct {
 		ID     string `json:"id"`
 		Charge string `json:"charge"`
@@ -290,7 +302,7 @@ func (c *clients) call(ctx context.Context, acct int, o *op) {
 	if sentInvalid {
 		body["customer"] = o.customer + "\x00" // encoded as \u0000
 	}
-	resp, err := c.api[acct].Post(idem.WithKey(ctx, o.key), "/v1/payments", body, &out)
+	resp, err := c.api[acct].Post(idem.WithKey(callCtx, o.key), "/v1/payments", body, &out)
 	res := classify(err)
 	var apiErr *idem.APIError
 	switch {
@@ -301,7 +313,7 @@ func (c *clients) call(ctx context.Context, acct int, o *op) {
 		res = outcome{pending, "invalid text refused (400); corrected"}
 		c.stats.call(res)
 		o.last = res.reason
-		c.call(ctx, acct, o)
+		c.call(ctx, acct, o, rng)
 		return
 	case sentInvalid && res.state == succeeded:
 		o.acceptedInvalid = true
@@ -309,6 +321,8 @@ func (c *clients) call(ctx context.Context, acct int, o *op) {
 		res = outcome{pending, "2xx without a payment id"}
 	case res.state == pending && ctx.Err() != nil:
 		res = outcome{pending, "run ended"}
+	case res.state == pending && callCtx.Err() != nil:
+		res = outcome{pending, "cancelled by the caller"}
 	}
 	c.stats.call(res)
 	switch res.state {

@@ -79,6 +79,8 @@ type config struct {
 	processorFails float64
 	retention      time.Duration // the servers' -retention
 	invalidRate    float64       // share of operations whose first request holds invalid text
+	holdRate       float64       // share of payments whose transaction a replica holds past the retention
+	cancelRate     float64       // share of calls whose context the client cancels mid-flight
 	restarts       int           // rolling graceful restarts (SIGTERM, drain, start)
 	mix            faultproxy.Mix
 	keepSchema     bool
@@ -118,6 +120,11 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.Float64Var(&c.invalidRate, "invalid-text", 0.05,
 		"share of operations whose first request carries a NUL in a text field: it must get 400 before any charge, and the corrected request with the same key must succeed")
 	fs.Float64Var(&c.processorFails, "processor-failure-rate", 0.02, "the servers' -processor-failure-rate: share of charges answered 503")
+	fs.Float64Var(&c.holdRate, "hold", 0.02,
+		"share of payments whose transaction a replica holds open for -retention plus 1s after its insert (the servers' -hold-after-write): "+
+			"the retry after it must get the replay, since retention counts from the answer")
+	fs.Float64Var(&c.cancelRate, "cancel", 0.03,
+		"share of calls whose context the client cancels at a random moment within two attempt timeouts: the operation is asked about again later, with the same key")
 	fs.Float64Var(&c.mix.Reset, "reset", 0.04, "share of proxied connections reset before the request reaches a server")
 	fs.Float64Var(&c.mix.Drop, "drop", 0.04, "share of proxied connections whose answer is dropped after the server sent it")
 	fs.Float64Var(&c.mix.Stall, "stall", 0.02, "share of proxied connections whose answer is held past the attempt timeout")
@@ -160,6 +167,8 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		return c, errors.New("-retention must be positive")
 	case c.invalidRate < 0 || c.invalidRate > 1:
 		return c, errors.New("-invalid-text must be in [0, 1]")
+	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1):
+		return c, errors.New("-hold and -cancel must be in [0, 1]")
 	}
 	if err := c.mix.Valid(); err != nil {
 		return c, err
@@ -181,3 +190,22 @@ func run(ctx context.Context, args []string, stdout io.Writer) error {
 	}
 	return rep.verdict.err()
 }
+
+// hold is how long a held payment's transaction stays open after its
+// insert: past the retention, so that a retention counted from anything
+// but the answer would expire the key before the retry asks.
+func (c config) hold() time.Duration { return c.retention + time.Second }
+
+// shutdownTimeout is the replicas' -shutdown-timeout: time for the
+// slowest request in flight at a graceful stop (a slow replica's charge,
+// then a held transaction) to finish.
+func (c config) shutdownTimeout() time.Duration {
+	d := 10 * time.Second
+	if c.holdRate > 0 {
+		d = max(d, c.slowDelay+c.hold()+3*time.Second)
+	}
+	return d
+}
+
+// stopTimeout bounds the graceful stop of a replica.
+func (c config) stopTimeout() time.Duration { return c.shutdownTimeout() + 5*time.Second }

@@ -137,6 +137,7 @@ var serverEvents = []struct {
 	{"processor: storing the charge failed", "charges failed (database)", false},
 	{"processor: injected failure", "processor 503s injected", false},
 	{"payments: processor refused the charge", "charges refused after retries", false},
+	{"payments: holding the transaction after the payment's insert (Faults.HoldAfterWrite)", "transactions held past the retention", false},
 }
 
 // breakdown formats counts by name, largest first: " (a 3, b 1)".

@@ -212,6 +212,9 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim) error {
 // kind, and keeps its operation ID, fingerprint and creation time (and its
 // token, which no longer owns it: ownership needs a started key).
 func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := s.owned(c)
@@ -304,6 +307,12 @@ func (tx *memTx) Complete(ctx context.Context, resp StoredResponse) error {
 	tx.done = true
 	staged := tx.staged
 	tx.staged = nil
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if !ValidStatus(resp.Status) {
+		return fmt.Errorf("%w: %d", ErrInvalidStatus, resp.Status)
+	}
 	if err := checkText(resp.ContentType); err != nil {
 		return err
 	}

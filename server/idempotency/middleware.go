@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/idemkit/idem/internal/keyheader"
@@ -119,8 +120,10 @@ type Options struct {
 	Logger *slog.Logger
 
 	// OnEvent, if not nil, is called once for each [Event] of a keyed
-	// request, from the request's goroutine; it must be safe for concurrent
-	// use. Wire it to the metrics of your choice.
+	// request: [EventRenewed] and [EventLeaseLost] from the goroutine that
+	// renews the request's lease while its handler runs, the others from
+	// the request's goroutine. It must be safe for concurrent use. Wire it
+	// to the metrics of your choice.
 	OnEvent func(Event)
 }
 
@@ -141,6 +144,7 @@ const (
 	EventRejected                   // 400/401/413 before the claim: nothing stored
 	EventRenewed                    // the lease of a running request was renewed
 	EventLeaseLost                  // a renewal found the key taken over: the handler's context is cancelled
+	EventCancelled                  // 503: the request's context ended before its handler answered: nothing stored
 )
 
 var eventNames = [...]string{
@@ -155,6 +159,7 @@ var eventNames = [...]string{
 	EventRejected:  "rejected",
 	EventRenewed:   "renewed",
 	EventLeaseLost: "lease_lost",
+	EventCancelled: "cancelled",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -195,8 +200,12 @@ func (e Event) String() string {
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
 //     one of a version this server does not know (stored by a newer one,
-//     during a rolling upgrade) gets 503 [ProblemInternal] with
-//     Retry-After, never a 422 that would stop the client's retry;
+//     during a rolling upgrade) gets 503 [ProblemUnavailable] with
+//     Retry-After, never a 422 that would stop the client's retry. A
+//     request whose context ends before its key is claimed gets 503
+//     [ProblemUnavailable] with Retry-After, and one whose context ends
+//     while it waits for the first request gets that request's 409: never
+//     the empty 200 net/http sends for a handler that wrote nothing;
 //  5. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
@@ -215,7 +224,13 @@ func (e Event) String() string {
 //     corrected body).
 //   - 5xx: released as [ReleaseFailed] unless
 //     [Options.StoreServerErrors] asks for Stripe's behaviour of
-//     storing them.
+//     storing them. A status above 599, which is no HTTP status, is sent
+//     but never stored (no store keeps one), and released as
+//     [ReleaseFailed].
+//   - nothing at all (no header, no body written) once the request's
+//     context is done (the client gone, a deadline, a shutdown, a lost
+//     lease): rolled back, released as [ReleaseFailed], and answered 503
+//     [ProblemUnavailable] with Retry-After instead of an empty 200.
 //   - a panic in the handler, or a completion that fails (other than
 //     fenced, below): rolled back and released as [ReleaseFailed]; a panic
 //     then goes on up.
@@ -238,9 +253,15 @@ func (e Event) String() string {
 // [ProblemKeyInUse], so only the retry's work counts.
 //
 // The outcome is decided by the status alone, also when the client has gone
-// away: a handler that finished its work is completed (store calls use
-// [context.WithoutCancel]), so the retry gets the replay. Every keyed
-// response echoes the key header as it was received.
+// away: a handler that finished its work and answered is completed (store
+// calls use [context.WithoutCancel]), so the retry gets the replay. Every
+// keyed response echoes the key header as it was received.
+//
+// The handler's context carries the claim ([ClaimFromContext]), the unit of
+// work, and the client the key is scoped by ([ClientIDFromContext]), also
+// when [Options.ClientID] found it. A Middleware behind another one on the
+// same route (a router group's and the route's) passes requests through to
+// its handler, and logs once at Error that one should go.
 func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m := &middleware{store: store, opts: opts}
 	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
@@ -306,6 +327,7 @@ type middleware struct {
 	fpVersion   int
 	clientID    func(*http.Request) (string, bool)
 	log         *slog.Logger
+	nested      sync.Once // logs a Middleware nested in another once
 }
 
 func (m *middleware) event(e Event) {
@@ -328,6 +350,17 @@ var keyDetails = []struct {
 }
 
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
+	if _, ok := r.Context().Value(runKey).(*run); ok {
+		// Behind another Middleware that already owns the key (a router
+		// group's and a route's): claiming it again would find it started
+		// by the outer one, and answer 409 until the outer one gave up.
+		m.nested.Do(func() {
+			m.log.Error("idempotency: Middleware is applied twice on this route (a router group's and the route's?); the inner one passes requests through: remove one",
+				"method", r.Method, "path", r.URL.Path)
+		})
+		next.ServeHTTP(w, r)
+		return
+	}
 	clientID, ok := m.clientID(r)
 	if !ok {
 		m.event(EventRejected)
@@ -411,7 +444,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 	recomputed := false
 	for {
 		if ctx.Err() != nil {
-			return // the client is gone and nothing was claimed
+			m.notRun(w, r) // nothing was claimed
+			return
 		}
 		// The claim does not end with the client: a claim cancelled
 		// while its answer travels back may have committed (a database
@@ -439,6 +473,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				// Released as failed, since the claim may have resumed or
 				// taken over an operation that did work (see run).
 				m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
+				m.notRun(w, r)
 				return
 			}
 			r.Body = io.NopCloser(bytes.NewReader(body))
@@ -466,7 +501,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				log.Warn("idempotency: key stored with a fingerprint version this server does not know; is a newer version deployed beside it?",
 					"version", rec.FingerprintVersion, "newest_known", maxFingerprintVersion)
 				w.Header().Set("Retry-After", "1")
-				writeProblem(w, r, ProblemInternal, http.StatusServiceUnavailable,
+				writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable,
 					"This Idempotency-Key was stored by a newer version of this service. Retry the same request with the same key shortly.")
 				return
 			}
@@ -508,7 +543,10 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				t := time.NewTimer(min(wait, left))
 				select {
 				case <-ctx.Done():
+					// Whatever ended the wait (a deadline in front, a
+					// shutdown), the first request is still running.
 					t.Stop()
+					m.conflict(w, r)
 					return
 				case <-t.C:
 				}
@@ -516,12 +554,32 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				continue
 			}
 		}
-		m.event(EventConflict)
-		w.Header().Set("Retry-After", m.retryAfter)
-		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
-			"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
+		m.conflict(w, r)
 		return
 	}
+}
+
+// conflict answers a duplicate of a request still running: 409 with
+// Retry-After.
+func (m *middleware) conflict(w http.ResponseWriter, r *http.Request) {
+	m.event(EventConflict)
+	w.Header().Set("Retry-After", m.retryAfter)
+	writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
+		"A request with this %s is still being processed. Retry the same request with the same key after the Retry-After delay.", m.keyHeader))
+}
+
+// notRun answers a request whose context ended before it ran, or before
+// its handler answered anything: 503 with Retry-After, never the empty 200
+// that net/http sends for a handler that wrote nothing, which a client
+// would take for a success. Nothing of the request was stored; when a
+// client is still there to read it (a deadline in front of the
+// middleware ended the context, not the client), it retries with the same
+// key.
+func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
+	m.event(EventCancelled)
+	w.Header().Set("Retry-After", m.retryAfter)
+	writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
+		"The request ended before it was processed (its deadline passed, or the server is shutting down), and nothing of it was done. Retry the same request with the same %s.", m.keyHeader))
 }
 
 // refuseUnread prepares the answer to a request refused before its body
@@ -563,7 +621,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			"The operation could not be started. Retry with the same key.")
 		return
 	}
-	ctx, cancel := context.WithCancelCause(NewContext(r.Context(), claim, tx))
+	// The handler reads the client the key is scoped by, however the
+	// service authenticates ([Options.ClientID] included).
+	ctx, cancel := context.WithCancelCause(WithClientID(NewContext(r.Context(), claim, tx), claim.ClientID))
 	defer cancel(nil)
 	stopRenewing := m.renew(ctx, claim, cancel, log)
 	rec := newRecorder()
@@ -587,7 +647,19 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	returned = true
 	stopRenewing()
 
+	if !rec.wroteHeader && rec.body.Len() == 0 && ctx.Err() != nil {
+		// The handler answered nothing, its context done (the client
+		// gone, a deadline, a shutdown, a lost lease): net/http would send
+		// an empty 200, and storing it would replay a success to every
+		// retry of an operation that may not have been done.
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		m.notRun(w, r)
+		return
+	}
 	status := rec.result()
+	if !ValidStatus(status) {
+		log.Error("idempotency: the handler answered a status outside 100-599, which is not stored; the key is released", "status", status)
+	}
 	if !m.storable(status) {
 		kind := ReleaseRejected
 		if status >= 500 {
@@ -672,6 +744,8 @@ func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCa
 // storable reports whether a handler's status is the key's final outcome.
 func (m *middleware) storable(status int) bool {
 	switch {
+	case !ValidStatus(status): // no store keeps it
+		return false
 	case status >= 500:
 		return m.opts.StoreServerErrors
 	case status < 400:

@@ -440,7 +440,7 @@ func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
 		}
 		r := ts.mustSend(t, keyed("k", "{}"))
 		assert.Equal(t, http.StatusServiceUnavailable, r.status, "completed %v: %s", complete, r.body)
-		assert.Equal(t, ProblemInternal, r.problem(t).Type)
+		assert.Equal(t, ProblemUnavailable, r.problem(t).Type)
 		assert.Equal(t, "1", r.header.Get("Retry-After"))
 		assert.False(t, called, "the handler ran")
 		after, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",

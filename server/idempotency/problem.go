@@ -37,6 +37,12 @@ const (
 	// [Options.StoreServerErrors] is set, the key is released and a retry of
 	// the same request runs again.
 	ProblemInternal = "https://idemkit.dev/problems/internal"
+	// ProblemUnavailable (503, with Retry-After): the request was not run,
+	// and nothing of it was done: its context ended first (the client's
+	// deadline passed, or the server is shutting down), or the key was
+	// stored by a newer version of the service. Retry the same request
+	// with the same key.
+	ProblemUnavailable = "https://idemkit.dev/problems/unavailable"
 )
 
 // problemTitles holds the fixed, human-readable title of each type.
@@ -49,6 +55,7 @@ var problemTitles = map[string]string{
 	ProblemUnauthorized:   "Authentication required",
 	ProblemTooLarge:       "Request body too large",
 	ProblemInternal:       "Internal server error",
+	ProblemUnavailable:    "The request was not run",
 }
 
 // Problem is an RFC 9457 problem details object, as written with the media

@@ -72,6 +72,11 @@ var (
 	// columns refuse; every store refuses the same values (see
 	// [ValidText]).
 	ErrInvalidText = errors.New("idempotency: text is not valid UTF-8 or holds a NUL byte")
+	// ErrInvalidStatus is returned (wrapped) by [Tx.Complete] asked to
+	// store a status outside 100 to 599, the HTTP status codes (RFC 9110,
+	// section 15); every store refuses the same values, and [Middleware]
+	// never asks (see [ValidStatus]).
+	ErrInvalidStatus = errors.New("idempotency: status is not an HTTP status code (100 to 599)")
 )
 
 // ClaimRequest asks a [Store] to claim a key for one request.
@@ -178,6 +183,7 @@ type Record struct {
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.
 type StoredResponse struct {
+	// Status is the HTTP status, 100 to 599 (see [ErrInvalidStatus]).
 	Status      int
 	ContentType string
 	// Header holds the other headers worth replaying (Location), each
@@ -189,6 +195,11 @@ type StoredResponse struct {
 // Store keeps idempotency keys. Implementations are safe for concurrent use
 // by many goroutines and, for a shared database, many processes. Package
 // storetest is the conformance suite every Store passes.
+//
+// A method called with a context that is already done returns the
+// context's error and changes nothing ([Middleware] calls Release and
+// Complete with [context.WithoutCancel], so a request whose client left
+// still finishes its key).
 type Store interface {
 	// Claim atomically claims the key, takes over a started row whose
 	// lease ran out, or returns the live row as it is. Exactly one of many
@@ -263,15 +274,24 @@ type Store interface {
 // Tx is the unit of work of one claimed key.
 type Tx interface {
 	// Complete stores resp as the key's outcome, expiring its retention
-	// from now, and commits it with the business writes; or it rolls
+	// from now (the time of the completion, however long the unit of work
+	// was open), and commits it with the business writes; or it rolls
 	// everything back and returns ErrFenced when the claim no longer owns
 	// the key, or another error when the writes or the outcome could not
-	// be committed.
+	// be committed: one wrapping [ErrInvalidStatus] for a status outside
+	// 100 to 599, [ErrInvalidText] for a header or content type a store
+	// cannot keep. After an error the key stays started.
 	Complete(ctx context.Context, resp StoredResponse) error
 	// Rollback abandons the unit of work and its writes; the key stays
 	// started. Safe to call after Complete (it does nothing then) and
 	// more than once.
 	Rollback(ctx context.Context) error
+}
+
+// ValidStatus reports whether status is an HTTP status code a [Store]
+// keeps: 100 to 599.
+func ValidStatus(status int) bool {
+	return status >= 100 && status <= 599
 }
 
 // ValidText reports whether s can be stored in a text column: valid UTF-8

@@ -119,8 +119,10 @@ func releaseA(t *testing.T, s *pgstore.Store, key string, kind idempotency.Relea
 // minute), its retention still ahead.
 const staleSQL = `locked_at = now() - interval '2 minutes', expires_at = now() + interval '1 hour'`
 
-// expired makes a key expired.
-const expiredSQL = `expires_at = now() - interval '1 second'`
+// expired makes a key expired: its last claim or renewal (locked_at) and
+// its expiry are both past its stored lease and retention (one minute, one
+// hour), as they are for a key that expired with time.
+const expiredSQL = `locked_at = now() - interval '2 hours', expires_at = now() - interval '1 second'`
 
 func raceStates() []raceState {
 	all := func(raceVariant) bool { return true }
@@ -152,7 +154,7 @@ func raceStates() []raceState {
 		}, canWin: all, outcome: idempotency.Claimed, keepsOp: none},
 		{name: "expired stale", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
 			claimA(t, s, key)
-			setRow(t, pool, key, `locked_at = now() - interval '2 hours', `+expiredSQL)
+			setRow(t, pool, key, expiredSQL)
 		}, canWin: all, outcome: idempotency.Claimed, keepsOp: none},
 		{name: "expired released failed", prepare: func(t *testing.T, s *pgstore.Store, pool *pgxpool.Pool, key string) {
 			releaseA(t, s, key, idempotency.ReleaseFailed)

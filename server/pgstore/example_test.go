@@ -63,9 +63,11 @@ func newOrderService(pool *pgxpool.Pool, reserve func(ctx context.Context, item 
 			http.Error(w, `want {"item": "...", "qty": 1 or more}`, http.StatusBadRequest) // the key stays free
 			return
 		}
-		tx, _ := pgstore.TxFromContext(r.Context()) // commits with the key's stored outcome
+		tenant, _ := idempotency.ClientIDFromContext(r.Context()) // the client the key is scoped by
+		tx, _ := pgstore.TxFromContext(r.Context())               // commits with the key's stored outcome
 		var id int64
-		err := tx.QueryRow(r.Context(), `INSERT INTO orders (item, qty) VALUES ($1, $2) RETURNING id`, in.Item, in.Qty).Scan(&id)
+		err := tx.QueryRow(r.Context(), `INSERT INTO orders (tenant, item, qty) VALUES ($1, $2, $3) RETURNING id`,
+			tenant, in.Item, in.Qty).Scan(&id)
 		if err == nil {
 			err = reserve(r.Context(), in.Item, in.Qty) // a downstream call after the insert
 		}
@@ -86,9 +88,10 @@ func migrateOrders(ctx context.Context, pool *pgxpool.Pool) error {
 		return err
 	}
 	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS orders (
-		id   bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-		item text    NOT NULL,
-		qty  integer NOT NULL)`)
+		id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+		tenant text    NOT NULL,
+		item   text    NOT NULL,
+		qty    integer NOT NULL)`)
 	return err
 }
 
@@ -211,6 +214,15 @@ func TestOrderService(t *testing.T) {
 		require.NoError(t, err)
 		assert.Equal(t, http.StatusCreated, resp.StatusCode)
 		assert.Equal(t, 1, orders(t, "chair"))
+	})
+
+	t.Run("the order belongs to the client the key is scoped by", func(t *testing.T) {
+		resp, _, err := postOrder(srv.URL, "tenant-1", `{"item": "mug", "qty": 1}`)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusCreated, resp.StatusCode)
+		var tenant string
+		require.NoError(t, pool.QueryRow(ctx, `SELECT tenant FROM orders WHERE item = 'mug'`).Scan(&tenant))
+		assert.Equal(t, "shop", tenant)
 	})
 
 	t.Run("the replay is byte for byte", func(t *testing.T) {

@@ -17,6 +17,8 @@ var (
 	keysSQL string
 	//go:embed schema/upgrade_legacy.sql
 	upgradeLegacySQL string
+	//go:embed schema/legacy_replicas.sql
+	legacyReplicasSQL string
 )
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
@@ -24,8 +26,26 @@ var (
 // schemas (one per test, say) do not wait for each other.
 const migrateLockClass = 0x1de4
 
-// schemaVersion is the version of the key table this package writes.
+// schemaVersion is the format of the key table this package writes, the
+// version recorded in idempotency_migrations. Replicas refuse to start on a
+// table of a newer format, so it changes only with a change that replicas
+// of the previous format cannot serve beside; changes they can serve
+// beside are compatible steps.
 const schemaVersion = 1
+
+// compatibleSteps are the changes to the key table of schemaVersion that
+// replicas of the same format (and of the idem-server before this package)
+// keep working with, so they do not change the recorded version: Migrate
+// applies each one the table lacks, as the query needed finds out, at
+// every start. needed returns one boolean.
+var compatibleSteps = []struct {
+	name, needed, sql string
+}{
+	{"defaults for earlier replicas", `
+		SELECT column_default IS NULL FROM information_schema.columns
+		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
+		legacyReplicasSQL},
+}
 
 // columns is the key table of schemaVersion: each column and its type as
 // information_schema.columns.data_type names it.
@@ -69,7 +89,17 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // do. A table named idempotency_keys that it did not create is an error
 // naming the columns that differ, never silently used, unless it is the key
 // table of an idem-server from before this package, which it upgrades in
-// place (see schema/upgrade_legacy.sql).
+// place (see schema/upgrade_legacy.sql). Replicas of that server may keep
+// serving beside the new ones on the upgraded table during a rolling
+// upgrade: the columns they do not know have defaults for their inserts,
+// and a key they claim, complete or release without the expiry is given
+// one from its lease and retention (see schema/legacy_replicas.sql).
+//
+// The version recorded is the table's format; a replica refuses to start
+// on a newer one. Changes that replicas of the same format keep working
+// with (a default, say) do not change it: Migrate applies each one the
+// table lacks, so a replica of the previous release restarted during a
+// rolling upgrade still starts.
 //
 // The key table, for operators: one row per (client_id, idempotency_key),
 // the primary key. status is started, completed or released; a started row
@@ -100,47 +130,70 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		switch {
 		case applied > schemaVersion:
 			return fmt.Errorf("the key table is at version %d, newer than this package's %d: upgrade the binary", applied, schemaVersion)
-		case applied == schemaVersion:
-			return nil
-		}
-		found, err := tableColumns(ctx, tx)
-		if err != nil {
-			return err
-		}
-		switch {
-		case len(found) == 0:
-			if _, err := tx.Exec(ctx, keysSQL); err != nil {
-				return fmt.Errorf("creating the key table: %w", err)
+		case applied < schemaVersion:
+			if err := createTable(ctx, tx); err != nil {
+				return err
 			}
-		case isLegacy(found):
-			if diff, err := primaryKeyDiff(ctx, tx); err != nil || diff != "" {
-				return cmpErr(err, fmt.Errorf("the key table of an earlier idem-server has %s: rename it, or migrate into another schema", diff))
-			}
-			if _, err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
-				return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
-			}
-		default:
-			diff := shapeDiff(found)
-			if diff == "" {
-				diff, err = primaryKeyDiff(ctx, tx)
-				if err != nil {
-					return err
-				}
-			}
-			if diff != "" {
-				return fmt.Errorf("a table idempotency_keys that this package did not create is in the way (%s): rename it, or migrate into another schema", diff)
-			}
-			// The shape of this version, without its record (a restored
-			// dump, say): adopted, with its sequence and index.
-			if _, err := tx.Exec(ctx, adoptSQL); err != nil {
-				return fmt.Errorf("adopting the key table: %w", err)
+			if _, err := tx.Exec(ctx, `INSERT INTO idempotency_migrations (version) VALUES ($1)`, schemaVersion); err != nil {
+				return err
 			}
 		}
-		_, err = tx.Exec(ctx, `INSERT INTO idempotency_migrations (version) VALUES ($1)`, schemaVersion)
-		return err
+		for _, step := range compatibleSteps {
+			var needed bool
+			if err := tx.QueryRow(ctx, step.needed).Scan(&needed); err != nil {
+				return fmt.Errorf("checking the key table for %s: %w", step.name, err)
+			}
+			if !needed {
+				continue
+			}
+			if _, err := tx.Exec(ctx, step.sql); err != nil {
+				return fmt.Errorf("adding %s to the key table: %w", step.name, err)
+			}
+		}
+		return nil
 	})
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
+	}
+	return nil
+}
+
+// createTable creates the key table of schemaVersion, upgrades the one of
+// an idem-server from before this package, or adopts one of this version's
+// shape; anything else in the way is an error.
+func createTable(ctx context.Context, tx pgx.Tx) error {
+	found, err := tableColumns(ctx, tx)
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(found) == 0:
+		if _, err := tx.Exec(ctx, keysSQL); err != nil {
+			return fmt.Errorf("creating the key table: %w", err)
+		}
+	case isLegacy(found):
+		if diff, err := primaryKeyDiff(ctx, tx); err != nil || diff != "" {
+			return cmpErr(err, fmt.Errorf("the key table of an earlier idem-server has %s: rename it, or migrate into another schema", diff))
+		}
+		if _, err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
+			return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
+		}
+	default:
+		diff := shapeDiff(found)
+		if diff == "" {
+			diff, err = primaryKeyDiff(ctx, tx)
+			if err != nil {
+				return err
+			}
+		}
+		if diff != "" {
+			return fmt.Errorf("a table idempotency_keys that this package did not create is in the way (%s): rename it, or migrate into another schema", diff)
+		}
+		// The shape of this version, without its record (a restored
+		// dump, say): adopted, with its sequence and index.
+		if _, err := tx.Exec(ctx, adoptSQL); err != nil {
+			return fmt.Errorf("adopting the key table: %w", err)
+		}
 	}
 	return nil
 }

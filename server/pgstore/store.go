@@ -100,8 +100,19 @@ const maxRaces = 10
 const (
 	// staleExpr: k is started and its owner stopped renewing its lease.
 	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond')`
-	// expiredExpr: k counts as absent (expires_at NULL: never).
-	expiredExpr = `(k.expires_at < now())`
+	// expiredExpr: k counts as absent. For every row this package writes
+	// it is expires_at < now() (expires_at NULL: never): a started key
+	// expires retention after its lease runs out, a finished one
+	// retention after it finished. It is computed again from locked_at,
+	// the lease and the retention, never earlier than expires_at, for the
+	// rows that replicas of an idem-server from before this package write
+	// while they serve beside this one during a rolling upgrade: they
+	// claim, take over, resume, complete and release keys without
+	// touching expires_at (see schema/legacy_replicas.sql), and a row
+	// one of them has just claimed must not count as expired.
+	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now())`
 	// lockedExpiryExpr is the expiry of a key whose lease starts now,
 	// from its lease_us and retention_us: retention after the lease runs
 	// out, or never.
@@ -526,9 +537,9 @@ func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 const purgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM idempotency_keys
-    WHERE expires_at < now()
-    ORDER BY expires_at
+    SELECT ctid FROM idempotency_keys k
+    WHERE k.expires_at < now() AND ` + expiredExpr + `
+    ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`
 

@@ -195,6 +195,14 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return errTxDone
 	}
 	u.done = true
+	if err := ctx.Err(); err != nil {
+		u.rollbackLocked(ctx)
+		return err
+	}
+	if !idempotency.ValidStatus(resp.Status) {
+		u.rollbackLocked(ctx)
+		return fmt.Errorf("pgstore: %w: %d", idempotency.ErrInvalidStatus, resp.Status)
+	}
 	if err := checkText(resp.ContentType); err != nil {
 		u.rollbackLocked(ctx)
 		return err

@@ -108,6 +108,9 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"ClaimRefusesInvalidText", testClaimInvalidText},
 		{"ClaimKeepsUnicodeText", testClaimUnicodeText},
 		{"CompleteRefusesInvalidText", testCompleteInvalidText},
+		// The edges every store agrees on.
+		{"CompleteStatusRange", testCompleteStatusRange},
+		{"DoneContextChangesNothing", testDoneContext},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -10,7 +10,8 @@
 // Flags (see -h): -addr, -database-url (or DATABASE_URL), -db-max-conns,
 // -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
-// -processor-failure-rate, -processor-url, -store-server-errors,
+// -processor-failure-rate, -processor-url, -fail-after-write, -drop-answer,
+// -hold-after-write, -hold-rate, -store-server-errors,
 // -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
 // -no-idempotency, -cpuprofile.
@@ -120,6 +121,7 @@ type options struct {
 	purgeDutyCycle       float64
 	processorDelay       time.Duration
 	processorFailureRate float64
+	faults               server.Faults
 	processorURL         string
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
@@ -169,7 +171,17 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"after a batch that took d it pauses d×(1-share)/share; 1: no pause. Retention stays exact: an expired key counts as absent before it is deleted")
 	fs.DurationVar(&o.processorDelay, "processor-delay", 0, "latency of the fake card processor; 0: none")
 	fs.Float64Var(&o.processorFailureRate, "processor-failure-rate", 0,
-		"share of charge requests the fake processor fails with 503, in [0, 1]")
+		"share of charge requests the fake processor fails with 503, in [0, 1]. The server retries its processor itself (5 attempts), "+
+			"so an API client rarely sees these: to watch a client's retries, use -fail-after-write and -drop-answer")
+	fs.Float64Var(&o.faults.FailAfterWriteRate, "fail-after-write", 0,
+		"share of keyed payments answered 500 after the card was charged and the payment written, in [0, 1]: the write rolls back, "+
+			"the key is released, and the client's retry with it runs again, charged once")
+	fs.Float64Var(&o.faults.DropAnswerRate, "drop-answer", 0,
+		"share of keyed payments whose answer is stored but never sent (the connection is closed), in [0, 1]: the client's retry with the key gets the replay")
+	fs.DurationVar(&o.faults.HoldAfterWrite, "hold-after-write", 0,
+		"hold a keyed payment's transaction open this long after its insert, before answering (see -hold-rate); the key's retention counts from the answer")
+	fs.Float64Var(&o.faults.HoldRate, "hold-rate", 0,
+		"share of keyed payments -hold-after-write holds, in [0, 1]; 0: all of them")
 	fs.StringVar(&o.processorURL, "processor-url", "",
 		"base `URL` of the card processor; empty: the fake one, on its own loopback port")
 	fs.BoolVar(&o.storeServerErrors, "store-server-errors", false,
@@ -215,6 +227,11 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-log-format %q: want text or json", o.logFormat)
 	case o.processorFailureRate < 0 || o.processorFailureRate > 1:
 		return o, fmt.Errorf("-processor-failure-rate %v: want a value in [0, 1]", o.processorFailureRate)
+	case !validShare(o.faults.FailAfterWriteRate) || !validShare(o.faults.DropAnswerRate) || !validShare(o.faults.HoldRate):
+		return o, fmt.Errorf("-fail-after-write %v, -drop-answer %v, -hold-rate %v: want shares in [0, 1]",
+			o.faults.FailAfterWriteRate, o.faults.DropAnswerRate, o.faults.HoldRate)
+	case o.faults.HoldAfterWrite < 0:
+		return o, fmt.Errorf("-hold-after-write %v: want 0 (no hold) or more", o.faults.HoldAfterWrite)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
 	case o.processorDelay < 0:
@@ -397,6 +414,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,
+		Faults:               o.faults,
 		Logger:               log,
 	})
 	if err != nil {
@@ -535,3 +553,6 @@ func (w *deadlineWriter) Flush() {
 
 // Unwrap lets http.ResponseController reach the connection.
 func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// validShare reports whether f is a share in [0, 1] (NaN is not).
+func validShare(f float64) bool { return f >= 0 && f <= 1 }

@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -270,6 +271,10 @@ func TestRunFlags(t *testing.T) {
 		{"metrics on the API's address", []string{"-addr", "127.0.0.1:8080", "-metrics-addr", "127.0.0.1:8080"}, nil, "-metrics-addr 127.0.0.1:8080 is -addr"},
 		{"metrics address taken", []string{"-metrics-addr", "256.0.0.1:1"}, nil, "-metrics-addr"},
 		{"negative read timeout", []string{"-read-timeout", "-1s"}, nil, "-read-timeout -1s"},
+		{"fail after write over 1", []string{"-fail-after-write", "1.5"}, nil, "want shares in [0, 1]"},
+		{"drop answer NaN", []string{"-drop-answer", "NaN"}, nil, "want shares in [0, 1]"},
+		{"hold rate negative", []string{"-hold-rate", "-0.1"}, nil, "want shares in [0, 1]"},
+		{"negative hold", []string{"-hold-after-write", "-1s"}, nil, "-hold-after-write -1s"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
 		{"database from env", nil, map[string]string{"DATABASE_URL": "postgres://%zz"}, "database"},
 	} {
@@ -564,6 +569,60 @@ func TestRunShortRetention(t *testing.T) {
 	if logs, want := out.String(), "lock_timeout="+idempotency.DefaultLockTimeout.String(); !strings.Contains(logs, want) {
 		t.Errorf("log lacks %q:\n%s", want, logs)
 	}
+}
+
+// TestRunFaults injects each fault of the API's own answers at rate 1:
+// a payment failed after its write is released, and its retry runs again;
+// a dropped answer is stored and lost on the way; a payment held past the
+// retention is still replayed, since retention counts from the answer.
+func TestRunFaults(t *testing.T) {
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_1"}`
+	client := &http.Client{Transport: &http.Transport{}}
+	defer client.CloseIdleConnections()
+
+	url, _, _ := start(t, []string{"-fail-after-write", "1"}, nil)
+	for range 2 {
+		resp, b := post(t, client, url, "sk_test_demo", "k1", body)
+		if resp.StatusCode != http.StatusInternalServerError || resp.Header.Get("Idempotent-Replayed") != "" {
+			t.Errorf("-fail-after-write 1: %d %s, want a 500 every time, never replayed", resp.StatusCode, b)
+		}
+	}
+
+	url, _, _ = start(t, []string{"-drop-answer", "1"}, nil)
+	if resp, b, err := tryPost(client, url, "sk_test_demo", "k1", body); err == nil {
+		t.Errorf("-drop-answer 1: %d %s, want no answer", resp.StatusCode, b)
+	}
+	if got := metric(t, client, url, "idem_keys_completed_total"); got != 1 {
+		t.Errorf("-drop-answer 1: %d keys completed, want 1 (the answer is stored, then lost)", got)
+	}
+
+	url, _, _ = start(t, []string{"-hold-after-write", "400ms", "-retention", "100ms"}, nil)
+	post(t, client, url, "sk_test_demo", "k1", body)
+	if resp, b := post(t, client, url, "sk_test_demo", "k1", body); resp.Header.Get("Idempotent-Replayed") != "true" {
+		t.Errorf("retry of a payment held past the retention: %d %s, want the replay", resp.StatusCode, b)
+	}
+}
+
+// metric reads one counter from the server's /metrics.
+func metric(t *testing.T, client *http.Client, url, name string) int64 {
+	t.Helper()
+	resp, err := client.Get(url + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			n, err := strconv.ParseInt(v, 10, 64)
+			if err != nil {
+				t.Fatalf("%s: %v", line, err)
+			}
+			return n
+		}
+	}
+	t.Fatalf("no %s in /metrics:\n%s", name, b)
+	return 0
 }
 
 // rawConn dials the server at base URL u with a generous deadline, which

@@ -7,13 +7,13 @@
 -- from locked_at with their own flags; rows written before the upgrade get
 -- the defaults of those flags (24h, 30s) and keep the expiry they had:
 -- created_at + 24h, or, for a started key, 24h after its lock ran out.
--- The UPDATE rewrites every row once, under the migration's lock.
+-- The UPDATE rewrites every row once, under the migration's lock. The
+-- defaults stay, for the earlier replicas still serving during a rolling
+-- upgrade (see legacy_replicas.sql).
 ALTER TABLE idempotency_keys ADD COLUMN IF NOT EXISTS release_rejected boolean NOT NULL DEFAULT false;
 ALTER TABLE idempotency_keys ADD COLUMN IF NOT EXISTS lease_us bigint NOT NULL DEFAULT 30000000;
 ALTER TABLE idempotency_keys ADD COLUMN IF NOT EXISTS retention_us bigint NOT NULL DEFAULT 86400000000;
 ALTER TABLE idempotency_keys ADD COLUMN IF NOT EXISTS expires_at timestamptz;
-ALTER TABLE idempotency_keys ALTER COLUMN lease_us DROP DEFAULT;
-ALTER TABLE idempotency_keys ALTER COLUMN retention_us DROP DEFAULT;
 UPDATE idempotency_keys SET
     locked_at = coalesce(locked_at, created_at),
     expires_at = CASE WHEN status = 'started'
