@@ -75,14 +75,14 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	if in != nil {
 		data, err := json.Marshal(in)
 		if err != nil {
-			return nil, fmt.Errorf("idem: encoding request body: %w", err)
+			return nil, refused(fmt.Errorf("idem: encoding request body: %w", err))
 		}
 		body = bytes.NewReader(data)
 	}
 	url := strings.TrimSuffix(c.BaseURL, "/") + "/" + strings.TrimPrefix(path, "/")
 	req, err := http.NewRequestWithContext(ctx, method, url, body)
 	if err != nil {
-		return nil, fmt.Errorf("idem: %w", err)
+		return nil, refused(fmt.Errorf("idem: %w", err))
 	}
 	req.Header.Set("Accept", "application/json")
 	if in != nil {

@@ -46,6 +46,10 @@ var (
 // context.DeadlineExceeded) and the like work through it. Attempts counts
 // only the attempts sent.
 //
+// [OutcomeOf] tells whether any attempt may have reached the server: a
+// RetryError none of whose attempts did (each failed to connect, say) is
+// [OutcomeNotSent], any other [OutcomeUnknown].
+//
 // When an operation ends on an HTTP status instead, RoundTrip returns the
 // last response and no error; only an empty retry budget
 // ([ErrBudgetExhausted]) and a body that cannot be sent again
@@ -55,6 +59,8 @@ var (
 //	switch {
 //	case errors.As(err, &rerr) && errors.Is(err, idem.ErrBudgetExhausted):
 //		// the API is failing for many operations: back off at a higher level
+//	case errors.As(err, &rerr) && idem.OutcomeOf(nil, err) == idem.OutcomeNotSent:
+//		// nothing reached the server: the operation may go elsewhere
 //	case errors.As(err, &rerr):
 //		// the outcome is unknown: retry later with the same key (idem.WithKey)
 //	}
@@ -62,6 +68,8 @@ type RetryError struct {
 	Attempts int    // attempts sent, the first included
 	Key      string // the operation's idempotency key; "" for unkeyed requests
 	Err      error
+
+	notSent bool // no attempt reached the server; see OutcomeOf
 }
 
 // Error returns a message with the attempt count and the reason.
@@ -141,7 +149,10 @@ func (e *InProgressError) Unwrap() error { return e.Err }
 // lost (a timeout, a broken connection, a 5xx) may have been processed,
 // the 422 coming from a server or proxy that compares something that
 // changed between attempts. Learn the outcome with the same key before
-// sending the operation again under a new one.
+// sending the operation again under a new one. [OutcomeOf] says which: a
+// 422 to the first attempt, or after attempts none of which was sent, is
+// [OutcomeDone]; one to a retry after an attempt that may have reached the
+// server is [OutcomeUnknown].
 type KeyReuseError struct {
 	Key     string
 	Method  string
@@ -150,6 +161,8 @@ type KeyReuseError struct {
 	// Attempts counts the attempts sent with the key by the call, the one
 	// answered 422 included: 1 when the first attempt got it.
 	Attempts int
+
+	earlierNotSent bool // no attempt before the 422 reached the server
 }
 
 // Error returns a message that names the key, the method and URL, says
@@ -158,7 +171,7 @@ type KeyReuseError struct {
 //	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
 func (e *KeyReuseError) Error() string {
 	why := "a bug in the caller"
-	if e.Attempts > 1 {
+	if e.outcome() == OutcomeUnknown {
 		why = fmt.Sprintf("answered to attempt %d: an earlier attempt of this call may have taken effect", e.Attempts)
 	}
 	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (%s)", e.Method, e.URL, e.Key, why)

@@ -189,8 +189,10 @@ func decide(keyed bool, resp *http.Response, err error) (v verdict, reason strin
 // retryableError reports whether an attempt's error may be retried. Every
 // error before a response is, but those known to recur or to be the
 // caller's: the caller's cancellation, a certificate or TLS handshake the
-// server refuses, a name that does not resolve, a Base that returned
-// nothing, and idem's own errors from a Base that is itself a Transport.
+// server refuses, a name that does not resolve, a Base that refused to
+// send ([ErrNotSent]: a circuit breaker, say, which a retry would defeat)
+// or returned nothing, and idem's own errors from a Base that is itself a
+// Transport.
 //
 // The list is of what not to retry, not of what to retry, because
 // net/http's errors after a request was written are plain strings: an
@@ -224,7 +226,7 @@ func retryableError(err error) bool {
 	if errors.As(err, &dnsErr) {
 		return dnsErr.IsTimeout || dnsErr.IsTemporary
 	}
-	if errors.Is(err, errNilResponse) || idemError(err) {
+	if errors.Is(err, ErrNotSent) || errors.Is(err, errNilResponse) || idemError(err) {
 		return false
 	}
 	return true

@@ -304,6 +304,9 @@ type operation struct {
 	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
 	filled bool          // whether they are
 	start  time.Duration // when the operation started, as time.Since(epoch)
+	// reached says an attempt may have reached the server: it got a
+	// response, or an error that does not prove otherwise (see notSent).
+	reached bool
 
 	keyed, idempotent bool
 	header, key, val  string
@@ -335,15 +338,23 @@ func (op *operation) run() (*http.Response, error) {
 		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
 		if err != nil {
 			closeBody(req)
-			return nil, err
+			return nil, refused(err)
 		}
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
-			return nil, err
+			return nil, refused(err)
 		}
 	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
-		return nil, err
+		return nil, refused(err)
+	}
+	if err := op.ctx.Err(); err != nil {
+		// Done before anything was sent.
+		closeBody(req)
+		if op.key != "" {
+			return nil, op.retryError(err)
+		}
+		return nil, refused(err)
 	}
 	var last error          // the outcome of the last attempt sent, before a retry
 	var lastVerdict verdict // and what it called for
@@ -353,13 +364,14 @@ func (op *operation) run() (*http.Response, error) {
 			if lastVerdict == conflict {
 				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
 			}
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last)}
+			return nil, op.retryError(fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last))
 		}
 		body, err := op.body.open(op.attempts + 1)
 		if err != nil {
 			// GetBody failed: the attempt is not sent, nor counted.
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
+			return nil, op.retryError(fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last))
 		}
+		reachedBefore := op.reached
 		resp, cancel, err := op.send(body)
 		if err != nil && lastVerdict == conflict && (op.ctx.Err() != nil || errors.Is(err, errOperationTimedOut)) {
 			// A poll cut short: the last the server said is that the
@@ -397,7 +409,7 @@ func (op *operation) run() (*http.Response, error) {
 			op.describe(problem, body) // provider.go
 			cancel()
 			op.report(resp, nil, false, 0, reason+": key used for another request")
-			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts}
+			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts, earlierNotSent: !reachedBefore}
 		}
 		wait, why, end := op.plan(v, resp)
 		switch end {
@@ -421,7 +433,7 @@ func (op *operation) run() (*http.Response, error) {
 			if v == conflict {
 				return op.inProgress(nil, func() {}, "409: "+errorReason(err)+" while waiting", err)
 			}
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last)}
+			return nil, op.retryError(fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last))
 		}
 	}
 }
@@ -574,6 +586,9 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
 	}
+	if resp != nil || !notSent(areq, body, err) { // outcome.go
+		op.reached = true
+	}
 	if resp != nil && resp.Body == nil {
 		// As http.Client takes it: an empty body, unless it should not be.
 		if resp.ContentLength > 0 && areq.Method != http.MethodHead {
@@ -632,7 +647,7 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		cancel()
 		op.report(nil, err, false, 0, why)
 		if op.attempts > 1 || gaveUp || op.key != "" {
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+			return nil, op.retryError(err)
 		}
 		return nil, err
 	}
@@ -669,7 +684,7 @@ func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel
 	} else {
 		err = fmt.Errorf("%w; last attempt: %s", sentinel, resp.Status)
 	}
-	return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+	return nil, op.retryError(err)
 }
 
 // inProgress ends an operation on a 409 that cannot be waited out: the
@@ -688,6 +703,12 @@ func (op *operation) inProgress(resp *http.Response, cancel func(), why string, 
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
 		Polls: max(op.conflicts, 1), Waited: waited, Problem: op.problem, Err: err, reason: why,
 	}
+}
+
+// retryError returns a RetryError of the operation with the given reason,
+// which says whether any attempt may have reached the server.
+func (op *operation) retryError(err error) *RetryError {
+	return &RetryError{Attempts: op.attempts, Key: op.key, Err: err, notSent: !op.reached}
 }
 
 // polled counts a 409 (or what Classify takes as one), as it arrives.
