@@ -55,9 +55,9 @@ func (o Outcome) String() string {
 //	return nil, fmt.Errorf("%w: %w", idem.ErrNotSent, err)
 //
 // The Transport does not retry such an error, and [OutcomeOf] takes it as
-// [OutcomeNotSent], unless the attempt's body was read (the Base then sent
-// something after all). A Base that returns it vouches that nothing of the
-// attempt reached the server: one that retries inside must not.
+// [OutcomeNotSent]. A Base that returns it vouches that nothing of the
+// attempt reached the server: one that retries inside (a failsafe-go retry
+// policy, say) must not, since an earlier try may have.
 var ErrNotSent = errors.New("idem: not sent")
 
 // OutcomeOf returns the outcome of a call that returned resp and err: a
@@ -146,19 +146,21 @@ func (*refusedError) outcome() Outcome { return OutcomeNotSent }
 // The error must be of a kind that comes before a request is written: a
 // failed dial (connection refused, no route) or name lookup, a server
 // certificate the client refused, an HTTP/2 stream the server refused
-// (REFUSED_STREAM: "prior to any processing"), or a Base's refusal
-// (ErrNotSent). That is not enough alone: http.Transport re-sends a request
-// by itself after a write when it looks replayable (a keep-alive race, a
-// connection the server closed), and returns the last try's error, a dial
-// error if the server is gone. Such a re-send reads the body, and before
-// it the first try did; so the attempt is not sent only if its body is an
-// in-memory reader that is still unread, or if there is no body (or none
-// that can be told) and http.Transport would not re-send the request after
-// a write. HTTP/2's own re-sends are of requests the server did not
-// process, by its protocol.
+// (REFUSED_STREAM: "prior to any processing"); or a Base's refusal
+// (ErrNotSent), which is enough. The others are not enough alone:
+// http.Transport re-sends a request by itself after a write when it looks
+// replayable (a keep-alive race, a connection the server closed), and
+// returns the last try's error, a dial error if the server is gone. Such a
+// re-send reads the body, and before it the first try did; so the attempt
+// is not sent only if its body is an in-memory reader that is still
+// unread, or if there is no body (or none that can be told) and
+// http.Transport would not re-send the request after a write. HTTP/2's own
+// re-sends are of requests the server did not process, by its protocol.
 func notSent(req *http.Request, body io.ReadCloser, err error) bool {
 	if errors.Is(err, ErrNotSent) {
-		return unread(body, req.ContentLength) != no // the Base vouches for it, unless it read the body
+		// The Base vouches for it. It may have read the body all the same:
+		// failsafe-go's round tripper buffers it before its policies run.
+		return true
 	}
 	if !beforeWrite(err) {
 		return false
