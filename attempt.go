@@ -20,8 +20,9 @@ type attemptContext struct {
 // allocation: WithContext's copy, inlined, stays on the stack and is copied
 // here, its context field included.
 type attemptRequest struct {
-	req http.Request
-	ctx attemptContext
+	req    http.Request
+	ctx    attemptContext
+	answer bytesBody // the body of a 2xx answer read inside the attempt
 }
 
 type attemptContextKey struct{}

@@ -91,8 +91,10 @@ type RetryPolicy struct {
 	// which does not cut the first attempt.
 	MaxElapsedTime time.Duration
 	// AttemptTimeout bounds each attempt, up to the end of the response
-	// headers; the body of the final response may be read for longer. An
-	// attempt that times out is retried. Zero means no per-attempt timeout.
+	// headers, or of a 2xx answer to a keyed request read inside the
+	// attempt ([Transport.MaxBufferedResponse]); the body of any other
+	// final response may be read for longer. An attempt that times out is
+	// retried. Zero means no per-attempt timeout.
 	AttemptTimeout time.Duration
 	// MaxRetryAfter is the longest Retry-After honoured; a longer one ends
 	// the operation at once with the response that carried it. Defaults to

@@ -23,6 +23,10 @@ import (
 // [Transport] buffers in memory so it can send it again: 1 MiB.
 const DefaultMaxBufferedBody = 1 << 20
 
+// DefaultMaxBufferedResponse is the largest 2xx answer to a keyed request
+// that [Transport] reads whole inside its attempt: 64 KiB.
+const DefaultMaxBufferedResponse = 64 << 10
+
 // maxDrain bounds how much of a retried response's body is read before it
 // is closed, so that its connection can be reused without reading a large
 // error page to the end.
@@ -148,6 +152,18 @@ type Transport struct {
 	// Requests made by http.NewRequest from a bytes.Buffer, bytes.Reader or
 	// strings.Reader have GetBody and are never buffered.
 	MaxBufferedBody int64
+
+	// MaxBufferedResponse is the largest 2xx answer to a keyed request
+	// (POST, PATCH) that is read whole inside its attempt, when its
+	// Content-Length says it is no larger: an answer cut while it is read
+	// is then retried with the same key, and the server's replay of the
+	// stored answer completes it, instead of leaving the caller a read
+	// error and an unknown outcome. AttemptTimeout bounds the read, and a
+	// read that stalls past it is retried too. A larger answer, one of
+	// unknown length (chunked, which may be a stream that must not be held
+	// up), and the answers to unkeyed requests are handed over unread. If
+	// zero, DefaultMaxBufferedResponse is used; a negative value reads none.
+	MaxBufferedResponse int64
 
 	// Classify, if not nil, sees each attempt's outcome, a response or an
 	// error (the other is nil), and may override what the Transport makes
@@ -586,15 +602,21 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
 	}
-	if resp != nil || !notSent(areq, body, err) { // outcome.go
-		op.reached = true
-	}
 	if resp != nil && resp.Body == nil {
 		// As http.Client takes it: an empty body, unless it should not be.
 		if resp.ContentLength > 0 && areq.Method != http.MethodHead {
 			resp, err = nil, fmt.Errorf("idem: the base RoundTripper (%T) returned a *Response with content length %d but a nil Body", op.t.base(), resp.ContentLength)
 		} else {
 			resp.Body = http.NoBody
+		}
+	}
+	if resp != nil || !notSent(areq, body, err) { // outcome.go
+		op.reached = true
+	}
+	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {
+		// Read inside the attempt, under its timer: a cut is retried.
+		if err = readAnswer(resp, &ar.answer); err != nil {
+			resp = nil
 		}
 	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
@@ -662,7 +684,7 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
-		} else if resp.Body == http.NoBody {
+		} else if _, read := resp.Body.(*bytesBody); read || resp.Body == http.NoBody {
 			cancel() // nothing left to read
 		} else {
 			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
@@ -777,6 +799,38 @@ func outcome(resp *http.Response, err error) string {
 		return resp.Status
 	}
 	return "no response"
+}
+
+func (t *Transport) maxAnswer() int64 {
+	if t.MaxBufferedResponse == 0 {
+		return DefaultMaxBufferedResponse
+	}
+	return t.MaxBufferedResponse
+}
+
+// readAnswer reads the body of resp, of known length, whole, and makes
+// into, holding it, the body; or, if it cannot, closes the body and
+// returns why.
+func readAnswer(resp *http.Response, into *bytesBody) error {
+	buf := make([]byte, resp.ContentLength+1) // +1 to see the end
+	n, err := io.ReadFull(resp.Body, buf)
+	switch {
+	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
+		// It ended where it said it would. (net/http's own short body
+		// ends with io.ErrUnexpectedEOF too, but before its length.)
+	case err == nil:
+		// Longer than it said (a Base, not net/http): handed over as
+		// it came, what was read first.
+		resp.Body = &peekedBody{prefix: buf, rest: resp.Body}
+		return nil
+	default:
+		resp.Body.Close()
+		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
+	}
+	resp.Body.Close()
+	into.Reset(buf[:n])
+	resp.Body = into
+	return nil
 }
 
 func (t *Transport) maxBuffered() int64 {
