@@ -66,11 +66,7 @@ func TestSynctestRetryErrorTimeout(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
-				ctx, cancel := context.WithCancel(context.Background())
-				if tt.ctx > 0 {
-					ctx, cancel = context.WithTimeout(ctx, tt.ctx)
-				}
-				defer cancel()
+				ctx := contextWithin(t, tt.ctx)
 				client := &http.Client{Transport: &Transport{Base: tt.base, Retry: tt.policy, DisableBudget: true}}
 				req, err := http.NewRequestWithContext(ctx, http.MethodPost, mockURL, strings.NewReader(`{}`))
 				require.NoError(t, err)
@@ -102,11 +98,7 @@ func TestSynctestPollCutShortIsInProgress(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			synctest.Test(t, func(t *testing.T) {
-				ctx, cancel := context.WithCancel(context.Background())
-				if tt.timeout > 0 {
-					ctx, cancel = context.WithTimeout(ctx, tt.timeout)
-				}
-				defer cancel()
+				ctx := contextWithin(t, tt.timeout)
 				var as attempts
 				srv := newFake(replyBody(409, "application/problem+json", `{"title":"Request in progress"}`, "Retry-After", "1"), blockUntilDone)
 				_, err := fakePost(t, &Transport{Base: srv, Retry: tt.policy, OnAttempt: as.hook}, ctx)
@@ -123,4 +115,15 @@ func TestSynctestPollCutShortIsInProgress(t *testing.T) {
 			})
 		})
 	}
+}
+
+// contextWithin returns a context that ends after timeout, if positive,
+// and when the test ends.
+func contextWithin(t *testing.T, timeout time.Duration) context.Context {
+	ctx, cancel := context.WithCancel(context.Background())
+	if timeout > 0 {
+		ctx, cancel = context.WithTimeout(ctx, timeout)
+	}
+	t.Cleanup(cancel)
+	return ctx
 }
