@@ -64,6 +64,9 @@ const maxDrainTime = time.Second
 //   - A [Transport.Provider] reads the answers of an API that speaks
 //     otherwise, such as Stripe's 400 idempotency_error (key reuse) or
 //     PayPal's 422 UNPROCESSABLE_ENTITY (a refused request, returned).
+//   - A keyed request's 2xx answer of at most MaxBufferedResponse bytes
+//     is read whole inside its attempt: one cut while it is read is
+//     retried with the same key, and the server's replay completes it.
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
 //     Errors not retried are those known to recur (a certificate the
@@ -234,11 +237,10 @@ func (t *Transport) base() http.RoundTripper {
 // DefaultKeyHeader as it is, or the Transport's KeyHeader (else the
 // Provider's) canonicalized.
 func (t *Transport) keyHeader() string {
-	name := t.keyHeaderName() // provider.go
-	if name == "" {
-		return DefaultKeyHeader
+	if t.KeyHeader == "" && t.Provider.KeyHeader == "" {
+		return DefaultKeyHeader // the common case, without keyHeaderName's cmp.Or
 	}
-	return textproto.CanonicalMIMEHeaderKey(name)
+	return textproto.CanonicalMIMEHeaderKey(t.keyHeaderName()) // provider.go
 }
 
 func (t *Transport) retryBudget() *RetryBudget {
@@ -579,7 +581,8 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		var cancelCause context.CancelCauseFunc
 		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
 		// A timer rather than WithTimeout: it is stopped once the headers
-		// are in, so a slow read of the final body is not cut off.
+		// are in (and an answer read inside the attempt), so a slow read
+		// of the final body is not cut off.
 		timer = time.AfterFunc(d, func() { cancelCause(cause) })
 		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
 	}
