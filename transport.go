@@ -687,7 +687,7 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
-		} else if _, read := resp.Body.(*bytesBody); read || resp.Body == http.NoBody {
+		} else if _, read := resp.Body.(*answerBody); read || resp.Body == http.NoBody {
 			cancel() // nothing left to read
 		} else {
 			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
@@ -814,7 +814,7 @@ func (t *Transport) maxAnswer() int64 {
 // readAnswer reads the body of resp, of known length, whole, and makes
 // into, holding it, the body; or, if it cannot, closes the body and
 // returns why.
-func readAnswer(resp *http.Response, into *bytesBody) error {
+func readAnswer(resp *http.Response, into *answerBody) error {
 	buf := make([]byte, resp.ContentLength+1) // +1 to see the end
 	n, err := io.ReadFull(resp.Body, buf)
 	switch {
@@ -831,7 +831,7 @@ func readAnswer(resp *http.Response, into *bytesBody) error {
 		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
 	}
 	resp.Body.Close()
-	into.Reset(buf[:n])
+	into.b = buf[:n]
 	resp.Body = into
 	return nil
 }
