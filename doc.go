@@ -30,6 +30,10 @@
 // key with [WithKey]. [Client] is a small JSON client built on the
 // Transport, and [Replayed] tells a replayed answer from a first one.
 //
-// The server side of the same contract, on PostgreSQL, is in package
-// github.com/idemkit/idem/server.
+// The server side of the same contract is a library for your own service:
+// package github.com/idemkit/idem/server/idempotency is the middleware
+// (any net/http handler, any store), and github.com/idemkit/idem/server/pgstore
+// keeps the keys in PostgreSQL and hands your handler the pgx.Tx its writes
+// commit in. Package github.com/idemkit/idem/server is the reference
+// payments API built on them, for tests and demos.
 package idem

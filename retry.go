@@ -182,7 +182,9 @@ func decide(keyed bool, resp *http.Response, err error) (v verdict, reason strin
 		}
 	case http.StatusUnprocessableEntity:
 		if keyed {
-			return keyReuse, resp.Status
+			// RFC 9110's phrase, whatever the server's status line says
+			// (Go's servers still send "Unprocessable Entity").
+			return keyReuse, "422 Unprocessable Content"
 		}
 	}
 	return done, resp.Status

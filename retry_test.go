@@ -85,8 +85,12 @@ func TestDecideStatus(t *testing.T) {
 			if v != want {
 				t.Errorf("decide(keyed=%t, %d) = %v, want %v", keyed, tt.code, v, want)
 			}
-			if reason != resp.Status {
-				t.Errorf("decide(keyed=%t, %d) reason = %q, want the status line %q", keyed, tt.code, reason, resp.Status)
+			wantReason := resp.Status
+			if v == keyReuse {
+				wantReason = "422 Unprocessable Content" // RFC 9110's phrase
+			}
+			if reason != wantReason {
+				t.Errorf("decide(keyed=%t, %d) reason = %q, want %q", keyed, tt.code, reason, wantReason)
 			}
 		}
 	}

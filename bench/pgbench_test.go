@@ -85,9 +85,9 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 -- plans alone: unnamed result columns of the claim and the charge are
 -- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
 -- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
--- the INSERT, the completion and COMMIT as four round trips; the server
--- pipelines BEGIN with the INSERT and the completion with the COMMIT (two):
--- the same WAL flushes.
+-- the INSERT, the SHOW, the completion and COMMIT as five round trips; the
+-- server pipelines BEGIN with the INSERT and the SHOW, and the completion
+-- with the COMMIT (two): the same WAL flushes.
 --
 -- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
 -- lockus retus status ctype hdr body customer currency.
@@ -113,6 +113,10 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	show, err := goConst(src, "showIsolationSQL")
+	if err != nil {
+		return "", err
+	}
 	const firstCol = "SELECT 1, lock_token, operation_id::text,"
 	if !strings.Contains(claim, firstCol) {
 		return "", fmt.Errorf("claimNewSQL has no %q any more; update pgbenchScript", firstCol)
@@ -125,6 +129,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	claim = strings.Replace(claim, lastCol, ", false AS lost\nFROM inserted", 1)
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
+		9: "false", 10: "NULL::timestamptz", // a request without a first-sent time
 	})
 	if err != nil {
 		return "", fmt.Errorf("claimNewSQL: %w", err)
@@ -167,6 +172,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
 	b.WriteString("\nBEGIN;\n-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
+	b.WriteString("-- showIsolationSQL (pgstore reads the isolation level with the first statement)\n" + strings.TrimSpace(show) + ";\n")
 	b.WriteString("-- completeInTxSQL (the key's completion)\n" + strings.TrimSpace(complete) + ";\nCOMMIT;\n")
 	return b.String(), nil
 }

@@ -70,6 +70,7 @@ func NewMetrics() *Metrics {
 	event(idempotency.EventRenewed, "idem_leases_renewed_total", "Leases of running requests renewed.")
 	event(idempotency.EventLeaseLost, "idem_leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
 	event(idempotency.EventCancelled, "idem_requests_cancelled_total", "Keyed requests whose context ended (a deadline, a shutdown) before their handler answered; answered 503, nothing stored.")
+	event(idempotency.EventExpiredRetry, "idem_expired_retries_total", "Retries first sent longer ago than their key is kept, whose key was gone or expired: answered 410, not run.")
 	m.order = append(m.order,
 		family{name: "idem_keys_purged_total", help: "Expired idempotency keys deleted by the purge job.",
 			samples: func() map[string]int64 { return map[string]int64{"": m.purged.Load()} }},

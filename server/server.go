@@ -48,6 +48,11 @@ type Config struct {
 	StoreServerErrors  bool
 	MaxBodyBytes       int64
 	FingerprintVersion int
+	// FirstSentSkew and IgnoreFirstSent are passed to
+	// [idempotency.Middleware]: the first-sent policy is on by default
+	// (see [idempotency.Options.FirstSentHeader]).
+	FirstSentSkew   time.Duration
+	IgnoreFirstSent bool
 
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
@@ -223,6 +228,9 @@ func New(cfg Config) (*Server, error) {
 		WaitForCompletion:  cfg.WaitForCompletion,
 		MaxBodyBytes:       cfg.MaxBodyBytes,
 		FingerprintVersion: cfg.FingerprintVersion,
+		FirstSentSkew:      cfg.FirstSentSkew,
+		IgnoreFirstSent:    cfg.IgnoreFirstSent,
+		BodyFormat:         idempotency.BodyByContentType, // the API takes forms as well as JSON
 		Logger:             log,
 		OnEvent:            s.metrics.Observe,
 	})

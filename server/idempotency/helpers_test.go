@@ -50,21 +50,23 @@ func testHandler(t *testing.T, store Store, opts Options, h http.HandlerFunc) ht
 
 // testServer is a handler behind an httptest.Server.
 type testServer struct {
-	URL    string
-	client *http.Client
+	URL     string
+	client  *http.Client
+	handler http.Handler // what the server serves, for requests served in process
 }
 
 // mwServer serves h behind Middleware on store (see testHandler), stopped
 // when the test ends.
 func mwServer(t *testing.T, store Store, opts Options, h http.HandlerFunc) *testServer {
 	t.Helper()
-	hs := httptest.NewServer(testHandler(t, store, opts, h))
+	handler := testHandler(t, store, opts, h)
+	hs := httptest.NewServer(handler)
 	client := &http.Client{Transport: &http.Transport{}}
 	t.Cleanup(func() {
 		client.CloseIdleConnections()
 		hs.Close()
 	})
-	return &testServer{URL: hs.URL, client: client}
+	return &testServer{URL: hs.URL, client: client, handler: handler}
 }
 
 // call is one raw request; the zero fields mean: POST /v1/payments with no
@@ -168,8 +170,14 @@ func (ts *testServer) mustSend(t *testing.T, c call) reply {
 // run in a synctest bubble need.
 func serve(t *testing.T, h http.Handler, c call) reply {
 	t.Helper()
+	return serveRequest(t, h, c.request(t, ""))
+}
+
+// serveRequest serves req with h in process.
+func serveRequest(t *testing.T, h http.Handler, req *http.Request) reply {
+	t.Helper()
 	rec := httptest.NewRecorder()
-	h.ServeHTTP(rec, c.request(t, ""))
+	h.ServeHTTP(rec, req)
 	resp := rec.Result()
 	b, _ := io.ReadAll(resp.Body)
 	return reply{status: resp.StatusCode, header: resp.Header, body: b}

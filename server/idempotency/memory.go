@@ -110,7 +110,11 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	sameVersion := k != nil && k.rec.FingerprintVersion == req.FingerprintVersion
 	sameRequest := sameVersion && bytes.Equal(k.rec.Fingerprint, req.Fingerprint)
 	switch {
+	case k == nil && req.FirstSent.Stale:
+		return ClaimResult{Outcome: Refused}, nil
 	case k == nil:
+	case k.expired(now) && req.FirstSent.refuses(k.rec.CreatedAt):
+		return ClaimResult{Outcome: Refused}, nil
 	case k.expired(now),
 		k.rec.Status == StatusReleased && k.release == ReleaseRejected && sameVersion && !sameRequest:
 		// Absent, or free for another request: a new operation replaces it.

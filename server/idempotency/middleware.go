@@ -31,6 +31,17 @@ const (
 	DefaultRetention    = 24 * time.Hour
 	DefaultRetryAfter   = time.Second
 	DefaultMaxBodyBytes = 1 << 20
+	// DefaultFirstSentHeader is the header of the first-sent time, from
+	// OASIS Repeatable Requests 1.0, as Azure's APIs use it.
+	DefaultFirstSentHeader = "Repeatability-First-Sent"
+	// DefaultMaxFirstSentSkew caps the default allowance for a client
+	// clock that runs ahead ([Options.FirstSentSkew]).
+	DefaultMaxFirstSentSkew = 5 * time.Minute
+	// RetentionHeader is the response header that advertises, on every
+	// keyed response, how long the key is kept after its request finishes,
+	// in seconds, as proposed in the IETF draft's issue #49
+	// (ietf-wg-httpapi/idempotency): "Idempotency-TTL: 86400".
+	RetentionHeader = "Idempotency-TTL"
 )
 
 // Options configures [Middleware]. The zero value is ready to use: every
@@ -101,6 +112,52 @@ type Options struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
+	// FirstSentHeader names the request header that carries when the
+	// client first sent the request's operation, an HTTP-date
+	// (IMF-fixdate), the same on every retry; idem.Transport sends it on
+	// every keyed attempt. If empty, "Repeatability-First-Sent" is used.
+	//
+	// With it, the middleware never runs again an operation whose key it
+	// let go of: a keyed request whose key is absent or expired is refused
+	// with 410 [ProblemKeyExpired], nothing run, when it was first sent
+	// longer ago than Retention less FirstSentSkew (the key may have been
+	// its own, and purged), or when the key expired and the request was
+	// first sent no later than FirstSentSkew after the key's operation
+	// began (the retry belongs to that operation). A key that is present
+	// and not expired is served as without the header, whatever its time;
+	// a request without the header is served as before. A first-sent time
+	// more than FirstSentSkew in the future, or one that is not an
+	// HTTP-date, gets 400 [ProblemInvalidRequest].
+	//
+	// Clock skew. The first-sent time is on the client's clock; now, on
+	// this server's. A client clock that runs ahead by d makes a request
+	// look d younger: a retry after a purge, at least Retention after the
+	// first send on this server's clock, looks at least Retention - d old,
+	// which is refused as long as d < FirstSentSkew; past that, its first
+	// attempt already got the 400 for a time in the future. So the
+	// allowance is subtracted from the retention, never added, and a
+	// purged key never gets through for a clock off by less than it. A
+	// client clock that runs behind makes requests look older: a new
+	// operation is refused only when the clock is more than Retention -
+	// FirstSentSkew behind, which the 410 makes plain. The horizon is this
+	// server's Retention: replicas with different retentions should share
+	// the shortest one for this, since a purged key's retention is gone
+	// with it (an expired key that is still there is judged by the time
+	// its operation began, whatever its retention).
+	FirstSentHeader string
+
+	// FirstSentSkew is the allowance for a client clock that runs ahead of
+	// this server's (see FirstSentHeader). It must be less than half the
+	// Retention: it is taken off the retention. If zero, a tenth of the
+	// Retention is used, at most 5 minutes ([DefaultMaxFirstSentSkew]).
+	FirstSentSkew time.Duration
+
+	// IgnoreFirstSent turns the first-sent policy off: keyed requests are
+	// served whatever their first-sent time, and a retry that arrives
+	// after its key was purged runs its operation again. The policy is
+	// also off when keys never expire (a negative Retention).
+	IgnoreFirstSent bool
+
 	// FingerprintVersion is the version of the canonical request form
 	// ([Fingerprint]) that new keys are stored with; a key stored with
 	// another known version is compared in its own. If zero,
@@ -111,6 +168,18 @@ type Options struct {
 	// later one: an older server answers a version 2 key 422, which stops
 	// the client's retry. Middleware panics on a version it does not know.
 	FingerprintVersion int
+
+	// BodyFormat says how request bodies are read to be fingerprinted. If
+	// zero ([BodyByContentType]), by their Content-Type: JSON, a form, or
+	// raw bytes. A JSON API sets [BodyAsJSON] (every body is fingerprinted
+	// as JSON, whatever its declared type: curl -d declares a form) or
+	// [BodyJSONOnly] (a body declared as another type gets 415). A request
+	// declared as JSON is fingerprinted alike under all three, so only a
+	// key first sent with another declared type, retried after the setting
+	// changed, meets the change (422, or 415): change it on every server
+	// sharing the store at once. Middleware panics on a format it does not
+	// know.
+	BodyFormat BodyFormat
 
 	// Logger receives what an operator must act on, at Warn and Error:
 	// takeovers, lost leases, fenced completions, panics and store errors,
@@ -133,33 +202,35 @@ type Event int
 
 // Events reported to [Options.OnEvent].
 const (
-	EventClaimed   Event = iota + 1 // the key was new, expired or released: the handler runs
-	EventTookOver                   // a stale started key was taken over: the handler runs
-	EventCompleted                  // the outcome was stored with the business writes
-	EventReplayed                   // a stored outcome was replayed
-	EventConflict                   // 409: the key's first request is still running
-	EventMismatch                   // 422: the key was used with another request
-	EventReleased                   // the outcome was not stored and the key was freed
-	EventFenced                     // the completion lost the key to a takeover
-	EventRejected                   // 400/401/413 before the claim: nothing stored
-	EventRenewed                    // the lease of a running request was renewed
-	EventLeaseLost                  // a renewal found the key taken over: the handler's context is cancelled
-	EventCancelled                  // 503: the request's context ended before its handler answered: nothing stored
+	EventClaimed      Event = iota + 1 // the key was new, expired or released: the handler runs
+	EventTookOver                      // a stale started key was taken over: the handler runs
+	EventCompleted                     // the outcome was stored with the business writes
+	EventReplayed                      // a stored outcome was replayed
+	EventConflict                      // 409: the key's first request is still running
+	EventMismatch                      // 422: the key was used with another request
+	EventReleased                      // the outcome was not stored and the key was freed
+	EventFenced                        // the completion lost the key to a takeover
+	EventRejected                      // 400/401/413/415 before the claim: nothing stored
+	EventRenewed                       // the lease of a running request was renewed
+	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
+	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
+	EventExpiredRetry                  // 410: a request first sent longer ago than its key is kept found its key gone or expired: nothing run
 )
 
 var eventNames = [...]string{
-	EventClaimed:   "claimed",
-	EventTookOver:  "took_over",
-	EventCompleted: "completed",
-	EventReplayed:  "replayed",
-	EventConflict:  "conflict",
-	EventMismatch:  "mismatch",
-	EventReleased:  "released",
-	EventFenced:    "fenced",
-	EventRejected:  "rejected",
-	EventRenewed:   "renewed",
-	EventLeaseLost: "lease_lost",
-	EventCancelled: "cancelled",
+	EventClaimed:      "claimed",
+	EventTookOver:     "took_over",
+	EventCompleted:    "completed",
+	EventReplayed:     "replayed",
+	EventConflict:     "conflict",
+	EventMismatch:     "mismatch",
+	EventReleased:     "released",
+	EventFenced:       "fenced",
+	EventRejected:     "rejected",
+	EventRenewed:      "renewed",
+	EventLeaseLost:    "lease_lost",
+	EventCancelled:    "cancelled",
+	EventExpiredRetry: "expired_retry",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -186,10 +257,20 @@ func (e Event) String() string {
 //     same key either way): 400 [ProblemKeyMissing] without it, 400
 //     [ProblemKeyInvalid] when it is sent on several lines, empty, over 255
 //     characters, outside visible ASCII or malformed;
-//  3. reads the body (413 [ProblemTooLarge] over the limit) and computes its
-//     [Fingerprint] (400 [ProblemInvalidRequest] for a malformed JSON or
-//     form body). None of these store anything;
-//  4. claims the key with [Store.Claim]. A key that exists with another
+//  3. reads the first-sent time ([Options.FirstSentHeader]; 400
+//     [ProblemInvalidRequest] when it is not an HTTP-date, is sent twice,
+//     or lies further ahead than the allowance), and from here on answers
+//     every keyed response with the key header echoed and the retention in
+//     Idempotency-TTL ([RetentionHeader]);
+//  4. reads the body (415 [ProblemUnsupportedMediaType] before reading a
+//     body whose type [Options.BodyFormat] refuses, 413 [ProblemTooLarge]
+//     over the limit) and computes its [Fingerprint] (400
+//     [ProblemInvalidRequest] for a malformed JSON or form body). None of
+//     these store anything;
+//  5. claims the key with [Store.Claim]. A key that is absent or expired
+//     gets 410 [ProblemKeyExpired], nothing run, when the request's
+//     first-sent time says it may be a retry of the operation the key was
+//     kept for (see [Options.FirstSentHeader]). A key that exists with another
 //     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
 //     stored status, headers and body, byte for byte, with
 //     Idempotent-Replayed: true (a header whose name or value is not valid
@@ -206,7 +287,7 @@ func (e Event) String() string {
 //     [ProblemUnavailable] with Retry-After, and one whose context ends
 //     while it waits for the first request gets that request's 409: never
 //     the empty 200 net/http sends for a handler that wrote nothing;
-//  5. otherwise it owns the key: it opens the unit of work with
+//  6. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
 //     renews the claim's lease every third of [Options.LockTimeout] while
@@ -277,6 +358,21 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
 			opts.FingerprintVersion, maxFingerprintVersion))
 	}
+	m.firstSentHeader = http.CanonicalHeaderKey(cmpOr(opts.FirstSentHeader, DefaultFirstSentHeader))
+	m.skew = opts.FirstSentSkew
+	if m.skew == 0 {
+		m.skew = min(m.retention/10, DefaultMaxFirstSentSkew)
+	}
+	if m.retention > 0 && !(m.skew > 0 && m.skew < m.retention/2) {
+		panic(fmt.Sprintf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention))
+	}
+	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
+	if m.retention > 0 {
+		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
+	}
+	if !knownBodyFormat(opts.BodyFormat) {
+		panic(fmt.Sprintf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat))
+	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
 		m.clientID = func(r *http.Request) (string, bool) { return ClientIDFromContext(r.Context()) }
@@ -325,9 +421,14 @@ type middleware struct {
 	retryAfter  string
 	maxBody     int64
 	fpVersion   int
-	clientID    func(*http.Request) (string, bool)
-	log         *slog.Logger
-	nested      sync.Once // logs a Middleware nested in another once
+	// The first-sent policy: on, its header and its allowance.
+	firstSent       bool
+	firstSentHeader string
+	skew            time.Duration
+	ttl             string // RetentionHeader's value; "" when keys never expire
+	clientID        func(*http.Request) (string, bool)
+	log             *slog.Logger
+	nested          sync.Once // logs a Middleware nested in another once
 }
 
 func (m *middleware) event(e Event) {
@@ -390,9 +491,20 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemKeyInvalid, http.StatusBadRequest, detail)
 		return
 	}
-	// From here on every response carries the key back.
+	// From here on every response carries the key back, and how long
+	// it is kept.
 	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
+	if m.ttl != "" {
+		w.Header().Set(RetentionHeader, m.ttl)
+	}
 	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+	firstSent, bad := m.firstSentCheck(r)
+	if bad != "" {
+		m.event(EventRejected)
+		refuseUnread(w, r)
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, bad)
+		return
+	}
 	if !ValidText(clientID) {
 		log.Error("idempotency: the client id is not valid UTF-8 text; check Options.ClientID")
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server could not identify the client. Retry later.")
@@ -406,6 +518,12 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 
+	contentType, ok := m.opts.BodyFormat.contentType(r.Header.Get("Content-Type"))
+	if !ok {
+		m.event(EventRejected)
+		refuseMediaType(w, r)
+		return
+	}
 	body, err := m.readBody(w, r)
 	if err != nil {
 		m.event(EventRejected)
@@ -418,7 +536,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
-	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
@@ -434,6 +552,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		FingerprintVersion: m.fpVersion,
 		LockTimeout:        m.lockTimeout,
 		Retention:          m.retention,
+		FirstSent:          firstSent,
 	}
 	ctx := r.Context()
 	var deadline time.Time
@@ -482,6 +601,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			m.run(w, r, next, res.Claim, log)
 			return
 		case Exists:
+		case Refused:
+			m.event(EventExpiredRetry)
+			log.Info("idempotency: refused a retry first sent longer ago than its key is kept; its key is gone or expired",
+				"first_sent", r.Header.Get(m.firstSentHeader))
+			writeProblem(w, r, ProblemKeyExpired, http.StatusGone, fmt.Sprintf(
+				"This request was first sent longer ago than its %s is kept (%s), and the key is gone: the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.",
+				m.keyHeader, m.retention))
+			return
 		default:
 			log.Error("idempotency: store returned an unknown outcome", "outcome", res.Outcome)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
@@ -491,7 +618,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true
-			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 			if errors.Is(err, ErrFingerprintVersion) {
 				// Written by a newer server (a rolling upgrade, or a
 				// rollback after one): this one cannot tell whether the
@@ -580,6 +707,38 @@ func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
 	w.Header().Set("Retry-After", m.retryAfter)
 	writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
 		"The request ended before it was processed (its deadline passed, or the server is shutting down), and nothing of it was done. Retry the same request with the same %s.", m.keyHeader))
+}
+
+// firstSentCheck reads the request's first-sent time into the check its
+// claim makes (see [Options.FirstSentHeader]); the zero check without the
+// header or with the policy off. bad, when not empty, says what is wrong
+// with the header: the detail of a 400.
+func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad string) {
+	if !m.firstSent {
+		return c, ""
+	}
+	values := r.Header.Values(m.firstSentHeader)
+	switch len(values) {
+	case 0:
+		return c, ""
+	case 1:
+	default:
+		return c, fmt.Sprintf("Send the %s header once; the key was not used.", m.firstSentHeader)
+	}
+	sent, err := http.ParseTime(strings.TrimSpace(values[0]))
+	if err != nil {
+		return c, fmt.Sprintf("The %s header is not an HTTP-date such as %q; the key was not used.",
+			m.firstSentHeader, "Tue, 01 Dec 2026 10:00:00 GMT")
+	}
+	now := time.Now()
+	if sent.After(now.Add(m.skew)) {
+		return c, fmt.Sprintf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
+			m.firstSentHeader, sent.Sub(now).Round(time.Second), m.skew)
+	}
+	return FirstSentCheck{
+		Stale:         now.Sub(sent) > m.retention-m.skew,
+		EarliestBegin: sent.Add(-m.skew),
+	}, ""
 }
 
 // refuseUnread prepares the answer to a request refused before its body
@@ -684,6 +843,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		w.Header().Set("Retry-After", m.retryAfter)
 		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
 			"This request lost its hold on the %s (it could not renew it in time) and a retry with the same key took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
+	case errors.Is(err, ErrUnitEnded):
+		log.Error("idempotency: completion failed: the handler ended its own transaction, and what it wrote before may be committed without the key's outcome; fix the handler", "err", err)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved, and part of what this request wrote may have been committed without it (a defect of this service). Retrying the same request with the same key runs it again.")
 	default:
 		log.Error("idempotency: completion failed", "err", err)
 		m.abandon(detached, tx, claim, ReleaseFailed, log)

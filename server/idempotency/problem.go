@@ -33,6 +33,10 @@ const (
 	ProblemUnauthorized = "https://idemkit.dev/problems/unauthorized"
 	// ProblemTooLarge (413): the body is over the size limit.
 	ProblemTooLarge = "https://idemkit.dev/problems/request-too-large"
+	// ProblemUnsupportedMediaType (415): the body's Content-Type is not
+	// JSON and [Options.BodyFormat] is [BodyJSONOnly]. Nothing is stored;
+	// the key stays free.
+	ProblemUnsupportedMediaType = "https://idemkit.dev/problems/unsupported-media-type"
 	// ProblemInternal (500): an unexpected server error. Unless
 	// [Options.StoreServerErrors] is set, the key is released and a retry of
 	// the same request runs again.
@@ -43,19 +47,28 @@ const (
 	// stored by a newer version of the service. Retry the same request
 	// with the same key.
 	ProblemUnavailable = "https://idemkit.dev/problems/unavailable"
+	// ProblemKeyExpired (410): the request was first sent (its
+	// Repeatability-First-Sent) longer ago than its key is kept, and the
+	// key is gone or expired: the original outcome of the operation is
+	// unknown and can no longer be looked up. Nothing was run. The client
+	// must not retry with a new key blindly: the operation may have taken
+	// effect; check for it by other means first.
+	ProblemKeyExpired = "https://idemkit.dev/problems/idempotency-key-expired"
 )
 
 // problemTitles holds the fixed, human-readable title of each type.
 var problemTitles = map[string]string{
-	ProblemKeyMissing:     "Idempotency-Key header is missing",
-	ProblemKeyInvalid:     "Idempotency-Key header is invalid",
-	ProblemKeyInUse:       "A request with this Idempotency-Key is in progress",
-	ProblemKeyMismatch:    "Idempotency-Key was used with a different request",
-	ProblemInvalidRequest: "The request is invalid",
-	ProblemUnauthorized:   "Authentication required",
-	ProblemTooLarge:       "Request body too large",
-	ProblemInternal:       "Internal server error",
-	ProblemUnavailable:    "The request was not run",
+	ProblemKeyMissing:           "Idempotency-Key header is missing",
+	ProblemKeyInvalid:           "Idempotency-Key header is invalid",
+	ProblemKeyInUse:             "A request with this Idempotency-Key is in progress",
+	ProblemKeyMismatch:          "Idempotency-Key was used with a different request",
+	ProblemInvalidRequest:       "The request is invalid",
+	ProblemUnauthorized:         "Authentication required",
+	ProblemTooLarge:             "Request body too large",
+	ProblemUnsupportedMediaType: "Unsupported media type",
+	ProblemInternal:             "Internal server error",
+	ProblemUnavailable:          "The request was not run",
+	ProblemKeyExpired:           "Idempotency-Key has expired",
 }
 
 // Problem is an RFC 9457 problem details object, as written with the media

@@ -77,6 +77,11 @@ var (
 	// section 15); every store refuses the same values, and [Middleware]
 	// never asks (see [ValidStatus]).
 	ErrInvalidStatus = errors.New("idempotency: status is not an HTTP status code (100 to 599)")
+	// ErrUnitEnded is returned (wrapped) by [Tx.Complete] when the
+	// handler ended its unit of work itself, behind the store's back (a
+	// COMMIT sent on the raw connection, say): what it wrote before may
+	// have been committed without the key's outcome, and nothing after.
+	ErrUnitEnded = errors.New("idempotency: the handler ended its unit of work itself; what it wrote may have been committed without the key's outcome")
 )
 
 // ClaimRequest asks a [Store] to claim a key for one request.
@@ -105,6 +110,31 @@ type ClaimRequest struct {
 	// its lease is renewed; one whose owner died expires Retention after
 	// its lease ran out. Zero: the key never expires.
 	Retention time.Duration
+	// FirstSent, when not zero, bars the claim from beginning a new
+	// operation for a request that may belong to an operation whose key
+	// expired or was purged ([Options.IgnoreFirstSent] says why). A store
+	// that does not know the field never refuses, and serves such a
+	// request as a new operation.
+	FirstSent FirstSentCheck
+}
+
+// FirstSentCheck is what the first-sent time of a request tells a
+// [Store.Claim] about the key it may have had: the claim returns
+// [Refused], changing nothing, when it would begin a new operation because
+// the key is absent or expired and either rule below says the request may
+// be a retry of the operation the key was kept for. A key that is present
+// and not expired is claimed (or found) as without it.
+type FirstSentCheck struct {
+	// Stale reports that the request's operation was first sent longer
+	// ago than the key is kept: an absent or expired key may have been
+	// its own.
+	Stale bool
+	// EarliestBegin is the first-sent time less the allowance for a
+	// client clock that runs ahead: an expired key whose operation began
+	// at or after it ([Record.CreatedAt]) was begun by this request's
+	// operation, and let go of before the client asked again. Zero: no
+	// such rule.
+	EarliestBegin time.Time
 }
 
 // Outcome says what [Store.Claim] did.
@@ -126,9 +156,13 @@ const (
 	// lease, or completed), or its fingerprint differs, or it was released
 	// under another fingerprint version; [ClaimResult.Record] holds it.
 	Exists
+	// Refused: the key is absent or expired, and the request's first-sent
+	// time says it may belong to the operation the key was kept for
+	// ([ClaimRequest.FirstSent]); nothing changed.
+	Refused
 )
 
-// String returns "claimed", "took over" or "exists".
+// String returns "claimed", "took over", "exists" or "refused".
 func (o Outcome) String() string {
 	switch o {
 	case Claimed:
@@ -137,6 +171,8 @@ func (o Outcome) String() string {
 		return "took over"
 	case Exists:
 		return "exists"
+	case Refused:
+		return "refused"
 	}
 	return "outcome(" + strconv.Itoa(int(o)) + ")"
 }
@@ -207,7 +243,9 @@ type Store interface {
 	// row it finds:
 	//
 	//   - none, or an expired one, whatever its state: Claimed, a new
-	//     operation (new OperationID, created now);
+	//     operation (new OperationID, created now); or Refused, changing
+	//     nothing, when req.FirstSent says the request may be a retry of
+	//     the operation the key was kept for (see [FirstSentCheck]);
 	//   - released, same fingerprint and version: Claimed, the same
 	//     operation (same OperationID and creation time), so downstream
 	//     work keyed by it is found, not redone;
@@ -300,4 +338,10 @@ func ValidStatus(status int) bool {
 // before any side effect, and answer 400.
 func ValidText(s string) bool {
 	return utf8.ValidString(s) && strings.IndexByte(s, 0) < 0
+}
+
+// refuses reports whether c bars a new operation on a key that expired,
+// whose operation began at began.
+func (c FirstSentCheck) refuses(began time.Time) bool {
+	return c.Stale || (!c.EarliestBegin.IsZero() && !began.Before(c.EarliestBegin))
 }

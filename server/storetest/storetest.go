@@ -95,6 +95,8 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"RetentionSparesResumedKey", testRetentionResumed},
 		{"RetentionSparesRenewedKey", testRetentionRenewed},
 		{"RetentionStoredWithKey", testRetentionStoredWithKey},
+		{"RetentionOfHeldUnitCountsFromCompletion", testHeldUnitRetention},
+		{"RetentionOfHeldUnitCountsFromRelease", testHeldUnitRelease},
 		{"Purge", testPurge},
 		{"PurgeReleased", testPurgeReleased},
 		{"PurgeSparesRunningKeys", testPurgeSparesRunning},
@@ -111,6 +113,10 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		// The edges every store agrees on.
 		{"CompleteStatusRange", testCompleteStatusRange},
 		{"DoneContextChangesNothing", testDoneContext},
+		// The first-sent check of a claim.
+		{"FirstSentAbsentKey", testFirstSentAbsent},
+		{"FirstSentLiveKey", testFirstSentLive},
+		{"FirstSentExpiredKey", testFirstSentExpired},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -11,7 +11,8 @@
 // -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
 // -processor-failure-rate, -processor-url, -fail-after-write, -drop-answer,
-// -hold-after-write, -hold-rate, -store-server-errors,
+// -hold-after-write, -hold-rate, -first-sent-skew, -ignore-first-sent,
+// -store-server-errors,
 // -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
 // -no-idempotency, -cpuprofile.
@@ -122,6 +123,8 @@ type options struct {
 	processorDelay       time.Duration
 	processorFailureRate float64
 	faults               server.Faults
+	firstSentSkew        time.Duration
+	ignoreFirstSent      bool
 	processorURL         string
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
@@ -194,6 +197,11 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.IntVar(&o.fingerprintVersion, "fingerprint-version", idempotency.FingerprintVersion,
 		"`version` of the canonical request form new keys are stored with: 1, or 2 to compare a repeated query or form field's values in their order "+
 			"(set 2 once no idem-server older than this one shares the database: those answer its keys 422)")
+	fs.DurationVar(&o.firstSentSkew, "first-sent-skew", 0,
+		"allowance for a client clock that runs ahead, taken off -retention by the first-sent policy: a retry first sent longer ago than "+
+			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at most 5m; it must be under half of -retention")
+	fs.BoolVar(&o.ignoreFirstSent, "ignore-first-sent", false,
+		"serve keyed requests whatever their Repeatability-First-Sent: a retry that arrives after its key was purged runs its operation again")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
 		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
 			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
@@ -230,6 +238,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	case !validShare(o.faults.FailAfterWriteRate) || !validShare(o.faults.DropAnswerRate) || !validShare(o.faults.HoldRate):
 		return o, fmt.Errorf("-fail-after-write %v, -drop-answer %v, -hold-rate %v: want shares in [0, 1]",
 			o.faults.FailAfterWriteRate, o.faults.DropAnswerRate, o.faults.HoldRate)
+	case o.firstSentSkew < 0 || (o.firstSentSkew > 0 && o.firstSentSkew >= o.retention/2):
+		return o, fmt.Errorf("-first-sent-skew %v: want 0 (the default) or a duration under half of -retention %v", o.firstSentSkew, o.retention)
 	case o.faults.HoldAfterWrite < 0:
 		return o, fmt.Errorf("-hold-after-write %v: want 0 (no hold) or more", o.faults.HoldAfterWrite)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
@@ -415,6 +425,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,
 		Faults:               o.faults,
+		FirstSentSkew:        o.firstSentSkew,
+		IgnoreFirstSent:      o.ignoreFirstSent,
 		Logger:               log,
 	})
 	if err != nil {

@@ -275,6 +275,8 @@ func TestRunFlags(t *testing.T) {
 		{"drop answer NaN", []string{"-drop-answer", "NaN"}, nil, "want shares in [0, 1]"},
 		{"hold rate negative", []string{"-hold-rate", "-0.1"}, nil, "want shares in [0, 1]"},
 		{"negative hold", []string{"-hold-after-write", "-1s"}, nil, "-hold-after-write -1s"},
+		{"first-sent skew over half the retention", []string{"-retention", "1h", "-first-sent-skew", "30m"}, nil, "-first-sent-skew 30m0s"},
+		{"negative first-sent skew", []string{"-first-sent-skew", "-1s"}, nil, "-first-sent-skew -1s"},
 		{"bad database URL", []string{"-database-url", "postgres://%zz"}, nil, "database"},
 		{"database from env", nil, map[string]string{"DATABASE_URL": "postgres://%zz"}, "database"},
 	} {
