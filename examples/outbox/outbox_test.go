@@ -177,8 +177,9 @@ func TestOutboxSurvivesKills(t *testing.T) {
 	}
 	stopSending()
 	sending.Wait() // the service is up: every order sent gets its answer
-	t.Logf("chaos over after %s: %d service starts, %d worker starts, %d orders answered",
-		time.Since(begin).Round(time.Millisecond), service.starts, worker.starts, len(answered))
+	t.Logf("chaos over after %s: %d service starts, %d worker starts, %d orders answered, %d keys of killed services taken over",
+		time.Since(begin).Round(time.Millisecond), service.starts, worker.starts, len(answered),
+		service.logCount("idempotency: took over a key whose owner stopped renewing its lease"))
 
 	// The worker is killed once more, and the last one started once the
 	// jobs it was running count as stuck: whenever River elects it leader,
