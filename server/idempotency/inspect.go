@@ -143,7 +143,9 @@ type Inspector interface {
 	ForceRelease(ctx context.Context, clientID, key string, running bool) (KeyInfo, error)
 	// Expire makes a key count as absent at once, whatever its status,
 	// and returns it as it was: the next request with it is a new
-	// operation, and the purge deletes it. Its owner, if it still runs, is
+	// operation (unless it says it was first sent before the key's
+	// operation began, see [ClaimRequest.FirstSent]: a retry of that
+	// operation is refused), and the purge deletes it. Its owner, if it still runs, is
 	// fenced. A running key is refused with [ErrKeyRunning] unless running
 	// is true; an absent or already expired one with [ErrKeyNotFound].
 	Expire(ctx context.Context, clientID, key string, running bool) (KeyInfo, error)

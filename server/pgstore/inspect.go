@@ -30,9 +30,9 @@ const (
 	// abandonedExpr: k is abandoned (see [idempotency.Sweepable]) with
 	// the grace in microseconds of parameter $1.
 	abandonedExpr = `(` + liveExpr + ` AND (
-        (` + staleExpr + ` AND k.locked_at <= now() - (k.lease_us + $1) * interval '1 microsecond')
+        (` + staleExpr + ` AND k.locked_at <= statement_timestamp() - (k.lease_us + $1) * interval '1 microsecond')
         OR (k.status = 'released' AND NOT k.release_rejected
-            AND ` + releasedAtExpr + ` <= now() - $1 * interval '1 microsecond')))`
+            AND ` + releasedAtExpr + ` <= statement_timestamp() - $1 * interval '1 microsecond')))`
 )
 
 // infoColumns are the columns of a KeyInfo, scanned by scanInfo, but for
@@ -40,7 +40,7 @@ const (
 // column.
 const infoColumns = `k.client_id, k.idempotency_key, k.request_method, k.request_path, k.status, k.release_rejected,
     k.operation_id::text, k.lock_token, k.fingerprint_version, k.created_at, k.locked_at, ` + finishedExpr + `,
-    k.expires_at, k.lease_us, k.retention_us, (extract(epoch FROM now() - k.locked_at) * 1000000)::bigint,
+    k.expires_at, k.lease_us, k.retention_us, (extract(epoch FROM statement_timestamp() - k.locked_at) * 1000000)::bigint,
     ` + staleExpr + `, ` + expiredExpr + ` IS TRUE,
     k.response_status, k.response_content_type, k.response_headers`
 
@@ -119,7 +119,7 @@ SELECT ` + infoColumns + `, NULL::bytea
 FROM idempotency_keys k
 WHERE k.status <> 'completed' AND k.status = $1 AND ($2 = '' OR k.client_id = $2) AND ` + liveExpr + `
     AND CASE WHEN k.status = 'started' THEN k.created_at ELSE ` + releasedAtExpr + ` END
-        <= now() - $3 * interval '1 microsecond'
+        <= statement_timestamp() - $3 * interval '1 microsecond'
 ORDER BY k.created_at, k.client_id, k.idempotency_key
 LIMIT $4`
 
@@ -166,8 +166,8 @@ UPDATE idempotency_keys SET
     release_rejected = release_rejected OR status = 'started',
     lock_token = nextval('idempotency_lock_tokens'),
     retention_us = greatest(retention_us, 1),
-    locked_at = least(locked_at, now() - interval '1 millisecond' - greatest(retention_us, 1) * interval '1 microsecond'),
-    expires_at = now() - interval '1 millisecond'
+    locked_at = least(locked_at, statement_timestamp() - interval '1 millisecond' - greatest(retention_us, 1) * interval '1 microsecond'),
+    expires_at = statement_timestamp() - interval '1 millisecond'
 WHERE client_id = $1 AND idempotency_key = $2`
 
 // Expire implements [idempotency.Inspector.Expire]: in one transaction, it
@@ -224,7 +224,7 @@ func (s *Store) act(ctx context.Context, clientID, key string, running bool, cha
 // walks idempotency_keys_open_idx.
 const statsSQL = `
 SELECT count(*) FILTER (WHERE k.status = 'started' AND NOT ` + staleExpr + `),
-    coalesce((extract(epoch FROM now() - min(k.created_at)
+    coalesce((extract(epoch FROM statement_timestamp() - min(k.created_at)
         FILTER (WHERE k.status = 'started' AND NOT ` + staleExpr + `)) * 1000000)::bigint, 0),
     count(*) FILTER (WHERE ` + staleExpr + `),
     count(*) FILTER (WHERE k.status = 'released' AND NOT k.release_rejected)

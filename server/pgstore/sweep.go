@@ -18,7 +18,7 @@ import (
 const abandonedSQL = `
 SELECT ` + infoColumns + `, NULL::bytea
 FROM idempotency_keys k
-WHERE k.status <> 'completed' AND k.locked_at <= now() - $1 * interval '1 microsecond'
+WHERE k.status <> 'completed' AND k.locked_at <= statement_timestamp() - $1 * interval '1 microsecond'
     AND ` + abandonedExpr + `
 ORDER BY k.locked_at, k.client_id, k.idempotency_key
 LIMIT $2`
@@ -45,10 +45,10 @@ UPDATE idempotency_keys k SET
     status = 'started',
     release_rejected = false,
     lock_token = nextval('idempotency_lock_tokens'),
-    locked_at = now(),
+    locked_at = statement_timestamp(),
     lease_us = $5,
     expires_at = CASE WHEN $5::bigint > 0 AND k.retention_us > 0
-        THEN now() + ($5::bigint + k.retention_us) * interval '1 microsecond' END
+        THEN statement_timestamp() + ($5::bigint + k.retention_us) * interval '1 microsecond' END
 WHERE k.client_id = $2 AND k.idempotency_key = $3 AND k.lock_token = $4 AND k.status = $6
     AND ` + abandonedExpr + `
 RETURNING k.lock_token, k.operation_id::text`
