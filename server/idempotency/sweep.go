@@ -80,7 +80,9 @@ type Settlement struct {
 // with cause [ErrLeaseLost], when a retry took the key over meanwhile,
 // which fences whatever the hook still does. k is the key as it was found,
 // before the sweeper took it: started or released, with the token of its
-// last owner.
+// last owner. A sweeper settles one key at a time, so the hook bounds its
+// own work (a timeout on its downstream calls): while it runs, the next
+// keys wait.
 type SweepFunc func(ctx context.Context, k KeyInfo) (Settlement, error)
 
 // Sweeper finds abandoned operations and hands each to an application

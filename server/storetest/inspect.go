@@ -96,10 +96,7 @@ func testLookup(t *testing.T, b Backend, in idempotency.Inspector) {
 
 	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
 		key := "released-" + kind.String()
-		r := claim(t, b.Store, request("c", key, "a"), idempotency.Claimed).Claim
-		if err := b.Store.Release(ctx, r, kind); err != nil {
-			t.Fatal(err)
-		}
+		r := released(t, b.Store, request("c", key, "a"), kind)
 		if k = lookup(t, in, "c", key, false); k.Status != idempotency.StatusReleased || k.ReleaseKind != kind ||
 			k.OperationID != r.OperationID || k.Running() || !k.ExpiresAt.IsZero() {
 			t.Errorf("key released as %s, kept forever: %+v", kind, k)
@@ -143,16 +140,10 @@ func testList(t *testing.T, b Backend, in idempotency.Inspector) {
 	}
 	lapsed(t, b.Store, with(request("c", "s1", "a"), 0, long))
 	claim(t, b.Store, with(request("d", "s2", "a"), long, long), idempotency.Claimed)
-	gone := claim(t, b.Store, with(request("c", "gone", "a"), 0, retention), idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, gone, idempotency.ReleaseFailed); err != nil {
-		t.Fatal(err)
-	}
+	released(t, b.Store, with(request("c", "gone", "a"), 0, retention), idempotency.ReleaseFailed)
 	time.Sleep(pause)
 	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
-		r := claim(t, b.Store, request("c", "r-"+kind.String(), "a"), idempotency.Claimed).Claim
-		if err := b.Store.Release(ctx, r, kind); err != nil {
-			t.Fatal(err)
-		}
+		released(t, b.Store, request("c", "r-"+kind.String(), "a"), kind)
 	}
 	done := claim(t, b.Store, request("c", "done", "a"), idempotency.Claimed).Claim
 	if err := complete(t, b, done, created("p")); err != nil {
@@ -209,10 +200,7 @@ func testForceRelease(t *testing.T, b Backend, in idempotency.Inspector) {
 	_, err = in.ForceRelease(ctx, "c", "absent", true)
 	mustFail(t, "ForceRelease of an absent key", err, idempotency.ErrKeyNotFound)
 
-	r := claim(t, b.Store, request("c", "rejected", "a"), idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, r, idempotency.ReleaseRejected); err != nil {
-		t.Fatal(err)
-	}
+	released(t, b.Store, request("c", "rejected", "a"), idempotency.ReleaseRejected)
 	if was, err := in.ForceRelease(ctx, "c", "rejected", false); err != nil || was.Status != idempotency.StatusReleased {
 		t.Errorf("ForceRelease of a released key: %+v, %v; want it, unchanged, and no error", was, err)
 	}
@@ -316,19 +304,13 @@ func testStats(t *testing.T, b Backend, in idempotency.Inspector) {
 	claim(t, b.Store, with(request("c", "running", "a"), long, long), idempotency.Claimed)
 	lapsed(t, b.Store, with(request("c", "lapsed", "a"), 0, long))
 	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
-		r := claim(t, b.Store, request("c", kind.String(), "a"), idempotency.Claimed).Claim
-		if err := b.Store.Release(ctx, r, kind); err != nil {
-			t.Fatal(err)
-		}
+		released(t, b.Store, request("c", kind.String(), "a"), kind)
 	}
 	done := claim(t, b.Store, request("c", "done", "a"), idempotency.Claimed).Claim
 	if err := complete(t, b, done, created("p")); err != nil {
 		t.Fatal(err)
 	}
-	gone := claim(t, b.Store, with(request("c", "gone", "a"), 0, retention), idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, gone, idempotency.ReleaseFailed); err != nil {
-		t.Fatal(err)
-	}
+	released(t, b.Store, with(request("c", "gone", "a"), 0, retention), idempotency.ReleaseFailed)
 	time.Sleep(pause)
 	st, err := in.Stats(ctx)
 	if err != nil {

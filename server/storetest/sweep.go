@@ -79,6 +79,17 @@ func settleWith(b Backend, name string, resp idempotency.StoredResponse, seen *[
 	}
 }
 
+// released claims req, which must be new or free, and releases it as kind,
+// as a request that failed (ReleaseFailed) or was rejected does.
+func released(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest, kind idempotency.ReleaseKind) idempotency.Claim {
+	t.Helper()
+	c := claim(t, s, req, idempotency.Claimed).Claim
+	if err := s.Release(context.Background(), c, kind); err != nil {
+		t.Fatalf("Release(%s, %s): %v", req.ClientID, req.Key, err)
+	}
+	return c
+}
+
 // lapsed claims req, with the suite's lock timeout, and waits until its
 // lease ran out, as after a crash of its owner.
 func lapsed(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest) idempotency.Claim {
@@ -94,7 +105,6 @@ func lapsed(t *testing.T, s idempotency.Store, req idempotency.ClaimRequest) ide
 // and the dead owner is fenced. Live, completed and rejected keys are not
 // swept.
 func testSweepCompletes(t *testing.T, b Backend) {
-	ctx := context.Background()
 	req := with(request("c", "k", "a"), 0, long)
 	dead := lapsed(t, b.Store, req)
 	claim(t, b.Store, with(request("c", "live", "a"), long, long), idempotency.Claimed)
@@ -102,10 +112,7 @@ func testSweepCompletes(t *testing.T, b Backend) {
 	if err := complete(t, b, done, created("done")); err != nil {
 		t.Fatal(err)
 	}
-	rejected := claim(t, b.Store, request("c", "rejected", "a"), idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, rejected, idempotency.ReleaseRejected); err != nil {
-		t.Fatal(err)
-	}
+	released(t, b.Store, request("c", "rejected", "a"), idempotency.ReleaseRejected)
 
 	var inHook idempotency.Claim
 	var client string
@@ -143,16 +150,9 @@ func testSweepCompletes(t *testing.T, b Backend) {
 // later sweep takes it, and the retry of its request resumes its
 // operation.
 func testSweepReleases(t *testing.T, b Backend) {
-	ctx := context.Background()
 	req := with(request("c", "failed", "a"), long, long)
-	c := claim(t, b.Store, req, idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, c, idempotency.ReleaseFailed); err != nil {
-		t.Fatal(err)
-	}
-	r := claim(t, b.Store, request("c", "rejected", "a"), idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, r, idempotency.ReleaseRejected); err != nil {
-		t.Fatal(err)
-	}
+	c := released(t, b.Store, req, idempotency.ReleaseFailed)
+	released(t, b.Store, request("c", "rejected", "a"), idempotency.ReleaseRejected)
 	time.Sleep(10 * time.Millisecond) // past graceNow on any clock
 
 	var seen []idempotency.KeyInfo
@@ -439,18 +439,12 @@ func testAdoptChecksAgain(t *testing.T, b Backend) {
 	mustFence(t, "Adopt of a key renewed since it was found", err)
 
 	req := with(request("c", "retried", "a"), long, long)
-	c := claim(t, b.Store, req, idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, c, idempotency.ReleaseFailed); err != nil {
-		t.Fatal(err)
-	}
+	c := released(t, b.Store, req, idempotency.ReleaseFailed)
 	time.Sleep(10 * time.Millisecond)
 	k = find("retried")
 	_, err = sw.Adopt(ctx, k, long, long)
 	mustFence(t, "Adopt within a longer grace", err)
-	retry := claim(t, b.Store, req, idempotency.Claimed).Claim
-	if err := b.Store.Release(ctx, retry, idempotency.ReleaseFailed); err != nil {
-		t.Fatal(err)
-	}
+	retry := released(t, b.Store, req, idempotency.ReleaseFailed)
 	time.Sleep(10 * time.Millisecond)
 	_, err = sw.Adopt(ctx, k, graceNow, long)
 	mustFence(t, "Adopt of a key claimed and released again since it was found", err)
