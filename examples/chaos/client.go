@@ -72,6 +72,9 @@ type op struct {
 	// is refused with 400 (rejected); then the corrected request is sent
 	// with the same key. acceptedInvalid: a server took it.
 	invalid, rejected, acceptedInvalid bool
+	// vanished: after an unknown outcome, its client vanished for good and
+	// never asked again; its state stays pending.
+	vanished bool
 }
 
 func newOp(n int, a account) *op {
@@ -186,7 +189,8 @@ type clients struct {
 	stats    *stats
 	seq      atomic.Int64 // op numbers
 
-	pending atomic.Int64 // ops without a definitive answer
+	pending  atomic.Int64 // ops without a definitive answer whose client still asks
+	vanished atomic.Int64 // ops whose client vanished after an unknown outcome
 
 	mu  sync.Mutex
 	ops []*op // every op ever started
@@ -237,6 +241,7 @@ func newClients(cfg config, baseURL string, st *stats) (*clients, *http.Transpor
 // done.
 func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 	acct := w % len(c.accounts)
+	vanish := rand.New(rand.NewPCG(c.cfg.seed, streamVanish+uint64(w)))
 	var todo []*op // pending, in no order
 	for ctx.Err() == nil {
 		// The pending operation that is due first.
@@ -269,6 +274,13 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 			continue
 		}
 		c.call(ctx, acct, o, rng)
+		if o.state == pending && ctx.Err() == nil && vanish.Float64() < c.cfg.vanishRate {
+			// Gone for good: only the servers' sweepers settle it now.
+			o.vanished = true
+			c.pending.Add(-1)
+			c.vanished.Add(1)
+			continue
+		}
 		if o.state == pending {
 			// Ask again later; the wait grows with the calls made.
 			wait := min(100*time.Millisecond<<min(o.calls-1, 5), 2*time.Second)

@@ -83,4 +83,16 @@
 // expired keys, released ones included, in bounded batches every minute,
 // pausing between batches in proportion to how long each took, so that a
 // large backlog does not slow the requests down.
+//
+// # Abandoned operations and operators
+//
+// A key whose owner crashed after its downstream work, and whose client
+// never came back, would stay unsettled until it expired. A [Sweeper]
+// finds such keys (a lease run out, or a release after a failure, that no
+// retry took for a grace period), takes each over as a retry would, and
+// hands it to an application hook that completes it with its business
+// writes and a response, or releases it. [Admin] looks keys up, lists the
+// stuck ones, and releases or expires one with a reason. Both need a store
+// that implements [Sweepable] and [Inspector], as [MemoryStore] and the
+// PostgreSQL store do.
 package idempotency

@@ -206,7 +206,8 @@ type Options struct {
 }
 
 // Event is something [Middleware] did with a keyed request, reported to
-// [Options.OnEvent].
+// [Options.OnEvent], or that a [Sweeper] or an operator ([Admin]) did with
+// a stored key, reported to their OnEvent.
 type Event int
 
 // Events reported to [Options.OnEvent].
@@ -224,6 +225,12 @@ const (
 	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
 	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
 	EventExpiredRetry                  // 410: a request first sent longer ago than its key is kept found its key gone or expired: nothing run
+
+	// The keys' lifecycle beyond a request: the sweeper, the operators.
+	EventSwept         // a [Sweeper] took an abandoned key over and handed it to its hook
+	EventSettled       // a [Sweeper]'s hook settled an abandoned key: completed or released
+	EventForceReleased // an operator released a key ([Admin.ForceRelease])
+	EventExpired       // an operator expired a key ([Admin.Expire])
 )
 
 var eventNames = [...]string{
@@ -240,6 +247,12 @@ var eventNames = [...]string{
 	EventLeaseLost:    "lease_lost",
 	EventCancelled:    "cancelled",
 	EventExpiredRetry: "expired_retry",
+
+	// The keys' lifecycle beyond a request: the sweeper, the operators.
+	EventSwept:         "swept",
+	EventSettled:       "settled",
+	EventForceReleased: "force_released",
+	EventExpired:       "expired",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -865,53 +878,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 }
 
-// renew renews the claim's lease every third of the lock timeout until the
-// returned stop is called; stop waits for a renewal under way to end. A
-// renewal that finds the key taken over cancels the handler's context with
-// [ErrLeaseLost] and stops renewing. A renewal that fails otherwise (the
-// store unreachable) is logged and tried again at the next tick: the lease
-// runs out only when no renewal reaches the store for a whole lock timeout.
+// renew renews the claim's lease while the handler runs (see keepLease).
 func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) (stop func()) {
-	if m.lockTimeout <= 0 {
-		return func() {}
-	}
-	// The renewals outlive the client (like the completion) but not the
-	// handler: stop cancels this context.
-	rctx, stopCtx := context.WithCancel(context.WithoutCancel(ctx))
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		t := time.NewTicker(max(m.lockTimeout/3, time.Millisecond))
-		defer t.Stop()
-		for {
-			select {
-			case <-rctx.Done():
-				return
-			case <-t.C:
-			}
-			switch err := m.store.Renew(rctx, c); {
-			case err == nil:
-				m.event(EventRenewed)
-			case errors.Is(err, ErrFenced):
-				if rctx.Err() != nil {
-					return // stopped meanwhile: the request finished
-				}
-				m.event(EventLeaseLost)
-				log.Warn("idempotency: lease lost: the key was taken over while its request ran; cancelling the handler",
-					"operation", c.OperationID)
-				cancel(ErrLeaseLost)
-				return
-			case rctx.Err() != nil:
-				return
-			default:
-				log.Error("idempotency: renewing the lease failed; retrying at the next tick", "err", err, "operation", c.OperationID)
-			}
-		}
-	}()
-	return func() {
-		stopCtx()
-		<-done
-	}
+	return keepLease(ctx, m.store, c, m.lockTimeout, cancel, m.event, log)
 }
 
 // storable reports whether a handler's status is the key's final outcome.

@@ -15,7 +15,22 @@
 // -store-server-errors,
 // -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
-// -no-idempotency, -cpuprofile.
+// -no-idempotency, -cpuprofile, -processor-timeout, -sweep-grace,
+// -sweep-interval, -no-sweep, -admin-addr, -admin-token (or
+// IDEM_ADMIN_TOKEN).
+//
+// The sweeper settles the payments whose key was abandoned (its request's
+// server crashed, or it failed after the charge) and whose client did not
+// retry within -sweep-grace: every -sweep-interval it asks the processor
+// for each one's charge, records the payment and completes the key with its
+// 201 when there is one, and releases the key when there is none. The grace
+// is at least -processor-timeout (the longer of 1m and it by default; a
+// shorter one given with both flags is refused), so that a charge still in
+// flight is never missed. -admin-addr serves the operators' JSON API (see
+// server.Server.AdminHandler: look a key up, list stuck and released keys,
+// release or expire one with a reason) on a listener of its own, behind
+// -admin-token, without which it refuses to start; give it a private
+// address.
 //
 // Slow clients are bounded: a request's headers and body must arrive within
 // -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
@@ -131,6 +146,12 @@ type options struct {
 	fingerprintVersion   int
 	maxBodyBytes         int64
 	metricsAddr          string
+	adminAddr            string
+	adminToken           string
+	processorTimeout     time.Duration
+	sweepGrace           time.Duration
+	sweepInterval        time.Duration
+	noSweep              bool
 	readTimeout          time.Duration
 	writeTimeout         time.Duration
 	idleTimeout          time.Duration
@@ -206,6 +227,18 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
 		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
 			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
+	fs.StringVar(&o.adminAddr, "admin-addr", "",
+		"listen `address` of the operators' JSON API on the keys (GET /admin/keys/{client}/{key}, GET /admin/keys?stuck=30s or ?released=1, "+
+			"POST /admin/keys/{client}/{key}/release and /expire with a reason); empty: off. It needs -admin-token; give it a private address")
+	fs.StringVar(&o.adminToken, "admin-token", getenv("IDEM_ADMIN_TOKEN"),
+		"bearer `token` of the admin API, required with -admin-addr (env IDEM_ADMIN_TOKEN)")
+	fs.DurationVar(&o.processorTimeout, "processor-timeout", 0,
+		"longest time for one payment's calls to the card processor, retries included; 0: 30s, or -sweep-grace when that is shorter")
+	fs.DurationVar(&o.sweepGrace, "sweep-grace", 0,
+		"how long an abandoned payment (its key lapsed, or released after a failure) is left to its client's retries before the sweeper settles it "+
+			"from the processor's charge; at least -processor-timeout. 0: the longer of 1m and -processor-timeout")
+	fs.DurationVar(&o.sweepInterval, "sweep-interval", idempotency.DefaultSweepInterval, "how often the sweeper looks for abandoned payments")
+	fs.BoolVar(&o.noSweep, "no-sweep", false, "run no sweeper: abandoned payments wait for their clients' retries, and expire with their keys")
 	fs.DurationVar(&o.readTimeout, "read-timeout", defaultReadTimeout,
 		"longest time to read a request, headers and body; a client that sends slower is cut off. "+
 			"The headers alone get at most 10s. 0: no limit on the body")
@@ -245,6 +278,18 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-hold-after-write %v: want 0 (no hold) or more", o.faults.HoldAfterWrite)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
+	case o.processorTimeout < 0 || o.sweepGrace < 0 || o.sweepInterval <= 0:
+		return o, fmt.Errorf("-processor-timeout %v and -sweep-grace %v must not be negative, -sweep-interval %v must be positive",
+			o.processorTimeout, o.sweepGrace, o.sweepInterval)
+	case o.noSweep && (given["sweep-grace"] || given["sweep-interval"]):
+		return o, errors.New("-no-sweep and -sweep-grace or -sweep-interval: the sweeper is off, or paced; keep one")
+	case o.sweepGrace > 0 && o.processorTimeout > o.sweepGrace:
+		return o, fmt.Errorf("-sweep-grace %v is shorter than -processor-timeout %v: the sweeper could find no charge for a payment whose charge call is still running, and release its key",
+			o.sweepGrace, o.processorTimeout)
+	case o.adminAddr != "" && o.adminToken == "":
+		return o, errors.New("-admin-addr needs -admin-token (or IDEM_ADMIN_TOKEN): the admin API releases and expires keys, and must not be open")
+	case o.adminAddr != "" && (o.adminAddr == o.addr || o.adminAddr == o.metricsAddr) && !strings.HasSuffix(o.adminAddr, ":0"):
+		return o, fmt.Errorf("-admin-addr %s is the address of the API or the metrics: give the admin API its own", o.adminAddr)
 	case o.processorDelay < 0:
 		return o, fmt.Errorf("-processor-delay %v: want 0 or more", o.processorDelay)
 	case o.waitForCompletion < 0:
@@ -425,6 +470,10 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,
+		ProcessorTimeout:     o.processorTimeout,
+		SweepGrace:           o.sweepGrace,
+		SweepInterval:        o.sweepInterval,
+		NoSweep:              o.noSweep,
 		Faults:               o.faults,
 		FirstSentSkew:        o.firstSentSkew,
 		IgnoreFirstSent:      o.ignoreFirstSent,
@@ -458,6 +507,14 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 			<-metricsServed
 		}()
 		log.Info("metrics listening", "addr", mln.Addr().String())
+	}
+	if o.adminAddr != "" {
+		stopAdmin, err := serveAdmin(srv, o, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		defer stopAdmin()
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
@@ -499,6 +556,32 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	<-served
 	log.Info("stopped")
 	return nil
+}
+
+// serveAdmin serves the operators' API of srv on -admin-addr until the
+// returned stop is called. Nothing on it is worth waiting for at shutdown.
+func serveAdmin(srv *server.Server, o options, log *slog.Logger) (stop func(), err error) {
+	h, err := srv.AdminHandler(o.adminToken)
+	if err != nil {
+		return nil, fmt.Errorf("-admin-addr: %w", err)
+	}
+	ln, err := net.Listen("tcp", o.adminAddr)
+	if err != nil {
+		return nil, fmt.Errorf("-admin-addr: %w", err)
+	}
+	hs := httpServer(h, o, log)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := hs.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin listener failed", "err", err)
+		}
+	}()
+	log.Info("admin listening", "addr", ln.Addr().String())
+	return func() {
+		hs.Close()
+		<-done
+	}, nil
 }
 
 // httpServer returns the http.Server that serves h with the timeouts of o.
