@@ -145,6 +145,10 @@ func TestChaosCatchesKeyPerAttempt(t *testing.T) {
 		"-duration", "3s", "-grace", "3m", "-seed", "1",
 		"-replicas", "1", "-clients", "4", "-kills", "0", "-pg-terminations", "0",
 		"-drop", "0.3", "-reset", "0", "-stall", "0", "-latency", "0",
+		// One replica, not slow (replica 0 is the slow one by default: with
+		// it alone nothing would succeed within an attempt, and the run would
+		// wait out its grace), and none of the other faults.
+		"-slow-processor-delay", "0", "-hold", "0", "-cancel", "0", "-vanish", "0",
 		"-bug-key-per-attempt", "-database-url", pgtest.URL(t), "-logs", t.TempDir(),
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
