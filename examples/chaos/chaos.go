@@ -30,6 +30,8 @@ const (
 	// unknown outcome, a stream of its own so that the clients' other
 	// draws are the same with and without -vanish.
 	streamVanish = streamClients + 1<<16
+	// streamLate: which operations are sent again after their retention.
+	streamLate = streamVanish + 1<<16
 )
 
 // chaos is one run in progress.
@@ -65,6 +67,7 @@ type report struct {
 	logsKeptIn  string
 	stopProblem error
 	serverLogs  map[string]int64 // the replicas' log records, by message
+	late        lateStats        // what the late retries got
 }
 
 // runChaos runs the test and prints its report to stdout.
@@ -217,12 +220,13 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 		return nil, err
 	}
 	c.awaitSweepers(ctx, cl)
+	cl.lateRetries(ctx, c, rng(cfg.seed, streamLate))
 	if err := errors.Join(c.errs...); err != nil {
 		keepLogs = true
 		return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
 	}
 
-	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps()}
+	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps(), late: cl.late}
 	c.proxy.Close()
 	rep.proxy = c.proxy.Stats()
 	rep.stopProblem = c.fleet.stopAll(cfg.stopTimeout())

@@ -59,7 +59,7 @@ func testChaos(t *testing.T, serverArgs string) {
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
-		"-invalid-text", "0.1", "-hold", "0.1", "-cancel", "0.2", "-vanish", "0.2",
+		"-invalid-text", "0.1", "-hold", "0.1", "-cancel", "0.2", "-late", "0.2", "-vanish", "0.2",
 		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
@@ -104,6 +104,11 @@ func testChaos(t *testing.T, serverArgs string) {
 	}
 	if cancelled := rep.stats.unknown["cancelled by the caller"]; cancelled == 0 {
 		t.Errorf("no call cancelled by its caller")
+	}
+	// Operations sent again after their key's retention, their key and
+	// first-sent time pinned, were refused, never paid again.
+	if l := rep.late; l.refused == 0 || l.paid != 0 || l.other != 0 {
+		t.Errorf("late retries %+v: want some refused (410), none paid again, none other", l)
 	}
 	if rep.proxy.Connections == 0 || rep.proxy.Connections == rep.proxy.Faults[faultproxy.Pass] {
 		t.Errorf("proxy stats %+v: want connections, some of them faulted", rep.proxy)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -191,6 +192,7 @@ type clients struct {
 
 	pending  atomic.Int64 // ops without a definitive answer whose client still asks
 	vanished atomic.Int64 // ops whose client vanished after an unknown outcome
+	late     lateStats    // of lateRetries, which runs alone once the clients are done
 
 	mu  sync.Mutex
 	ops []*op // every op ever started
@@ -384,3 +386,55 @@ func (c *clients) allOps() []*op {
 	defer c.mu.Unlock()
 	return append([]*op(nil), c.ops...)
 }
+
+// lateRetries sends a share (-late) of the operations that succeeded once
+// more, after their key's retention, with the key and the first-sent time
+// of their first call pinned, as a job queue that retries a payment it
+// lost track of does: each must be refused (410, *idem.KeyExpiredError),
+// never paid again. What each got is counted in the report.
+func (c *clients) lateRetries(ctx context.Context, ch *chaos, rng *rand.Rand) {
+	var late []*op
+	for _, o := range c.allOps() {
+		if o.state == succeeded && rng.Float64() < c.cfg.lateRate {
+			late = append(late, o)
+		}
+	}
+	if len(late) == 0 {
+		return
+	}
+	latest := late[0].end
+	for _, o := range late {
+		if o.end.After(latest) {
+			latest = o.end
+		}
+	}
+	wait := time.Until(latest.Add(c.cfg.retention + time.Second))
+	ch.event("late retries: %d operations that succeeded are sent again with their key and first-sent time, %s from now, after their retention",
+		len(late), max(wait, 0).Round(time.Millisecond))
+	if !sleep(ctx, wait) {
+		return
+	}
+	for _, o := range late {
+		rctx := idem.WithFirstSent(idem.WithKey(ctx, o.key), o.start)
+		body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
+		var out struct {
+			ID string `json:"id"`
+		}
+		resp, err := c.api[slices.Index(c.accounts, o.account)].Post(rctx, "/v1/payments", body, &out)
+		var expired *idem.KeyExpiredError
+		switch {
+		case errors.As(err, &expired):
+			c.late.refused++
+		case err == nil && idem.Replayed(resp) && out.ID == o.paymentID:
+			c.late.replayed++
+		case err == nil:
+			c.late.paid++ // a second payment: the final check counts it as a duplicate
+		default:
+			c.late.other++
+		}
+	}
+	ch.event("late retries: %d refused (410), %d replayed, %d paid again, %d other", c.late.refused, c.late.replayed, c.late.paid, c.late.other)
+}
+
+// lateStats counts what the late retries got.
+type lateStats struct{ refused, replayed, paid, other int }

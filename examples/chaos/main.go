@@ -84,6 +84,7 @@ type config struct {
 	invalidRate    float64       // share of operations whose first request holds invalid text
 	holdRate       float64       // share of payments whose transaction a replica holds past the retention
 	cancelRate     float64       // share of calls whose context the client cancels mid-flight
+	lateRate       float64       // share of succeeded operations sent again after their retention
 	vanishRate     float64       // share of unknown outcomes after which the client never asks again
 	sweepGrace     time.Duration // the servers' -sweep-grace
 	restarts       int           // rolling graceful restarts (SIGTERM, drain, start)
@@ -128,6 +129,9 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.Float64Var(&c.holdRate, "hold", 0.02,
 		"share of payments whose transaction a replica holds open for -retention plus 1s after its insert (the servers' -hold-after-write): "+
 			"the retry after it must get the replay, since retention counts from the answer")
+	fs.Float64Var(&c.lateRate, "late", 0.05,
+		"share of the operations that succeeded that are sent again once their key's retention has passed, with their key and first-sent time pinned "+
+			"(Repeatability-First-Sent): each must be refused with 410, never paid again")
 	fs.Float64Var(&c.cancelRate, "cancel", 0.03,
 		"share of calls whose context the client cancels at a random moment within the time a call takes (four processor delays): the operation is asked about again later, with the same key")
 	fs.Float64Var(&c.vanishRate, "vanish", 0.05,
@@ -178,8 +182,9 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		return c, errors.New("-retention must be positive")
 	case c.invalidRate < 0 || c.invalidRate > 1:
 		return c, errors.New("-invalid-text must be in [0, 1]")
-	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1) || !(c.vanishRate >= 0 && c.vanishRate <= 1):
-		return c, errors.New("-hold, -cancel and -vanish must be in [0, 1]")
+	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1) || !(c.vanishRate >= 0 && c.vanishRate <= 1) ||
+		!(c.lateRate >= 0 && c.lateRate <= 1):
+		return c, errors.New("-hold, -cancel, -vanish and -late must be in [0, 1]")
 	case c.sweepGrace <= max(c.processorDelay, c.slowDelay) || c.sweepGrace >= c.retention:
 		return c, fmt.Errorf("-sweep-grace %v must exceed the processor delays (%v, %v: it is also the servers' processor timeout) and stay below -retention %v, "+
 			"or abandoned keys expire before a sweeper settles them", c.sweepGrace, c.processorDelay, c.slowDelay, c.retention)

@@ -75,6 +75,10 @@ func (r *report) print(w io.Writer) {
 	}
 	slices.Sort(times)
 	row("operations settled by a later call", "%6d", retried)
+	if l := r.late; l != (lateStats{}) {
+		row("sent again after their retention", "%6d (%d refused with 410, %d replayed, %d paid again, %d other)",
+			l.refused+l.replayed+l.paid+l.other, l.refused, l.replayed, l.paid, l.other)
+	}
 	row("operations whose client vanished", "%6d (%d of them paid)", r.verdict.vanished, r.verdict.vanishedPaid)
 	if len(times) > 0 {
 		row("time to success", "p50 %s, p99 %s, max %s",
