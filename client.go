@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 )
 
@@ -129,10 +131,34 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 }
 
 // withKey returns err with the request and its key in front, for a keyed
-// request; else err as it is.
+// request; else err as it is. The request and the key are said once: an
+// error of idem's that names them already is said as it is, and
+// http.Client's *url.Error prefix ("Post \"URL\": ") is left out of the
+// message, though not out of the chain.
 func withKey(method string, req *http.Request, key string, err error) error {
 	if key == "" {
 		return err
 	}
-	return fmt.Errorf("idem: %s %s with idempotency key %s: %w", method, redact(req), key, err)
+	var named interface{ namesRequest() }
+	if errors.As(err, &named) {
+		return &requestError{msg: named.(error).Error(), err: err}
+	}
+	text := err.Error()
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		text = ue.Err.Error()
+	}
+	return &requestError{
+		msg: fmt.Sprintf("idem: %s %s with idempotency key %s: %s", method, redact(req), key, strings.TrimPrefix(text, "idem: ")),
+		err: err,
+	}
 }
+
+// requestError is an error of a Client call: its message says the request
+// and its key once, its chain holds what http.Client returned.
+type requestError struct {
+	msg string
+	err error
+}
+
+func (e *requestError) Error() string { return e.msg }
+func (e *requestError) Unwrap() error { return e.err }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
@@ -497,4 +498,32 @@ func TestSynctestClientErrorBodyIsBounded(t *testing.T) {
 		assert.Equal(t, `{"title":"Bad Req`, string(apiErr.Body))
 		assert.LessOrEqual(t, time.Since(start), maxDrainTime)
 	})
+}
+
+// TestClientErrorSaysTheRequestOnce: an error of a Client call names the
+// method, the URL and the key once, whatever idem error is inside, and
+// keeps http.Client's *url.Error and idem's error in its chain.
+func TestClientErrorSaysTheRequestOnce(t *testing.T) {
+	reuse, _ := apiServer(t, answerJSON(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+	busy, _ := apiServer(t, answerJSON(409, "application/problem+json", `{"title":"Request in progress"}`))
+	down := "http://127.0.0.1:1" // nothing listens: a refused dial, retried
+	for _, base := range []string{reuse, busy, down} {
+		c := newClient(t, base)
+		tr := c.HTTPClient.Transport.(*Transport)
+		tr.Retry.MaxConflictRetries, tr.Retry.MaxAttempts = 1, 2
+		_, err := c.Post(WithKey(context.Background(), "order-42"), "/v1/payments", payment{Amount: 2}, nil)
+		if err == nil {
+			t.Fatalf("%s: no error", base)
+		}
+		msg := err.Error()
+		for _, once := range []string{base + "/v1/payments", "order-42", "POST"} {
+			if n := strings.Count(msg, once); n != 1 {
+				t.Errorf("%s: %q appears %d times in %q", base, once, n, msg)
+			}
+		}
+		var ue *url.Error
+		if !errors.As(err, &ue) {
+			t.Errorf("%s: no *url.Error in the chain of %v", base, err)
+		}
+	}
 }

@@ -119,6 +119,8 @@ type InProgressError struct {
 }
 
 // Error returns a message with the key, why the waiting stopped and what to do.
+func (*InProgressError) namesRequest() {}
+
 func (e *InProgressError) Error() string {
 	why := ""
 	if e.reason != "" {
@@ -169,6 +171,8 @@ type KeyReuseError struct {
 // once what went wrong, and ends with the server's detail, if any:
 //
 //	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
+func (*KeyReuseError) namesRequest() {}
+
 func (e *KeyReuseError) Error() string {
 	why := "a bug in the caller"
 	if e.outcome() == OutcomeUnknown {

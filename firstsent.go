@@ -60,6 +60,8 @@ type KeyExpiredError struct {
 	Problem   *Problem  // the server's problem details
 }
 
+func (*KeyExpiredError) namesRequest() {}
+
 func (e *KeyExpiredError) Error() string {
 	msg := fmt.Sprintf("idem: %s %s: key %q expired: the operation was first sent at %s, longer ago than the server keeps keys, and its outcome can no longer be looked up; check whether it took effect before sending it again with a new key",
 		e.Method, e.URL, e.Key, e.FirstSent.UTC().Format(time.RFC3339))
