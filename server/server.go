@@ -54,6 +54,12 @@ type Config struct {
 	FirstSentSkew   time.Duration
 	IgnoreFirstSent bool
 
+	// SealKeys, if not nil, seal the stored responses at rest
+	// ([idempotency.Sealed]): the first key seals, every key opens. Nil:
+	// responses are stored as they are (a sealed one found in the store is
+	// answered 500, never run again).
+	SealKeys *idempotency.SealKeys
+
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
 	// defaults (1m, 500, 0.25).
@@ -205,6 +211,9 @@ func New(cfg Config) (*Server, error) {
 	s.client = newProcessorClient(s.procURL, cfg.ProcessorRetry, log)
 
 	keys := cfg.Storage.Keys
+	if cfg.SealKeys != nil {
+		keys = idempotency.Sealed(keys, cfg.SealKeys)
+	}
 	var crashes *crashingStore
 	if cfg.AfterCharge != nil {
 		crashes = &crashingStore{Store: keys}
