@@ -238,9 +238,13 @@ func (k *SealKeys) Open(clientID, key string, resp StoredResponse) (StoredRespon
 // nonce twice.
 var zeroNonce [12]byte
 
-// aead returns the AES-256-GCM of the response key derived from s and salt.
+// aead returns the AES-256-GCM of the response key derived from s and
+// salt: HKDF-SHA256's expansion of the seal key, with the salt in the
+// info. The extraction step is skipped, as RFC 5869 (section 3.3) allows
+// for a key that is already uniformly random, as a seal key's 32 random
+// bytes are.
 func (s *sealKey) aead(salt []byte) (cipher.AEAD, error) {
-	rk, err := hkdf.Key(sha256.New, s.secret, salt, sealInfo, 32)
+	rk, err := hkdf.Expand(sha256.New, s.secret, sealInfo+string(salt), 32)
 	if err != nil {
 		return nil, err
 	}

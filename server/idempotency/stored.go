@@ -84,7 +84,8 @@ var unstoredHeaders = map[string]bool{
 	"Upgrade":             true,
 	"Idempotent-Replayed": true,
 	RedactedHeader:        true,
-	RetentionHeader:       true,
+	// Canonical, as the names it is looked up with.
+	http.CanonicalHeaderKey(RetentionHeader): true,
 }
 
 // representationHeaders describe a body: a replay that replaces the body
@@ -184,6 +185,9 @@ func (m *middleware) storedResponse(r *http.Request, rec *recorder, log *slog.Lo
 func (p *keepPolicy) redacted(r *http.Request, resp StoredResponse) (out StoredResponse, err error) {
 	in := resp
 	in.Header = maps.Clone(resp.Header)
+	if in.Header == nil {
+		in.Header = make(map[string]string) // the hook may add to it
+	}
 	in.Body = bytes.Clone(resp.Body)
 	defer func() {
 		if v := recover(); v != nil {

@@ -88,7 +88,7 @@ func TestStoredHeadersNeverCredentials(t *testing.T) {
 	mem := NewMemoryStore()
 	var logs bytes.Buffer
 	opts := Options{
-		StoredHeaders: append([]string{"x-custom", "set-cookie", "Content-Length", "Idempotency-Key", "Idempotent-Replayed", RedactedHeader},
+		StoredHeaders: append([]string{"x-custom", "set-cookie", "Content-Length", "Idempotency-Key", "Idempotent-Replayed", RedactedHeader, RetentionHeader},
 			credentialNames...),
 		Logger: slog.New(slog.NewTextHandler(&logs, nil)),
 	}
@@ -106,7 +106,7 @@ func TestStoredHeadersNeverCredentials(t *testing.T) {
 	if got := storedHeaders(t, mem, "k"); len(got) != 1 || got["X-Custom"] != "mine" {
 		t.Errorf("stored headers %v, want only X-Custom", got)
 	}
-	for _, h := range append([]string{"Content-Length", "Idempotency-Key"}, credentialNames...) {
+	for _, h := range append([]string{"Content-Length", "Idempotency-Key", "Idempotency-Ttl"}, credentialNames...) {
 		if !strings.Contains(logs.String(), h) {
 			t.Errorf("no warning names %s: %s", h, logs.String())
 		}
@@ -188,6 +188,23 @@ func TestRedactNothing(t *testing.T) {
 	var calls atomic.Int32
 	ts := mwServer(t, NewMemoryStore(), Options{Redact: func(r *http.Request, resp StoredResponse) StoredResponse { return resp }}, sealedHandler(&calls))
 	mustReplay(t, ts.mustSend(t, keyed("k", "{}")), ts.mustSend(t, keyed("k", "{}")))
+}
+
+// TestRedactAddsHeader: a hook may add a header the policy keeps to a
+// response that had none kept (it is given a header map to add to).
+func TestRedactAddsHeader(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), Options{Redact: func(r *http.Request, resp StoredResponse) StoredResponse {
+		resp.Header["Link"] = `</v1/payments/pay_1>; rel="self"`
+		return resp
+	}}, func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+		io.WriteString(w, "ok")
+	})
+	first := ts.mustSend(t, keyed("k", "{}"))
+	again := ts.mustSend(t, keyed("k", "{}"))
+	if first.header.Get("Link") != "" || again.header.Get("Link") == "" || again.header.Get(RedactedHeader) != "true" || string(again.body) != "ok" {
+		t.Errorf("first %v, replay %v %q: want the Link on the replay only, marked", first.header, again.header, again.body)
+	}
 }
 
 // TestRedactPanics: a hook that panics fails the completion: the client
