@@ -14,7 +14,7 @@ import (
 
 // testSealKeys returns a key set of ids, the first sealing, the same on
 // every run.
-func testSealKeys(t *testing.T, ids ...string) *idempotency.SealKeys {
+func testSealKeys(t testing.TB, ids ...string) *idempotency.SealKeys {
 	t.Helper()
 	var keys []idempotency.SealKey
 	for _, id := range ids {
