@@ -10,6 +10,8 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"github.com/idemkit/idem/server/storetest"
 )
 
 // BenchmarkServerSealed measures a first execution of POST /v1/payments
@@ -24,7 +26,7 @@ func BenchmarkServerSealed(b *testing.B) {
 		b.Run(fmt.Sprintf("seal=%s", map[bool]string{false: "off", true: "on"}[seal]), func(b *testing.B) {
 			cfg := Config{Storage: NewMemoryStorage().Storage(), APIKeys: testAPIKeys, Logger: testLogger(b)}
 			if seal {
-				cfg.SealKeys = testSealKeys(b, "k1")
+				cfg.SealKeys = storetest.SealKeys(b, "k1")
 			}
 			srv, err := New(cfg)
 			if err != nil {

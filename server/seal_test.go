@@ -3,36 +3,20 @@ package server
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/base64"
 	"net/http"
 	"strings"
 	"testing"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/storetest"
 )
-
-// testSealKeys returns a key set of ids, the first sealing, the same on
-// every run.
-func testSealKeys(t testing.TB, ids ...string) *idempotency.SealKeys {
-	t.Helper()
-	var keys []idempotency.SealKey
-	for _, id := range ids {
-		secret := sha256.Sum256([]byte("server test seal key " + id))
-		keys = append(keys, idempotency.SealKey{ID: id, Secret: secret[:]})
-	}
-	ks, err := idempotency.NewSealKeys(keys...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ks
-}
 
 // sealed returns newStorage with its key store sealed.
 func sealed(newStorage newStorageFunc) newStorageFunc {
 	return func(t *testing.T) Storage {
 		s := newStorage(t)
-		s.Keys = idempotency.Sealed(s.Keys, testSealKeys(t, "k1"))
+		s.Keys = idempotency.Sealed(s.Keys, storetest.SealKeys(t, "k1"))
 		return s
 	}
 }
@@ -52,7 +36,7 @@ func TestEndToEndSealed(t *testing.T) {
 // answers the replay 500 without charging again.
 func TestConfigSealKeys(t *testing.T) {
 	pool := migratedPool(t)
-	ts := newTestServer(t, NewPostgresStorage(pool).Storage(), Config{SealKeys: testSealKeys(t, "k1")})
+	ts := newTestServer(t, NewPostgresStorage(pool).Storage(), Config{SealKeys: storetest.SealKeys(t, "k1")})
 	first := ts.mustSend(t, keyed("k-sealed", payment))
 	p := first.created(t, "k-sealed")
 	again := ts.mustSend(t, keyed("k-sealed", payment))
@@ -79,7 +63,7 @@ func TestConfigSealKeys(t *testing.T) {
 		t.Errorf("GET the payment: %d", got.status)
 	}
 
-	other := newTestServer(t, NewPostgresStorage(pool).Storage(), Config{SealKeys: testSealKeys(t, "k2")})
+	other := newTestServer(t, NewPostgresStorage(pool).Storage(), Config{SealKeys: storetest.SealKeys(t, "k2")})
 	r := other.mustSend(t, keyed("k-sealed", payment))
 	if r.status != http.StatusInternalServerError || r.problem(t).Type != idempotency.ProblemResponseSealed {
 		t.Errorf("replay on a server without k1: %d %q, want 500 %s", r.status, r.body, idempotency.ProblemResponseSealed)

@@ -3,7 +3,6 @@ package idempotency_test
 import (
 	"testing"
 
-	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/storetest"
 )
 
@@ -12,12 +11,5 @@ import (
 // sealing off); the staged writes go through the store's own unit of work
 // beneath the seal's.
 func TestMemoryStoreConformanceSealed(t *testing.T) {
-	storetest.ExerciseSealed(t, func(t *testing.T) storetest.Backend {
-		w := &stagedWrites{
-			store:   idempotency.NewMemoryStore(),
-			written: make(map[string]bool),
-			pending: make(map[idempotency.Tx][]string),
-		}
-		return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written}
-	})
+	storetest.ExerciseSealed(t, memoryBackend)
 }

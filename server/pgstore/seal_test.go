@@ -3,7 +3,6 @@ package pgstore_test
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -35,22 +34,6 @@ func TestConformanceSealed(t *testing.T) {
 			},
 		}
 	})
-}
-
-// sealKeys returns the key set of ids, the first sealing; a key's secret
-// depends only on its id.
-func sealKeys(t *testing.T, ids ...string) *idempotency.SealKeys {
-	t.Helper()
-	var keys []idempotency.SealKey
-	for _, id := range ids {
-		secret := sha256.Sum256([]byte("pgstore test seal key " + id))
-		keys = append(keys, idempotency.SealKey{ID: id, Secret: secret[:]})
-	}
-	ks, err := idempotency.NewSealKeys(keys...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return ks
 }
 
 // sealedAPI is a payments-like handler behind the middleware on a sealed
@@ -155,7 +138,7 @@ func execSQL(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) {
 func TestSealedRows(t *testing.T) {
 	pool := migratedPool(t, nil)
 	var calls atomic.Int32
-	api := newSealedAPI(t, pool, sealKeys(t, "k1"), &calls)
+	api := newSealedAPI(t, pool, storetest.SealKeys(t, "k1"), &calls)
 	ctx := context.Background()
 
 	first := api.post(t, "a", "key-1")
@@ -176,7 +159,7 @@ func TestSealedRows(t *testing.T) {
 	}
 
 	// Rotation: a second server seals with k2 and still opens k1's rows.
-	rotated := newSealedAPI(t, pool, sealKeys(t, "k2", "k1"), &calls)
+	rotated := newSealedAPI(t, pool, storetest.SealKeys(t, "k2", "k1"), &calls)
 	sameAnswer(t, "replay of k1's row by the server with k2 first", first, rotated.post(t, "a", "key-1"))
 	second := rotated.post(t, "a", "key-2")
 	sameAnswer(t, "replay of k2's row by the server with k2 first", second, rotated.post(t, "a", "key-2"))

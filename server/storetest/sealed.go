@@ -19,7 +19,7 @@ import (
 // copied to another row does not open, and keys rotate. A store passes
 // both Exercise and ExerciseSealed; newBackend is the same.
 func ExerciseSealed(t *testing.T, newBackend func(t *testing.T) Backend) {
-	keys := sealKeys(t, "k1")
+	keys := SealKeys(t, "k1")
 	t.Run("Suite", func(t *testing.T) {
 		Exercise(t, func(t *testing.T) Backend { return sealedBackend(newBackend(t), keys) })
 	})
@@ -46,14 +46,16 @@ func sealedBackend(b Backend, keys *idempotency.SealKeys) Backend {
 	return b
 }
 
-// sealKey returns the suite's seal key of id, the same on every run.
+// sealKey returns the suite's seal key of id: its secret depends only on
+// the id, the same on every run.
 func sealKey(id string, openOnly bool) idempotency.SealKey {
 	secret := sha256.Sum256([]byte("storetest seal key " + id))
 	return idempotency.SealKey{ID: id, Secret: secret[:], OpenOnly: openOnly}
 }
 
-// sealKeys returns the key set of ids, the first sealing.
-func sealKeys(t *testing.T, ids ...string) *idempotency.SealKeys {
+// SealKeys returns a key set for tests: a key of each id, whose secret
+// depends only on the id (not secret at all), the first one sealing.
+func SealKeys(t testing.TB, ids ...string) *idempotency.SealKeys {
 	t.Helper()
 	var keys []idempotency.SealKey
 	for _, id := range ids {
@@ -115,7 +117,7 @@ func mustBeSealed(t *testing.T, resp idempotency.StoredResponse, keyID string, h
 // sealed store replays it byte for byte; the write, made through the
 // store's own unit of work beneath the seal's, is committed.
 func testSealedAtRest(t *testing.T, b Backend) {
-	sb := sealedBackend(b, sealKeys(t, "k1"))
+	sb := sealedBackend(b, SealKeys(t, "k1"))
 	sealed := sb.Store
 	req := request("cli_a", "key-1", "a")
 	c := claim(t, sealed, req, idempotency.Claimed).Claim
@@ -135,7 +137,7 @@ func testSealedAtRest(t *testing.T, b Backend) {
 // the same client, and to a row with another status: none opens, and
 // Claim returns each still sealed, so the middleware refuses to replay it.
 func testSealedCopied(t *testing.T, b Backend) {
-	keys := sealKeys(t, "k1")
+	keys := SealKeys(t, "k1")
 	sb := sealedBackend(b, keys)
 	sealed := sb.Store
 	orig := request("cli_a", "key-1", "a")
@@ -182,12 +184,12 @@ func testSealedCopied(t *testing.T, b Backend) {
 // first and open-only, new responses are stored in the clear and k2's
 // still open.
 func testSealedRotation(t *testing.T, b Backend) {
-	old := sealedBackend(b, sealKeys(t, "k1"))
+	old := sealedBackend(b, SealKeys(t, "k1"))
 	req1 := request("cli_a", "key-1", "a")
 	if err := complete(t, old, claim(t, old.Store, req1, idempotency.Claimed).Claim, secretResponse("ord_1")); err != nil {
 		t.Fatal(err)
 	}
-	rotated := sealedBackend(b, sealKeys(t, "k2", "k1"))
+	rotated := sealedBackend(b, SealKeys(t, "k2", "k1"))
 	if got := claim(t, rotated.Store, req1, idempotency.Exists).Record.Response; !sameResponse(got, secretResponse("ord_1")) {
 		t.Errorf("k1's response after the rotation to k2: %+v", got)
 	}
@@ -197,7 +199,7 @@ func testSealedRotation(t *testing.T, b Backend) {
 	}
 	mustBeSealed(t, stored(t, b.Store, req2), "k2", secretResponse("ord_2"))
 
-	withdrawn := idempotency.Sealed(b.Store, sealKeys(t, "k2"))
+	withdrawn := idempotency.Sealed(b.Store, SealKeys(t, "k2"))
 	if got := claim(t, withdrawn, req1, idempotency.Exists).Record.Response; got == nil || got.ContentType != idempotency.SealedMediaType+"; key=k1" {
 		t.Errorf("k1's response once k1 is withdrawn: %+v, want it still sealed", got)
 	}
@@ -229,7 +231,7 @@ func testUnsealedReplays(t *testing.T, b Backend) {
 	if err := complete(t, b, claim(t, b.Store, req, idempotency.Claimed).Claim, secretResponse("ord_1")); err != nil {
 		t.Fatal(err)
 	}
-	sealed := idempotency.Sealed(b.Store, sealKeys(t, "k1"))
+	sealed := idempotency.Sealed(b.Store, SealKeys(t, "k1"))
 	if got := claim(t, sealed, req, idempotency.Exists).Record.Response; !sameResponse(got, secretResponse("ord_1")) {
 		t.Errorf("an unsealed response through the sealed store: %+v", got)
 	}
