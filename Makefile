@@ -4,14 +4,24 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test check fmt vet staticcheck bench scenarios fuzz
+.PHONY: test quick check fmt vet staticcheck bench scenarios fuzz
 
-# bench/ and otel/ are modules of their own (the peer libraries and
-# OpenTelemetry stay out of ours); their tests run too.
+# bench/, otel/ and examples/router are modules of their own (the peer
+# libraries, OpenTelemetry and failsafe-go stay out of ours); their tests
+# run too. The chaos test runs last and verbose, so that its timeline
+# shows while it runs.
 test:
-	$(GO) test -race -count=1 $(PKGS)
+	$(GO) test -race -count=1 $$($(GO) list $(PKGS) | grep -v '/examples/chaos$$')
 	cd bench && $(GO) test -race -count=1 ./...
 	cd otel && $(GO) test -race -count=1 ./...
+	cd examples/router && $(GO) test -race -count=1 ./...
+	@echo "examples/chaos: the chaos test (replicas of idem-server killed and restarted; about two minutes):"
+	$(GO) test -race -count=1 -v ./examples/chaos
+
+# quick: the tests without the chaos test and the long end-to-end runs
+# (-short), for the edit-test loop; make test is what CI runs.
+quick:
+	$(GO) test -short -count=1 $(PKGS)
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -20,11 +30,13 @@ vet:
 	$(GO) vet $(PKGS)
 	cd bench && $(GO) vet ./...
 	cd otel && $(GO) vet ./...
+	cd examples/router && $(GO) vet ./...
 
 staticcheck:
 	$(STATICCHECK) $(PKGS)
 	cd bench && $(STATICCHECK) ./...
 	cd otel && $(STATICCHECK) ./...
+	cd examples/router && $(STATICCHECK) ./...
 
 check: fmt vet staticcheck test
 

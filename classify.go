@@ -15,8 +15,8 @@ const (
 	// retry budget.
 	VerdictRetry
 	// VerdictStop ends the operation: the response is returned as it
-	// came, or the error as a single attempt's error (a [*RetryError]
-	// after a retry).
+	// came, and the error in a [*RetryError] with the key for a keyed
+	// request or after a retry, else as it came.
 	VerdictStop
 	// VerdictConflict means the first request with the key is still
 	// running: the Transport waits and asks again with the same key, on

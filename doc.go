@@ -17,10 +17,23 @@
 // time or the [RetryBudget] run out, [*InProgressError] when the outcome is
 // still unknown and the same key must be retried later.
 //
+// After any call, [OutcomeOf] says whether the operation may have taken
+// effect, in one switch:
+//
+//	switch idem.OutcomeOf(resp, err) {
+//	case idem.OutcomeNotSent: // nothing reached the server: it may go elsewhere, under a new key
+//	case idem.OutcomeDone:    // the server's final answer: read it
+//	case idem.OutcomeUnknown: // it may have happened: retry with the same key, here only
+//	}
+//
 // To retry one operation across calls, or across a process restart, pin its
 // key with [WithKey]. [Client] is a small JSON client built on the
 // Transport, and [Replayed] tells a replayed answer from a first one.
 //
-// The server side of the same contract, on PostgreSQL, is in package
-// github.com/idemkit/idem/server.
+// The server side of the same contract is a library for your own service:
+// package github.com/idemkit/idem/server/idempotency is the middleware
+// (any net/http handler, any store), and github.com/idemkit/idem/server/pgstore
+// keeps the keys in PostgreSQL and hands your handler the pgx.Tx its writes
+// commit in. Package github.com/idemkit/idem/server is the reference
+// payments API built on them, for tests and demos.
 package idem

@@ -85,9 +85,9 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 -- plans alone: unnamed result columns of the claim and the charge are
 -- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
 -- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
--- the INSERT, the completion and COMMIT as four round trips; the server
--- pipelines BEGIN with the INSERT and the completion with the COMMIT (two):
--- the same WAL flushes.
+-- the INSERT, the SHOW, the completion and COMMIT as five round trips; the
+-- server pipelines BEGIN with the INSERT and the SHOW, and the completion
+-- with the COMMIT (two): the same WAL flushes.
 --
 -- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
 -- lockus retus status ctype hdr body customer currency.
@@ -110,6 +110,10 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 		return "", err
 	}
 	complete, err := goConst(src, "completeInTxSQL")
+	if err != nil {
+		return "", err
+	}
+	show, err := goConst(src, "showIsolationSQL")
 	if err != nil {
 		return "", err
 	}
@@ -168,6 +172,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
 	b.WriteString("\nBEGIN;\n-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
+	b.WriteString("-- showIsolationSQL (pgstore reads the isolation level with the first statement)\n" + strings.TrimSpace(show) + ";\n")
 	b.WriteString("-- completeInTxSQL (the key's completion)\n" + strings.TrimSpace(complete) + ";\nCOMMIT;\n")
 	return b.String(), nil
 }

@@ -239,6 +239,7 @@ func New(cfg Config) (*Server, error) {
 		FingerprintVersion: cfg.FingerprintVersion,
 		FirstSentSkew:      cfg.FirstSentSkew,
 		IgnoreFirstSent:    cfg.IgnoreFirstSent,
+		BodyFormat:         idempotency.BodyByContentType, // the API takes forms as well as JSON
 		Logger:             log,
 		OnEvent:            s.metrics.Observe,
 	})

@@ -11,9 +11,9 @@
 -- plans alone: unnamed result columns of the claim and the charge are
 -- named (\gset needs names); the charge's $1 is '' and $5 NULL, and the
 -- payment's created_at NULL, as the server sends them. pgbench runs BEGIN,
--- the INSERT, the completion and COMMIT as four round trips; the server
--- pipelines BEGIN with the INSERT and the completion with the COMMIT (two):
--- the same WAL flushes.
+-- the INSERT, the SHOW, the completion and COMMIT as five round trips; the
+-- server pipelines BEGIN with the INSERT and the SHOW, and the completion
+-- with the COMMIT (two): the same WAL flushes.
 --
 -- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
 -- lockus retus status ctype hdr body customer currency.
@@ -26,11 +26,11 @@ WITH existing AS (
     SELECT k.*,
         (k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         AND greatest(k.expires_at, k.locked_at + (k.retention_us
-            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now()) IS TRUE AS expired,
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp()) IS TRUE AS expired,
         (((k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         AND greatest(k.expires_at, k.locked_at + (k.retention_us
-            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now())) AND (false::boolean OR k.created_at >= NULL::timestamptz::timestamptz) IS TRUE) AS refused,
-        ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp())) AND (false::boolean OR k.created_at >= NULL::timestamptz::timestamptz) IS TRUE) AS refused,
+        ((k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond') AND k.fingerprint_version = :fpver AND k.request_hash = :fp) AS stale,
         (k.status = 'released' AND k.fingerprint_version = :fpver
             AND (k.release_rejected OR k.request_hash = :fp)) AS free
     FROM idempotency_keys k
@@ -39,9 +39,9 @@ WITH existing AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
-    SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
+    SELECT :client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
-            THEN now() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END
+            THEN statement_timestamp() + (:lockus::bigint + :retus::bigint) * interval '1 microsecond' END
     WHERE NOT EXISTS (SELECT FROM existing) AND NOT false::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
@@ -79,6 +79,8 @@ BEGIN;
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
 VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(:operation_id, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()));
+-- showIsolationSQL (pgstore reads the isolation level with the first statement)
+SHOW transaction_isolation;
 -- completeInTxSQL (the key's completion)
 WITH done AS (
 UPDATE idempotency_keys SET
@@ -87,7 +89,7 @@ UPDATE idempotency_keys SET
     response_content_type = :ctype,
     response_headers = :hdr,
     response_body = :body,
-    expires_at = CASE WHEN retention_us > 0 THEN now() + retention_us * interval '1 microsecond' END
+    expires_at = CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END
 WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
     RETURNING 1)
 SELECT 1 / (SELECT count(*)::integer FROM done);

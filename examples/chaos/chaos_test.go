@@ -18,6 +18,28 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
+// progress logs the run's output line by line as it comes, so that
+// go test -v (make test runs this package so) shows the chaos test's
+// timeline while it runs, and keeps it whole for the checks.
+type progress struct {
+	t *testing.T
+	bytes.Buffer
+	partial []byte
+}
+
+func (p *progress) Write(b []byte) (int, error) {
+	p.Buffer.Write(b)
+	p.partial = append(p.partial, b...)
+	for {
+		i := bytes.IndexByte(p.partial, '\n')
+		if i < 0 {
+			return len(b), nil
+		}
+		p.t.Log(string(p.partial[:i]))
+		p.partial = p.partial[i+1:]
+	}
+}
+
 // TestChaos runs a short chaos test: two replicas, one SIGKILL, three
 // rounds of backend terminations and the proxy's faults, with a fixed seed.
 // It asserts outcomes only, never timings: the grace period is generous so
@@ -37,7 +59,7 @@ func testChaos(t *testing.T, serverArgs string) {
 	args := []string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
-		"-invalid-text", "0.1", "-hold", "0.05", "-cancel", "0.05",
+		"-invalid-text", "0.1", "-hold", "0.1", "-cancel", "0.2",
 		"-database-url", dbURL, "-server-args", serverArgs,
 	}
 	cfg, err := parseFlags(args, &bytes.Buffer{})
@@ -46,9 +68,8 @@ func testChaos(t *testing.T, serverArgs string) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	var out bytes.Buffer
-	rep, err := runChaos(ctx, cfg, &out)
-	t.Logf("output:\n%s", out.String())
+	out := &progress{t: t}
+	rep, err := runChaos(ctx, cfg, out)
 	if err != nil {
 		t.Fatalf("runChaos: %v", err)
 	}

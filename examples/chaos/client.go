@@ -279,15 +279,18 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 }
 
 // call makes one call for o and records what it learned. A share of the
-// calls (-cancel) is cancelled by the caller at a random moment, as an
-// application's own deadline or shutdown would.
+// calls (-cancel) is cancelled by the caller at a random moment within the
+// time a call takes, as an application's own deadline or shutdown would.
 func (c *clients) call(ctx context.Context, acct int, o *op, rng *rand.Rand) {
 	o.calls++
 	callCtx := ctx
 	if rng.Float64() < c.cfg.cancelRate {
 		var cancel context.CancelFunc
 		callCtx, cancel = context.WithCancel(ctx)
-		t := time.AfterFunc(time.Duration(rng.Int64N(int64(2*c.cfg.attemptTimeout))), cancel)
+		// Within the time a call takes on a replica that is not slow, so
+		// most cancellations cut a call in flight.
+		window := min(2*c.cfg.attemptTimeout, 4*c.cfg.processorDelay+20*time.Millisecond)
+		t := time.AfterFunc(time.Duration(rng.Int64N(int64(window)+1)), cancel)
 		defer func() {
 			t.Stop()
 			cancel()

@@ -124,7 +124,7 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		"share of payments whose transaction a replica holds open for -retention plus 1s after its insert (the servers' -hold-after-write): "+
 			"the retry after it must get the replay, since retention counts from the answer")
 	fs.Float64Var(&c.cancelRate, "cancel", 0.03,
-		"share of calls whose context the client cancels at a random moment within two attempt timeouts: the operation is asked about again later, with the same key")
+		"share of calls whose context the client cancels at a random moment within the time a call takes (four processor delays): the operation is asked about again later, with the same key")
 	fs.Float64Var(&c.mix.Reset, "reset", 0.04, "share of proxied connections reset before the request reaches a server")
 	fs.Float64Var(&c.mix.Drop, "drop", 0.04, "share of proxied connections whose answer is dropped after the server sent it")
 	fs.Float64Var(&c.mix.Stall, "stall", 0.02, "share of proxied connections whose answer is held past the attempt timeout")

@@ -18,15 +18,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/idemkit/idem/server"
 )
 
 // slowAmount is the amount the tests' targets take slowBodyDelay to pay:
 // the slow body the in-flight row needs.
 const (
-	slowAmount    = 4201
+	slowAmount    = 4242
 	slowBodyDelay = 1500 * time.Millisecond
-	slowBodyFlag  = `{"amount": 4201, "currency": "usd", "customer": "cus_slow"}`
+	slowBodyFlag  = `{"amount": 4242, "currency": "usd", "customer": "cus_slow"}`
 )
 
 // counting counts the POST requests that reach h.
@@ -56,12 +59,12 @@ func verdictsOf(t *testing.T, report string) map[string]string {
 	return got
 }
 
-var rowNames = []string{"key required", "replay", "another body", "sf-string key", "per client", "key length", "in flight", "retention"}
+var rowNames = []string{"key required", "replay", "advertised retention", "late retry", "another body", "sf-string key", "per client", "key length", "in flight", "retention"}
 
 // sentFigure returns the "N requests sent" of a report.
 func sentFigure(t *testing.T, report string) int {
 	t.Helper()
-	m := regexp.MustCompile(`; (\d+) requests sent, at most (\d+) payments made`).FindStringSubmatch(report)
+	m := regexp.MustCompile(`; (\d+) requests sent, at most (\d+) (payments|operations) made`).FindStringSubmatch(report)
 	if m == nil {
 		t.Fatalf("report lacks its last line:\n%s", report)
 	}
@@ -117,16 +120,16 @@ func TestConformanceReference(t *testing.T) {
 	if len(got) != len(rowNames) {
 		t.Errorf("rows %v, want %v", got, rowNames)
 	}
-	if !strings.Contains(report, "8 conform, 0 differ, 0 not checkable; ") {
+	if !strings.Contains(report, "10 conform, 0 differ, 0 not checkable; ") {
 		t.Errorf("report:\n%s", report)
 	}
 	if sent := sentFigure(t, report); int(posts.Load()) != sent {
 		t.Errorf("the server got %d requests, the report says %d were sent", posts.Load(), sent)
 	}
-	// K1, K2, client 2's K1, the 255-character key, K3, and K3 after its
-	// retention.
-	if n := len(storage.Payments()); n != 6 {
-		t.Errorf("the check made %d payments, want 6", n)
+	// K1, K3 (another body, accepted with a new key), K4 (the slow body),
+	// client 2's K1, the 255-character key, K5, and K5 after its retention.
+	if n := len(storage.Payments()); n != 7 {
+		t.Errorf("the check made %d payments, want 7", n)
 	}
 	t.Logf("\n%s", report)
 }
@@ -188,7 +191,10 @@ func (b *brokenAPI) made() int {
 }
 
 // TestConformanceBroken runs the check against brokenAPI: each row it gets
-// wrong differs, and says what the server did.
+// wrong differs, and says what the server did. Its budget is above the
+// default: client 2's replay of client 1's answer counts as a payment
+// (the check cannot tell it from one), which leaves the default no room
+// for the retention row.
 func TestConformanceBroken(t *testing.T) {
 	api := &brokenAPI{answers: map[string][]byte{}}
 	var posts atomic.Int32
@@ -197,20 +203,22 @@ func TestConformanceBroken(t *testing.T) {
 
 	var out bytes.Buffer
 	err := run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
-		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait"}, noEnv, &out)
+		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait", "-max-payments", "13"}, noEnv, &out)
 	report := out.String()
-	if err == nil || errors.Is(err, errUsage) || err.Error() != "6 of 8 rows differ from the contract" {
-		t.Errorf("run = %v, want 6 of 8 rows differ\n%s", err, report)
+	if err == nil || errors.Is(err, errUsage) || err.Error() != "8 of 10 rows differ from the contract" {
+		t.Errorf("run = %v, want 8 of 10 rows differ\n%s", err, report)
 	}
 	want := map[string]string{
-		"key required":  "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
-		"replay":        "conforms (same status and body; no replay marker)",
-		"another body":  "differs (replayed the first answer: the body is not compared)",
-		"in flight":     "differs (ran the duplicate as well: two answers, two payments)",
-		"per client":    "differs (replayed client 1's answer to client 2: keys are shared by all clients)",
-		"sf-string key": "differs (a new payment: the quotes were taken as part of another key)",
-		"key length":    "differs (256 not refused with 400: 201 Created, application/json)",
-		"retention":     "conforms (replayed 900ms after the answer; still replayed after it)",
+		"key required":         "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
+		"replay":               "conforms (same status and body; no replay marker, and a new key got another answer)",
+		"another body":         "differs (replayed the first answer: the body is not compared)",
+		"in flight":            "differs (ran the duplicate as well: two answers, two payments)",
+		"per client":           "differs (replayed client 1's answer to client 2: keys are shared by all clients)",
+		"sf-string key":        "differs (a new payment: the quotes were taken as part of another key)",
+		"key length":           "differs (256 not refused with 400: 201 Created, application/json)",
+		"advertised retention": "differs (K1's answer has no Idempotency-TTL: a client cannot tell how long it may retry)",
+		"late retry":           "differs (ran it, 201 Created, application/json: a retry that arrives after its key was purged would run again)",
+		"retention":            "conforms (replayed 900ms after K5 was sent; still replayed after the retention)",
 	}
 	got := verdictsOf(t, report)
 	for _, name := range rowNames {
@@ -221,9 +229,13 @@ func TestConformanceBroken(t *testing.T) {
 	if sent := sentFigure(t, report); int(posts.Load()) != sent {
 		t.Errorf("the server got %d requests, the report says %d were sent", posts.Load(), sent)
 	}
-	// No key, K1, K2 twice, the sf-string, both long keys, K3.
-	if n := api.made(); n != 8 {
-		t.Errorf("the check made %d payments, want 8", n)
+	// K1, no key, K2 (a new key: the replay has no marker), K6 first sent
+	// long ago, K4 twice, the sf-string, both long keys, K5.
+	if n := api.made(); n != 10 {
+		t.Errorf("the check made %d payments, want 10", n)
+	}
+	if !strings.Contains(report, "at most 11 payments made (-max-payments 13)") { // the 10 and client 2's K1
+		t.Errorf("report:\n%s", report)
 	}
 	t.Logf("\n%s", report)
 }
@@ -274,18 +286,43 @@ func TestConformanceDryRun(t *testing.T) {
 	}
 	for _, want := range []string{
 		"-dry-run: nothing is sent",
-		"no key, the body: client 1's token, no Idempotency-Key, body {\"amount\": 4200,",
-		"K1 again, the same body: client 1's token, Idempotency-Key: ",
-		`"K1" (sf-string), the body: client 1's token, Idempotency-Key: "`,
-		"a key of 256 characters: client 1's token, Idempotency-Key: ",
+		"all POST " + ts.URL + "/v1/payments with Content-Type: application/json;\n  client 1's credentials: Authorization; client 2's: none\n",
+		"no key, the body: client 1's credentials, no Idempotency-Key, body {\"amount\": 4200,",
+		"K1 again, the same body: client 1's credentials, Idempotency-Key: ",
+		"K2, the body: client 1's credentials, Idempotency-Key: ",
+		"; sent only if K1's replay has no Idempotent-Replayed: true; a new key must get another answer",
+		`"K1" (sf-string), the body: client 1's credentials, Idempotency-Key: "`,
+		"a key of 256 characters: client 1's credentials, Idempotency-Key: ",
 		"none: not checkable (needs -slow-body",
-		"none: not checkable (needs -token2",
+		"none: not checkable (needs -token2 or -header2",
 		"none: not checkable (the published retention is 24h0m0s; -wait waits it out (about 24h0m10s))",
 	} {
 		if !strings.Contains(report, want) {
 			t.Errorf("plan lacks %q:\n%s", want, report)
 		}
 	}
+}
+
+// TestConformanceDryRunHeaders checks the plan of a PATCH check whose
+// clients send X-Api-Key: it names the method and the headers, never
+// their values, and speaks of operations.
+func TestConformanceDryRunHeaders(t *testing.T) {
+	var out bytes.Buffer
+	err := run(t.Context(), []string{"-target", "http://127.0.0.1:1/v1/orders/42?expand=items", "-method", "patch", "-dry-run",
+		"-header", "X-Api-Key: secret-one", "-header", "X-Tenant: t1", "-header2", "X-Api-Key: secret-two", "-body", `{"qty": 2}`}, noEnv, &out)
+	require.NoError(t, err)
+	report := out.String()
+	for _, want := range []string{
+		"idem conformance check of PATCH http://127.0.0.1:1/v1/orders/42?expand=items\n",
+		"at most 10 operations (-max-operations)",
+		"all PATCH http://127.0.0.1:1/v1/orders/42?expand=items with Content-Type: application/json;\n  client 1's credentials: X-Api-Key, X-Tenant; client 2's: X-Api-Key\n",
+		"1. key required: a PATCH without a key gets 400",
+		"K1 from client 2, the body: client 2's credentials, Idempotency-Key: ",
+	} {
+		assert.Contains(t, report, want)
+	}
+	assert.NotContains(t, report, "secret")
+	assert.NotContains(t, strings.ToLower(report), "payment")
 }
 
 func TestConformanceFlags(t *testing.T) {
@@ -299,6 +336,24 @@ func TestConformanceFlags(t *testing.T) {
 		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-slow-body", "slow"},
 		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-max-payments", "0"},
 		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-wait"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-method", "GET"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-method", "PUT"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "X-Api-Key"},
+		{"-target", "https://api.example.com/v1/payments", "-header", ": K1"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "X Api Key: K1"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "X-Api-Key: K\x001"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "X-Api-Key: K1\r\nX-Admin: 1"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "Idempotency-Key: K"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "content-type: text/plain"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-header", "Authorization: Basic dTpw"},
+		{"-target", "https://api.example.com/v1/payments", "-header", "X-Api-Key: K1", "-header2", "X-Api-Key:  K1"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-header2", "Authorization: Bearer T"},
+		{"-target", "https://api.example.com/v1/payments", "-header2", "X-Api-Key: K2"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-max-payments", "3", "-max-operations", "4"},
+		{"-target", "https://api.example.com/v1/payments", "-token", "T", "-max-operations", "0"},
+		{"-header", "X-Api-Key: K1"},
+		{"-method", "PATCH"},
+		{"-max-operations", "3"},
 	} {
 		var out bytes.Buffer
 		if err := run(t.Context(), args, noEnv, &out); !errors.Is(err, errUsage) {

@@ -18,10 +18,12 @@
 // the run; the role needs CREATE on the database.
 //
 // With -target, it runs no scenario: it checks the client-observable part
-// of the contract against any payments endpoint, one verdict per row
+// of the contract against any POST or PATCH endpoint, one verdict per row
 // (conformance.go):
 //
 //	go run ./examples/scenarios -target https://api.example.com/v1/payments -token T [-token2 T2] [-body JSON] [-dry-run]
+//	go run ./examples/scenarios -target https://api.example.com/v1/orders/42 -method PATCH \
+//	    -header 'X-Api-Key: K1' -header2 'X-Api-Key: K2' -body '{"qty": 2}'
 package main
 
 import (
@@ -30,7 +32,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
-	"net/url"
+	"net/http"
 	"os"
 	"os/signal"
 	"regexp"
@@ -66,19 +68,31 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	verbose := fs.Bool("v", false, "show every attempt, and the server's warnings, on the timelines")
 	list := fs.Bool("list", false, "list the scenarios and exit")
 
-	target := fs.String("target", "", "check the payments endpoint at this `URL` against the contract instead of running the scenarios")
-	tok := fs.String("token", "", "with -target: the bearer `token` of the API client the check uses")
-	tok2 := fs.String("token2", "", "with -target: the bearer `token` of a second client, to check that keys are scoped per client")
-	body := fs.String("body", defaultConformanceBody, "with -target: the `JSON` body of a payment the target accepts")
-	slowBody := fs.String("slow-body", "", "with -target: a `JSON` body the target takes over a second to process, to check the answer to a duplicate in flight")
-	maxPayments := fs.Int("max-payments", 10, "with -target: never make more than `N` payments")
-	retention := fs.Duration("retention", 0, "with -target: the `duration` the API publishes it keeps keys for")
-	wait := fs.Bool("wait", false, "with -target and -retention: wait the retention out to check it")
-	dryRun := fs.Bool("dry-run", false, "with -target: print the requests the check would send, and send none")
-	timeout := fs.Duration("timeout", 30*time.Second, "with -target: the longest wait for one answer")
+	var tf targetFlags
+	fs.StringVar(&tf.target, "target", "", "check the endpoint at this `URL` (any path and query) against the contract instead of running the scenarios")
+	fs.StringVar(&tf.method, "method", http.MethodPost, "with -target: the `method` of the operation, POST or PATCH")
+	fs.StringVar(&tf.token, "token", "", "with -target: the bearer `token` of the API client the check uses (short for -header 'Authorization: Bearer T')")
+	fs.StringVar(&tf.token2, "token2", "", "with -target: the bearer `token` of a second client, to check that keys are scoped per client (short for -header2 'Authorization: Bearer T2')")
+	fs.Func("header", "with -target: a `header` the client sends with every request, such as 'X-Api-Key: K1' (repeatable)", func(v string) error {
+		tf.headers[0] = append(tf.headers[0], v)
+		return nil
+	})
+	fs.Func("header2", "with -target: a `header` the second client sends, such as 'X-Api-Key: K2' (repeatable), to check that keys are scoped per client", func(v string) error {
+		tf.headers[1] = append(tf.headers[1], v)
+		return nil
+	})
+	fs.StringVar(&tf.body, "body", defaultConformanceBody, "with -target: the `JSON` body of a request the target accepts; the report speaks of payments with the default body, of operations with another")
+	fs.StringVar(&tf.slowBody, "slow-body", "", "with -target: a `JSON` body the target takes over a second to process, to check the answer to a duplicate in flight")
+	fs.IntVar(&tf.maxPayments, "max-payments", 10, "with -target: never make more than `N` payments (operations)")
+	fs.IntVar(&tf.maxOps, "max-operations", 10, "with -target: never make more than `N` operations (the same as -max-payments)")
+	fs.DurationVar(&tf.retention, "retention", 0, "with -target: the `duration` the API publishes it keeps keys for")
+	fs.BoolVar(&tf.wait, "wait", false, "with -target and -retention: wait the retention out to check it")
+	fs.BoolVar(&tf.dryRun, "dry-run", false, "with -target: print the requests the check would send, and send none")
+	fs.DurationVar(&tf.timeout, "timeout", 30*time.Second, "with -target: the longest wait for one answer")
 	fs.Usage = func() {
 		fmt.Fprintf(fs.Output(), "usage: scenarios [-run regexp] [-v] [-database-url URL] [-list]\n")
-		fmt.Fprintf(fs.Output(), "       scenarios -target URL -token T [-token2 T2] [-body JSON] [-slow-body JSON] [-max-payments N] [-retention D [-wait]] [-dry-run]\n\n")
+		fmt.Fprintf(fs.Output(), "       scenarios -target URL [-method POST|PATCH] -token T | -header 'Name: value'... [-token2 T2 | -header2 'Name: value'...]\n")
+		fmt.Fprintf(fs.Output(), "                 [-body JSON] [-slow-body JSON] [-max-operations N] [-retention D [-wait]] [-dry-run]\n\n")
 		fs.PrintDefaults()
 	}
 	if err := fs.Parse(args); err != nil {
@@ -93,14 +107,15 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
-	conformanceFlags := []string{"token", "token2", "body", "slow-body", "max-payments", "retention", "wait", "dry-run", "timeout"}
-	if *target != "" {
+	conformanceFlags := []string{"method", "token", "token2", "header", "header2", "body", "slow-body", "max-payments", "max-operations",
+		"retention", "wait", "dry-run", "timeout"}
+	if tf.target != "" {
 		for _, name := range []string{"run", "v", "database-url", "list"} {
 			if set[name] {
 				return fmt.Errorf("%w: -%s runs scenarios; it does not go with -target", errUsage, name)
 			}
 		}
-		cfg, err := conformanceFlagsToConfig(*target, *tok, *tok2, *body, *slowBody, *maxPayments, *retention, *wait, *dryRun, *timeout)
+		cfg, err := tf.config(set)
 		if err != nil {
 			return err
 		}
@@ -152,39 +167,6 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		return fmt.Errorf("%d of %d scenarios failed", failed, len(results))
 	}
 	return nil
-}
-
-// conformanceFlagsToConfig checks the -target flags and returns the
-// check's configuration.
-func conformanceFlagsToConfig(target, tok, tok2, body, slowBody string, maxPayments int,
-	retention time.Duration, wait, dryRun bool, timeout time.Duration) (conformanceConfig, error) {
-	u, err := url.Parse(target)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return conformanceConfig{}, fmt.Errorf("%w: -target must be an http or https URL, such as https://api.example.com/v1/payments", errUsage)
-	}
-	cfg := conformanceConfig{target: target, token: tok, token2: tok2, maxPayments: maxPayments,
-		retention: retention, wait: wait, dryRun: dryRun, timeout: timeout}
-	switch {
-	case tok == "":
-		return cfg, fmt.Errorf("%w: -target needs -token, the bearer token of a client of the API", errUsage)
-	case tok2 == tok:
-		return cfg, fmt.Errorf("%w: -token2 must be another client's token than -token", errUsage)
-	case maxPayments < 1:
-		return cfg, fmt.Errorf("%w: -max-payments must be at least 1", errUsage)
-	case retention < 0 || timeout <= 0:
-		return cfg, fmt.Errorf("%w: -retention must not be negative, -timeout must be positive", errUsage)
-	case wait && retention == 0:
-		return cfg, fmt.Errorf("%w: -wait needs -retention, the retention to wait out", errUsage)
-	}
-	if cfg.body, err = checkBody("-body", body); err != nil {
-		return cfg, err
-	}
-	if slowBody != "" {
-		if cfg.slowBody, err = checkBody("-slow-body", slowBody); err != nil {
-			return cfg, err
-		}
-	}
-	return cfg, nil
 }
 
 // selectScenarios returns the scenarios whose name matches pattern.

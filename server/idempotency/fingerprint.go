@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"hash"
 	"mime"
+	"net/http"
 	"net/url"
 	"slices"
 	"strconv"
@@ -132,6 +133,65 @@ func Fingerprint(version int, method, path, rawQuery, contentType string, body [
 	h.Write(in)
 	h.Write(canon)
 	return h.Sum(nil), nil
+}
+
+// BodyFormat says how [Middleware] reads the request bodies it
+// fingerprints: by their declared Content-Type (the zero value), or all as
+// JSON, for a JSON API. See [Options.BodyFormat].
+type BodyFormat int
+
+// Body formats of [Options.BodyFormat].
+const (
+	// BodyByContentType, the default, canonicalises a body by its
+	// Content-Type as [Fingerprint] describes: JSON (or no Content-Type),
+	// a form, or other bytes as they are. Right for an API that accepts
+	// forms as well as JSON, as the reference server does. A JSON API's
+	// clients must then declare their JSON: curl -d sends
+	// application/x-www-form-urlencoded, so `curl -d '{"item":"100% wool"}'`
+	// is read as a form (400: a malformed escape), and two orders of the
+	// same members are two requests (422).
+	BodyByContentType BodyFormat = iota
+
+	// BodyAsJSON fingerprints every body as JSON, whatever its
+	// Content-Type: the same document is the same request under any
+	// declared type. A body that is not one JSON document (a form, NUL
+	// or invalid UTF-8) gets 400 [ProblemInvalidRequest] before the
+	// claim. For a JSON API that reads its bodies as JSON whatever they
+	// declare, as encoding/json handlers usually do.
+	BodyAsJSON
+
+	// BodyJSONOnly refuses a request whose Content-Type is not JSON
+	// (application/json, or any */*+json type; no Content-Type at all
+	// counts as JSON) with 415 [ProblemUnsupportedMediaType] and an
+	// Accept-Post (or Accept-Patch) header naming application/json, before
+	// its body is read, so a client learns at once to send JSON. For a
+	// JSON API that wants clients to declare what they send.
+	BodyJSONOnly
+)
+
+// knownBodyFormat reports whether [Middleware] knows f.
+func knownBodyFormat(f BodyFormat) bool { return f >= BodyByContentType && f <= BodyJSONOnly }
+
+// contentType returns the Content-Type a request body declared as
+// declared is fingerprinted as under f, or false if f refuses it.
+func (f BodyFormat) contentType(declared string) (string, bool) {
+	switch f {
+	case BodyAsJSON:
+		return "application/json", true
+	case BodyJSONOnly:
+		return declared, mediaKind(declared) == "json"
+	}
+	return declared, true
+}
+
+// refuseMediaType answers 415 to a request whose Content-Type
+// [BodyJSONOnly] refuses, before its body is read.
+func refuseMediaType(w http.ResponseWriter, r *http.Request) {
+	refuseUnread(w, r)
+	w.Header().Set("Accept-"+strings.ToUpper(r.Method[:1])+strings.ToLower(r.Method[1:]), "application/json")
+	writeProblem(w, r, ProblemUnsupportedMediaType, http.StatusUnsupportedMediaType, fmt.Sprintf(
+		"This API reads JSON bodies only, and the Content-Type %q is not JSON. Send the body as JSON with Content-Type: application/json (curl -d sends a form: add -H 'Content-Type: application/json'); the key was not used.",
+		r.Header.Get("Content-Type")))
 }
 
 // appendField appends s to dst as its length (8 bytes, big-endian) and its

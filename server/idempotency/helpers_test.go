@@ -50,21 +50,23 @@ func testHandler(t *testing.T, store Store, opts Options, h http.HandlerFunc) ht
 
 // testServer is a handler behind an httptest.Server.
 type testServer struct {
-	URL    string
-	client *http.Client
+	URL     string
+	client  *http.Client
+	handler http.Handler // what the server serves, for requests served in process
 }
 
 // mwServer serves h behind Middleware on store (see testHandler), stopped
 // when the test ends.
 func mwServer(t *testing.T, store Store, opts Options, h http.HandlerFunc) *testServer {
 	t.Helper()
-	hs := httptest.NewServer(testHandler(t, store, opts, h))
+	handler := testHandler(t, store, opts, h)
+	hs := httptest.NewServer(handler)
 	client := &http.Client{Transport: &http.Transport{}}
 	t.Cleanup(func() {
 		client.CloseIdleConnections()
 		hs.Close()
 	})
-	return &testServer{URL: hs.URL, client: client}
+	return &testServer{URL: hs.URL, client: client, handler: handler}
 }
 
 // call is one raw request; the zero fields mean: POST /v1/payments with no

@@ -169,6 +169,18 @@ type Options struct {
 	// the client's retry. Middleware panics on a version it does not know.
 	FingerprintVersion int
 
+	// BodyFormat says how request bodies are read to be fingerprinted. If
+	// zero ([BodyByContentType]), by their Content-Type: JSON, a form, or
+	// raw bytes. A JSON API sets [BodyAsJSON] (every body is fingerprinted
+	// as JSON, whatever its declared type: curl -d declares a form) or
+	// [BodyJSONOnly] (a body declared as another type gets 415). A request
+	// declared as JSON is fingerprinted alike under all three, so only a
+	// key first sent with another declared type, retried after the setting
+	// changed, meets the change (422, or 415): change it on every server
+	// sharing the store at once. Middleware panics on a format it does not
+	// know.
+	BodyFormat BodyFormat
+
 	// StoredHeaders lists the response headers stored with an outcome and
 	// replayed with it, besides Content-Type, which is always kept. Names
 	// are matched without regard to case. If nil, [DefaultStoredHeaders]
@@ -243,7 +255,7 @@ const (
 	EventMismatch                      // 422: the key was used with another request
 	EventReleased                      // the outcome was not stored and the key was freed
 	EventFenced                        // the completion lost the key to a takeover
-	EventRejected                      // 400/401/413 before the claim: nothing stored
+	EventRejected                      // 400/401/413/415 before the claim: nothing stored
 	EventRenewed                       // the lease of a running request was renewed
 	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
 	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
@@ -295,9 +307,11 @@ func (e Event) String() string {
 //     or lies further ahead than the allowance), and from here on answers
 //     every keyed response with the key header echoed and the retention in
 //     Idempotency-TTL ([RetentionHeader]);
-//  4. reads the body (413 [ProblemTooLarge] over the limit) and computes its
-//     [Fingerprint] (400 [ProblemInvalidRequest] for a malformed JSON or
-//     form body). None of these store anything;
+//  4. reads the body (415 [ProblemUnsupportedMediaType] before reading a
+//     body whose type [Options.BodyFormat] refuses, 413 [ProblemTooLarge]
+//     over the limit) and computes its [Fingerprint] (400
+//     [ProblemInvalidRequest] for a malformed JSON or form body). None of
+//     these store anything;
 //  5. claims the key with [Store.Claim]. A key that is absent or expired
 //     gets 410 [ProblemKeyExpired], nothing run, when the request's
 //     first-sent time says it may be a retry of the operation the key was
@@ -404,6 +418,9 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
 	if m.retention > 0 {
 		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
+	}
+	if !knownBodyFormat(opts.BodyFormat) {
+		panic(fmt.Sprintf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat))
 	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
@@ -535,11 +552,11 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		w.Header().Set(RetentionHeader, m.ttl)
 	}
 	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
-	firstSent, err := m.firstSentCheck(r)
-	if err != nil {
+	firstSent, bad := m.firstSentCheck(r)
+	if bad != "" {
 		m.event(EventRejected)
 		refuseUnread(w, r)
-		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, err.Error())
+		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, bad)
 		return
 	}
 	if !ValidText(clientID) {
@@ -555,6 +572,12 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 
+	contentType, ok := m.opts.BodyFormat.contentType(r.Header.Get("Content-Type"))
+	if !ok {
+		m.event(EventRejected)
+		refuseMediaType(w, r)
+		return
+	}
 	body, err := m.readBody(w, r)
 	if err != nil {
 		m.event(EventRejected)
@@ -567,7 +590,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
-	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
@@ -649,7 +672,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true
-			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, r.Header.Get("Content-Type"), body)
+			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 			if errors.Is(err, ErrFingerprintVersion) {
 				// Written by a newer server (a rolling upgrade, or a
 				// rollback after one): this one cannot tell whether the
@@ -745,34 +768,34 @@ func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
 
 // firstSentCheck reads the request's first-sent time into the check its
 // claim makes (see [Options.FirstSentHeader]); the zero check without the
-// header or with the policy off. An error says what is wrong with the
-// header, for a 400.
-func (m *middleware) firstSentCheck(r *http.Request) (FirstSentCheck, error) {
+// header or with the policy off. bad, when not empty, says what is wrong
+// with the header: the detail of a 400.
+func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad string) {
 	if !m.firstSent {
-		return FirstSentCheck{}, nil
+		return c, ""
 	}
 	values := r.Header.Values(m.firstSentHeader)
 	switch len(values) {
 	case 0:
-		return FirstSentCheck{}, nil
+		return c, ""
 	case 1:
 	default:
-		return FirstSentCheck{}, fmt.Errorf("Send the %s header once; the key was not used.", m.firstSentHeader)
+		return c, fmt.Sprintf("Send the %s header once; the key was not used.", m.firstSentHeader)
 	}
 	sent, err := http.ParseTime(strings.TrimSpace(values[0]))
 	if err != nil {
-		return FirstSentCheck{}, fmt.Errorf("The %s header is not an HTTP-date such as %q; the key was not used.",
+		return c, fmt.Sprintf("The %s header is not an HTTP-date such as %q; the key was not used.",
 			m.firstSentHeader, "Tue, 01 Dec 2026 10:00:00 GMT")
 	}
 	now := time.Now()
 	if sent.After(now.Add(m.skew)) {
-		return FirstSentCheck{}, fmt.Errorf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
+		return c, fmt.Sprintf("The %s time is %s ahead of the server's clock, more than the %s allowed: check the client's clock; the key was not used.",
 			m.firstSentHeader, sent.Sub(now).Round(time.Second), m.skew)
 	}
 	return FirstSentCheck{
 		Stale:         now.Sub(sent) > m.retention-m.skew,
 		EarliestBegin: sent.Add(-m.skew),
-	}, nil
+	}, ""
 }
 
 // refuseUnread prepares the answer to a request refused before its body
@@ -881,6 +904,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		w.Header().Set("Retry-After", m.retryAfter)
 		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
 			"This request lost its hold on the %s (it could not renew it in time) and a retry with the same key took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
+	case errors.Is(err, ErrUnitEnded):
+		log.Error("idempotency: completion failed: the handler ended its own transaction, and what it wrote before may be committed without the key's outcome; fix the handler", "err", err)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved, and part of what this request wrote may have been committed without it (a defect of this service). Retrying the same request with the same key runs it again.")
 	default:
 		log.Error("idempotency: completion failed", "err", err)
 		m.abandon(detached, tx, claim, ReleaseFailed, log)

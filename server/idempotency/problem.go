@@ -33,6 +33,10 @@ const (
 	ProblemUnauthorized = "https://idemkit.dev/problems/unauthorized"
 	// ProblemTooLarge (413): the body is over the size limit.
 	ProblemTooLarge = "https://idemkit.dev/problems/request-too-large"
+	// ProblemUnsupportedMediaType (415): the body's Content-Type is not
+	// JSON and [Options.BodyFormat] is [BodyJSONOnly]. Nothing is stored;
+	// the key stays free.
+	ProblemUnsupportedMediaType = "https://idemkit.dev/problems/unsupported-media-type"
 	// ProblemInternal (500): an unexpected server error. Unless
 	// [Options.StoreServerErrors] is set, the key is released and a retry of
 	// the same request runs again.
@@ -58,16 +62,17 @@ var problemTitles = map[string]string{
 	ProblemResponseSealed:   "The stored response cannot be read",
 	ProblemResponseTooLarge: "The response was too large to keep",
 
-	ProblemKeyMissing:     "Idempotency-Key header is missing",
-	ProblemKeyInvalid:     "Idempotency-Key header is invalid",
-	ProblemKeyInUse:       "A request with this Idempotency-Key is in progress",
-	ProblemKeyMismatch:    "Idempotency-Key was used with a different request",
-	ProblemInvalidRequest: "The request is invalid",
-	ProblemUnauthorized:   "Authentication required",
-	ProblemTooLarge:       "Request body too large",
-	ProblemInternal:       "Internal server error",
-	ProblemUnavailable:    "The request was not run",
-	ProblemKeyExpired:     "Idempotency-Key has expired",
+	ProblemKeyMissing:           "Idempotency-Key header is missing",
+	ProblemKeyInvalid:           "Idempotency-Key header is invalid",
+	ProblemKeyInUse:             "A request with this Idempotency-Key is in progress",
+	ProblemKeyMismatch:          "Idempotency-Key was used with a different request",
+	ProblemInvalidRequest:       "The request is invalid",
+	ProblemUnauthorized:         "Authentication required",
+	ProblemTooLarge:             "Request body too large",
+	ProblemUnsupportedMediaType: "Unsupported media type",
+	ProblemInternal:             "Internal server error",
+	ProblemUnavailable:          "The request was not run",
+	ProblemKeyExpired:           "Idempotency-Key has expired",
 }
 
 // Problem is an RFC 9457 problem details object, as written with the media

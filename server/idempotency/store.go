@@ -77,6 +77,11 @@ var (
 	// section 15); every store refuses the same values, and [Middleware]
 	// never asks (see [ValidStatus]).
 	ErrInvalidStatus = errors.New("idempotency: status is not an HTTP status code (100 to 599)")
+	// ErrUnitEnded is returned (wrapped) by [Tx.Complete] when the
+	// handler ended its unit of work itself, behind the store's back (a
+	// COMMIT sent on the raw connection, say): what it wrote before may
+	// have been committed without the key's outcome, and nothing after.
+	ErrUnitEnded = errors.New("idempotency: the handler ended its unit of work itself; what it wrote may have been committed without the key's outcome")
 )
 
 // ClaimRequest asks a [Store] to claim a key for one request.

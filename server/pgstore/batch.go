@@ -22,9 +22,9 @@ INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, reques
     request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
 SELECT r.client, r.key, r.method, r.path, r.hash, r.version, 'started',
-    gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
+    gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
     r.lease, r.retention, CASE WHEN r.lease > 0 AND r.retention > 0
-        THEN now() + (r.lease + r.retention) * interval '1 microsecond' END
+        THEN statement_timestamp() + (r.lease + r.retention) * interval '1 microsecond' END
 FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::integer[],
         $7::bigint[], $8::bigint[])
     AS r(client, key, method, path, hash, version, lease, retention)

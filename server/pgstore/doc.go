@@ -19,10 +19,22 @@
 // its first statement, so a handler that calls a slow downstream system first
 // holds no connection meanwhile.
 //
+// The transaction takes what a pgx.Tx takes, and is the middleware's to end:
+// its Commit and Rollback, and a COMMIT or ROLLBACK the handler sends as SQL,
+// are refused with [ErrTxOwned], and everything handed out from it
+// (savepoints, rows, batches, its Conn) stops working when the request ends,
+// so a goroutine that outlives the handler cannot write into another
+// request's transaction. [TxFromContext] lists what holds, and the one way
+// around it (SQL sent on the transaction's Conn). A key's times are the
+// database's clock when each event happens (statement_timestamp()), so a
+// key completed by a transaction that stayed open for a long time is kept
+// its whole retention after the completion.
+//
 // Round trips: a first execution costs the claim (one statement, committed
 // on its own so that a duplicate sees the key at once), then the handler's
 // own transaction as it would cost without the middleware (BEGIN, its
-// statements), whose COMMIT carries the key's completion in the same round
+// statements; the BEGIN travels with the first statement of Exec or
+// QueryRow), whose COMMIT carries the key's completion in the same round
 // trip; a replay costs one, the claim. A claim that resumes, replaces or
 // takes over a key (a retry after a release or an expiry, a takeover)
 // costs two. See [Store] for what happens

@@ -3,10 +3,15 @@ package pgstore_test
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
@@ -110,6 +115,43 @@ func TestRetentionCountsFromCompletion(t *testing.T) {
 		if _, ok := readKey(t, pool, key+"-purged"); ok {
 			t.Errorf("expired key not purged")
 		}
+		return true
+	})
+}
+
+// TestRetentionOfHeldTransaction: a handler writes its order, then holds
+// its transaction for longer than the key's retention (a slow downstream
+// call) before it answers 201. The key is kept a retention from the
+// completion, as with the memory store: the immediate retry replays, and
+// the key leaves one order. Before, the completion ran inside the
+// handler's transaction and stamped the expiry with now(), the start of
+// that transaction: the key was committed already expired, and the retry
+// ran the operation again under a new operation id, leaving two orders.
+func TestRetentionOfHeldTransaction(t *testing.T) {
+	const keep = time.Second
+	var held atomic.Bool
+	var s *service
+	s = newService(t, idempotency.Options{Retention: keep}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+		if err := insert(r.Context(), tx, s.row(r, "order")); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if !held.Swap(true) {
+			time.Sleep(keep + keep/2) // the first attempt only
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	judged(t, func(key string) bool {
+		held.Store(false)
+		status, _ := s.send(key)
+		require.Equal(t, http.StatusCreated, status, s.logs.String())
+		answered := time.Now() // after the completion
+		again, _ := s.send(key)
+		if !before(answered, keep) {
+			return false
+		}
+		assert.Equal(t, http.StatusCreated, again, "the retry right after the answer")
+		s.mustMatch(t, key, again, "order")
 		return true
 	})
 }

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -17,9 +18,13 @@ import (
 )
 
 // Store is the PostgreSQL [idempotency.Store], on the key table created by
-// [Migrate]. It uses the database clock (now()) for every lease and
-// retention decision, and the lease and retention stored with each key, so
-// any number of processes, with any settings, can share one table.
+// [Migrate]. It uses the database clock for every lease and retention
+// decision, and the lease and retention stored with each key, so any
+// number of processes, with any settings, can share one table. The clock
+// is statement_timestamp(), the time the statement arrived, never now(),
+// the start of its transaction: a completion runs inside the handler's
+// transaction, which may have begun long before, and the key's retention
+// counts from the completion.
 //
 // Each operation on a key is one SQL statement in one round trip, but for
 // the rarer claims: a claim inserts a new key or reads its row (a replay, a
@@ -44,6 +49,14 @@ import (
 // answer read. A statement whose context is done is not run again, nor one
 // that got no connection (the pool failed to connect). Other statements
 // return the error.
+//
+// The store's statements run in the database's default isolation level.
+// Under REPEATABLE READ or SERIALIZABLE, one that loses a race for a key's
+// row fails with a serialization failure where READ COMMITTED would wait
+// and read the row again: it did nothing, and the store runs it again, as
+// it runs again a claim that lost a race under READ COMMITTED. See
+// [TxFromContext] for the lease of a handler transaction under those
+// levels.
 //
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
@@ -83,6 +96,9 @@ type Store struct {
 	BatchClaims bool
 
 	claims batcher[*pendingClaim]
+
+	unitsMu sync.Mutex
+	units   map[int64]*unit // the units of work of this process, by lock token (see Renew)
 }
 
 // New returns a store on pool, whose search_path must reach the table
@@ -99,9 +115,9 @@ const maxRaces = 10
 // retention of 0 microseconds means "never".
 const (
 	// staleExpr: k is started and its owner stopped renewing its lease.
-	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < now() - k.lease_us * interval '1 microsecond')`
+	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
 	// expiredExpr: k counts as absent. For every row this package writes
-	// it is expires_at < now() (expires_at NULL: never): a started key
+	// it is expires_at < statement_timestamp() (expires_at NULL: never): a started key
 	// expires retention after its lease runs out, a finished one
 	// retention after it finished. It is computed again from locked_at,
 	// the lease and the retention, never earlier than expires_at, for the
@@ -112,18 +128,18 @@ const (
 	// one of them has just claimed must not count as expired.
 	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         AND greatest(k.expires_at, k.locked_at + (k.retention_us
-            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < now())`
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp())`
 	// lockedExpiryExpr is the expiry of a key whose lease starts now,
 	// from its lease_us and retention_us: retention after the lease runs
 	// out, or never.
 	lockedExpiryExpr = `CASE WHEN lease_us > 0 AND retention_us > 0
-        THEN now() + (lease_us + retention_us) * interval '1 microsecond' END`
+        THEN statement_timestamp() + (lease_us + retention_us) * interval '1 microsecond' END`
 	// refusedExpr: k is expired and the claim's first-sent check ($9
 	// stale, $10 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
 	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
 	// finishedExpiryExpr is the expiry of a key that finishes now.
-	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN now() + retention_us * interval '1 microsecond' END`
+	finishedExpiryExpr = `CASE WHEN retention_us > 0 THEN statement_timestamp() + retention_us * interval '1 microsecond' END`
 )
 
 // claimSQL claims, resumes or takes over a key, or returns it as it is (see
@@ -178,12 +194,12 @@ WITH ` + existingCTE + `, renewed AS (
         lock_token = nextval('idempotency_lock_tokens'),
         created_at = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN now() ELSE k.created_at END,
-        locked_at = now(),
+            THEN statement_timestamp() ELSE k.created_at END,
+        locked_at = statement_timestamp(),
         lease_us = $7,
         retention_us = $8,
         expires_at = CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN now() + ($7::bigint + $8::bigint) * interval '1 microsecond' END,
+            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END,
         release_rejected = false,
         response_status = NULL,
         response_content_type = NULL,
@@ -197,7 +213,7 @@ WITH ` + existingCTE + `, renewed AS (
                 AND (k.release_rejected OR k.request_hash = $5))
             OR (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5))
     RETURNING k.lock_token, k.operation_id,
-        k.created_at = now() OR (SELECT status FROM existing) = 'released' AS claimed
+        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
 ), ` + insertedCTE + `
 SELECT 1, lock_token, operation_id::text,
     NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
@@ -254,9 +270,9 @@ const (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
-    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(),
+    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         $7, $8, CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN now() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
+            THEN statement_timestamp() + ($7::bigint + $8::bigint) * interval '1 microsecond' END
     WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
@@ -357,6 +373,9 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 				row, found, err = s.claimOnce(ctx, q, sql, req)
 				return err
 			}))
+		}
+		if serializationFailure(err) && ctx.Err() == nil {
+			continue // lost a race under REPEATABLE READ or SERIALIZABLE: the statement did nothing
 		}
 		if err != nil {
 			return idempotency.ClaimResult{}, err
@@ -467,20 +486,76 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	return &unit{store: s, claim: c}, nil
+	u := &unit{store: s, claim: c}
+	s.unitsMu.Lock()
+	if s.units == nil {
+		s.units = make(map[int64]*unit)
+	}
+	s.units[c.Token] = u
+	s.unitsMu.Unlock()
+	return u, nil
+}
+
+// forget drops u, which is over, from the units that Renew looks up.
+func (s *Store) forget(u *unit) {
+	s.unitsMu.Lock()
+	if s.units[u.claim.Token] == u {
+		delete(s.units, u.claim.Token)
+	}
+	s.unitsMu.Unlock()
+}
+
+// unitOf returns the unit of work of c begun by this Store and not over,
+// or nil.
+func (s *Store) unitOf(c idempotency.Claim) *unit {
+	s.unitsMu.Lock()
+	defer s.unitsMu.Unlock()
+	if u := s.units[c.Token]; u != nil && u.claim == c {
+		return u
+	}
+	return nil
 }
 
 // renewSQL renews the lease of a key its claim still owns ($1 client, $2
 // key, $3 token), by the lease stored with it.
 const renewSQL = `
-UPDATE idempotency_keys SET locked_at = now(), expires_at = ` + lockedExpiryExpr + `
+UPDATE idempotency_keys SET locked_at = statement_timestamp(), expires_at = ` + lockedExpiryExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Renew implements [idempotency.Store.Renew] in one statement. When the
 // connection broke under it, it runs once more on a live connection: a
 // renewal done twice is one renewal.
+//
+// While the claim's handler transaction ([TxFromContext]) is open under
+// REPEATABLE READ or SERIALIZABLE, Renew only checks that c still owns the
+// key, and returns ErrFenced if it does not: the transaction's completion
+// updates the key row, which PostgreSQL refuses (a serialization failure)
+// once another transaction has updated the row since the transaction's
+// snapshot. The lease then runs out a lock timeout after the last renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
+	if u := s.unitOf(c); u != nil {
+		return u.renew(ctx)
+	}
 	return s.ownedUpdate(ctx, c, renewSQL, nil, "")
+}
+
+// ownedSQL tells whether a claim still owns its key ($1 client, $2 key,
+// $3 token).
+const ownedSQL = `
+SELECT EXISTS (SELECT FROM idempotency_keys
+    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started')`
+
+// checkOwned returns ErrFenced unless c still owns its key, reading the
+// row without writing it.
+func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
+	var owned bool
+	if err := s.pool.QueryRow(ctx, ownedSQL, c.ClientID, c.Key, c.Token).Scan(&owned); err != nil {
+		return interpretError(err)
+	}
+	if !owned {
+		return idempotency.ErrFenced
+	}
+	return nil
 }
 
 // releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
@@ -515,6 +590,12 @@ func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempoten
 func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string, more []any, after idempotency.Status) error {
 	args := append([]any{c.ClientID, c.Key, c.Token}, more...)
 	tag, err := s.pool.Exec(ctx, sql, args...)
+	for range maxRaces {
+		if !serializationFailure(err) || ctx.Err() != nil {
+			break
+		}
+		tag, err = s.pool.Exec(ctx, sql, args...) // it did nothing: run it again
+	}
 	done := tag.RowsAffected() > 0
 	if err = interpretError(err); errors.Is(err, errConnLost) && ctx.Err() == nil {
 		err = interpretError(s.onLiveConn(ctx, func(q querier) error {
@@ -559,7 +640,7 @@ const purgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM idempotency_keys k
-    WHERE k.expires_at < now() AND ` + expiredExpr + `
+    WHERE k.expires_at < statement_timestamp() AND ` + expiredExpr + `
     ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`
@@ -667,12 +748,27 @@ func connBroken(err error) bool {
 		errors.As(err, &netErr)
 }
 
-// SQLSTATEs that interpretError knows.
+// SQLSTATEs that interpretError and serializationFailure know.
 const (
 	characterNotInRepertoire = "22021" // invalid UTF-8 or a NUL byte in text
 	adminShutdown            = "57P01" // admin_shutdown: pg_terminate_backend, a fast shutdown
 	connectionException      = "08"    // the class of connection exceptions
+	serializationFailureCode = "40001" // serialization_failure
+	deadlockDetected         = "40P01" // deadlock_detected
 )
+
+// serializationFailure reports whether err is a serialization failure or
+// a deadlock. The store's own statements each run as a transaction of
+// their own, in the database's default isolation level: under REPEATABLE
+// READ or SERIALIZABLE, one that loses a race for a key's row to another
+// (two takeovers of one stale key, say) fails with serialization_failure
+// where READ COMMITTED would have it wait and read the row again. It then
+// did nothing, and the store runs it again, as PostgreSQL advises, like a
+// statement that lost a race under READ COMMITTED (see [Store.Claim]).
+func serializationFailure(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && (pgErr.Code == serializationFailureCode || pgErr.Code == deadlockDetected)
+}
 
 // errConnLost marks an error of a statement whose connection broke under
 // it: PostgreSQL ended it (admin_shutdown, or a connection exception), or

@@ -83,13 +83,18 @@ func newStore(t testing.TB, configure func(*pgxpool.Config)) (*pgstore.Store, *p
 	return pgstore.New(pool), pool
 }
 
-// widePool is migratedPool with conns connections, all open: concurrent
-// claims then reach PostgreSQL at the same time and take the retry paths
-// of the claim statement.
-func widePool(t testing.TB, conns int32) *pgxpool.Pool {
+// widePool is migratedPool with conns connections, all open, configured
+// by configure if not nil: concurrent claims then reach PostgreSQL at the
+// same time and take the retry paths of the claim statement.
+func widePool(t testing.TB, conns int32, configure ...func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
 	ctx := context.Background()
-	pool := migratedPool(t, func(cfg *pgxpool.Config) { cfg.MaxConns = conns })
+	pool := migratedPool(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = conns
+		for _, f := range configure {
+			f(cfg)
+		}
+	})
 	held := make([]*pgxpool.Conn, conns)
 	var err error
 	for i := range held {
@@ -101,6 +106,16 @@ func widePool(t testing.TB, conns int32) *pgxpool.Pool {
 		c.Release()
 	}
 	return pool
+}
+
+// withIsolation configures a pool whose transactions run under isolation
+// by default (default_transaction_isolation); "" leaves the server's.
+func withIsolation(isolation string) func(*pgxpool.Config) {
+	return func(cfg *pgxpool.Config) {
+		if isolation != "" {
+			cfg.ConnConfig.RuntimeParams["default_transaction_isolation"] = isolation
+		}
+	}
 }
 
 // req returns a claim request of cli_a for key with the fingerprint body,

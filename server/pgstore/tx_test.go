@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
@@ -407,4 +408,79 @@ func mustComplete(t *testing.T, s idempotency.Store, c idempotency.Claim, writes
 func isUniqueViolation(err error) bool {
 	var pgErr *pgconn.PgError
 	return errors.As(err, &pgErr) && pgErr.Code == "23505"
+}
+
+// TestFirstStatementRoundTrips: the handler's first statement travels with
+// the BEGIN in one round trip, with arguments or without (a text of
+// several commands included), through Exec or QueryRow, and does what it
+// does on any pgx.Tx.
+func TestFirstStatementRoundTrips(t *testing.T) {
+	ctx := context.Background()
+	rt := &roundTrips{}
+	s, pool := newStore(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 1
+		cfg.ConnConfig.Tracer = rt
+	})
+	for _, tt := range []struct {
+		name  string
+		first func(ctx context.Context, tx pgx.Tx, i int) error
+		rows  []string // written by the first statement
+	}{
+		{"Exec with arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
+			_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("args-", i))
+			return err
+		}, []string{"args-"}},
+		{"Exec without arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
+			_, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO writes (name) VALUES ('noargs-%d')`, i))
+			return err
+		}, []string{"noargs-"}},
+		{"Exec of two commands", func(ctx context.Context, tx pgx.Tx, i int) error {
+			tag, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO writes (name) VALUES ('two-a-%d'); UPDATE writes SET name = name WHERE false`, i))
+			if err == nil && tag.String() != "UPDATE 0" {
+				err = fmt.Errorf("command tag %q, want the last command's, UPDATE 0", tag)
+			}
+			return err
+		}, []string{"two-a-"}},
+		{"Exec of SET LOCAL", func(ctx context.Context, tx pgx.Tx, i int) error {
+			_, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`)
+			return err
+		}, nil},
+		{"QueryRow with arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
+			var name string
+			return tx.QueryRow(ctx, `INSERT INTO writes (name) VALUES ($1) RETURNING name`, fmt.Sprint("row-", i)).Scan(&name)
+		}, []string{"row-"}},
+		{"QueryRow without arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
+			var n int
+			return tx.QueryRow(ctx, `SELECT 41 + 1`).Scan(&n)
+		}, nil},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var last int64
+			for i := range 2 { // the first prepares the statements on the connection
+				c := mustClaim(t, s, req(fmt.Sprint(tt.name, i), "a"), idempotency.Claimed).Claim
+				tx, hctx := unitOf(t, s, c)
+				htx, _ := pgstore.TxFromContext(hctx)
+				rt.since(&last)
+				if err := tt.first(hctx, htx, i); err != nil {
+					t.Fatalf("first statement: %v", err)
+				}
+				if n := rt.since(&last); i == 1 && n != 1 {
+					t.Errorf("first statement and BEGIN: %d round trips, want 1", n)
+				}
+				// The transaction is pgx's own from there: savepoints work.
+				if err := pgx.BeginFunc(hctx, htx, func(sp pgx.Tx) error {
+					_, err := sp.Exec(hctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("sp-", tt.name, i))
+					return err
+				}); err != nil {
+					t.Fatalf("savepoint after the first statement: %v", err)
+				}
+				if err := tx.Complete(ctx, created("ord")); err != nil {
+					t.Fatal(err)
+				}
+				for _, name := range append(tt.rows, "sp-"+tt.name) {
+					mustBeWritten(t, pool, fmt.Sprint(name, i), true)
+				}
+			}
+		})
+	}
 }

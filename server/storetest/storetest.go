@@ -99,6 +99,8 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"RetentionSparesResumedKey", testRetentionResumed},
 		{"RetentionSparesRenewedKey", testRetentionRenewed},
 		{"RetentionStoredWithKey", testRetentionStoredWithKey},
+		{"RetentionOfHeldUnitCountsFromCompletion", testHeldUnitRetention},
+		{"RetentionOfHeldUnitCountsFromRelease", testHeldUnitRelease},
 		{"Purge", testPurge},
 		{"PurgeReleased", testPurgeReleased},
 		{"PurgeSparesRunningKeys", testPurgeSparesRunning},

@@ -1,0 +1,96 @@
+package pgstore
+
+import "testing"
+
+// scanCases are the statements scanSQL reads, with what it must find; they
+// seed FuzzScanSQL too.
+var scanCases = []struct {
+	sql     string
+	control string
+	set     bool
+}{
+	// Statements that end the transaction, however written.
+	{"COMMIT", "COMMIT", false},
+	{"commit work", "COMMIT", false},
+	{"  \n\tCommit;", "COMMIT", false},
+	{"END", "END", false},
+	{"end transaction", "END", false},
+	{"ABORT", "ABORT", false},
+	{"ROLLBACK", "ROLLBACK", false},
+	{"rollback and chain", "ROLLBACK", false},
+	{"COMMIT AND CHAIN", "COMMIT", false},
+	{"ROLLBACK WORK", "ROLLBACK", false},
+	{"PREPARE TRANSACTION 'x'", "PREPARE TRANSACTION", false},
+	{"prepare\ntransaction 'x'", "PREPARE TRANSACTION", false},
+	{"COMMIT PREPARED 'x'", "COMMIT", false},
+	{"ROLLBACK PREPARED 'x'", "ROLLBACK", false},
+	{"/* a /* nested */ comment */ COMMIT", "COMMIT", false},
+	{"-- a line comment\nROLLBACK", "ROLLBACK", false},
+	{"INSERT INTO t VALUES (1); COMMIT", "COMMIT", false},
+	{"INSERT INTO t VALUES (1);COMMIT;INSERT INTO t VALUES (2)", "COMMIT", false},
+	{"SELECT ';'; SELECT $$;$$; SELECT $tag$ ; $$ ; $tag$; rollback", "ROLLBACK", false},
+	{`SELECT E'\';' ; END`, "END", false},
+	{`SELECT "a;""b" FROM t; ABORT`, "ABORT", false},
+	{"SET LOCAL x = 1; COMMIT", "COMMIT", true},
+
+	// Statements that stay inside the transaction.
+	{"ROLLBACK TO SAVEPOINT s", "", false},
+	{"rollback to s", "", false},
+	{"ROLLBACK WORK TO SAVEPOINT s", "", false},
+	{"rollback transaction to s", "", false},
+	{"SAVEPOINT s", "", false},
+	{"RELEASE SAVEPOINT s", "", false},
+	{"BEGIN", "", false},
+	{"START TRANSACTION", "", false},
+	{"PREPARE p AS SELECT 1", "", false},
+	{"SELECT 1", "", false},
+	{"", "", false},
+	{";;", "", false},
+	{"INSERT INTO t (c) VALUES ('commit')", "", false},
+	{"INSERT INTO t (c) VALUES ('x; COMMIT')", "", false},
+	{"INSERT INTO t (c) VALUES ('it''s; commit')", "", false},
+	{`INSERT INTO t (c) VALUES (E'it\'s; commit')`, "", false},
+	{"INSERT INTO t (c) VALUES ($$; commit$$)", "", false},
+	{"INSERT INTO t (c) VALUES ($body$; commit; $$ $body$)", "", false},
+	{"SELECT a$b; SELECT 1", "", false},
+	{"SELECT $1; SELECT $2", "", false},
+	{`SELECT 1 AS "x; commit"`, "", false},
+	{"SELECT 1 -- ; commit\n", "", false},
+	{"SELECT 1 /* ; commit */", "", false},
+	{"UPDATE t SET x = CASE WHEN y THEN 1 END; SELECT 1", "", false},
+	{"SELECT 'unterminated; COMMIT", "", false},
+	{"SELECT $$unterminated; COMMIT", "", false},
+	{"/* unterminated; COMMIT", "", false},
+	// A body of SQL-standard function: its END is not the transaction's.
+	{"CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END", "", false},
+	{"CREATE RULE r AS ON INSERT TO t DO ALSO (INSERT INTO u VALUES (1); COMMIT)", "", false},
+
+	// SET, which may change the isolation level.
+	{"SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", "", true},
+	{"set local transaction_isolation = 'serializable'", "", true},
+	{"SELECT 1; SET x = 1", "", true},
+	{"SELECT 'SET'", "", false},
+	{"RESET ALL", "", false},
+}
+
+func TestScanSQL(t *testing.T) {
+	for _, tt := range scanCases {
+		got := scanSQL(tt.sql)
+		if got.control != tt.control || got.set != tt.set {
+			t.Errorf("scanSQL(%q) = %+v, want control %q, set %v", tt.sql, got, tt.control, tt.set)
+		}
+	}
+}
+
+// FuzzScanSQL checks that scanSQL ends on any text, and that what follows
+// a statement that ends the transaction cannot hide it.
+func FuzzScanSQL(f *testing.F) {
+	for _, tt := range scanCases {
+		f.Add(tt.sql, "SELECT 1")
+	}
+	f.Fuzz(func(t *testing.T, sql, more string) {
+		if scanSQL(sql).control != "" && scanSQL(sql+"\n;"+more).control == "" {
+			t.Errorf("scanSQL(%q) finds a transaction control statement, but not once followed by %q", sql, more)
+		}
+	})
+}
