@@ -14,6 +14,7 @@ import (
 	"net/textproto"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -168,6 +169,23 @@ type Transport struct {
 	// zero, DefaultMaxBufferedResponse is used; a negative value reads none.
 	MaxBufferedResponse int64
 
+	// FirstSentHeader names the header in which every attempt of a keyed
+	// operation says when the operation was first sent, an HTTP-date, the
+	// same on every retry: when RoundTrip began, or the time pinned with
+	// [WithFirstSent]; a request that carries the header already is sent
+	// as it is. A server that keeps keys for a limited time can then tell
+	// a retry that comes after it let the key go, and refuse it instead of
+	// running the operation again: idem's server side answers it 410,
+	// which ends the call in a [*KeyExpiredError]. If empty,
+	// "Repeatability-First-Sent" ([DefaultFirstSentHeader], OASIS
+	// Repeatable Requests) is used.
+	FirstSentHeader string
+
+	// NoFirstSent sends no first-sent time (see FirstSentHeader): a retry
+	// that reaches a server after it purged the key may then run the
+	// operation again.
+	NoFirstSent bool
+
 	// Classify, if not nil, sees each attempt's outcome, a response or an
 	// error (the other is nil), and may override what the Transport makes
 	// of it: retry, stop, wait out a conflict, or end on key reuse (see
@@ -192,6 +210,7 @@ type Transport struct {
 
 	budgetOnce sync.Once
 	budget     *RetryBudget
+	sentCache  atomic.Pointer[sentStamp] // the first-sent value of the current second
 }
 
 // Attempt describes one attempt of a logical operation. [Transport.OnAttempt]
@@ -329,6 +348,11 @@ type operation struct {
 	keyed, idempotent bool
 	header, key, val  string
 	respelt           bool // the request has the key header under another spelling too
+	// The first-sent time (firstsent.go): its header, "" when the
+	// attempts carry none of the Transport's; its value; the time.
+	sentHeader string
+	sentValue  []string
+	sentAt     time.Time
 
 	body            body
 	problem         *Problem      // of the last 409
@@ -358,6 +382,9 @@ func (op *operation) run() (*http.Response, error) {
 			closeBody(req)
 			return nil, refused(err)
 		}
+	}
+	if op.keyed {
+		op.initFirstSent() // firstsent.go
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
@@ -418,6 +445,13 @@ func (op *operation) run() (*http.Response, error) {
 			// is not a definitive answer, so it earns the budget nothing.
 			op.indefinite = true
 			v = done
+		}
+		if v == done && resp != nil && resp.StatusCode == http.StatusGone && op.keyed {
+			if expired := op.expired(resp, method); expired != nil { // firstsent.go
+				cancel()
+				op.report(resp, nil, false, 0, "410 Gone: key expired")
+				return nil, expired
+			}
 		}
 		switch v {
 		case done:
@@ -592,8 +626,8 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	// The caller's request is never modified either way.
 	ar.req = *op.req.WithContext(actx)
 	areq := &ar.req
-	if op.header != "" {
-		areq.Header = headerWith(op.req.Header, op.header, op.val, op.respelt, &actx.keyValue)
+	if op.header != "" || op.sentHeader != "" {
+		areq.Header = op.attemptHeader(&actx.keyValue)
 	}
 	areq.Body = body
 	areq.GetBody = op.body.getBody
@@ -984,7 +1018,10 @@ func (c *cancelOnCloseRW) Close() error {
 func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) http.Header {
 	out := maps.Clone(h)
 	if out == nil {
-		out = make(http.Header, 1)
+		out = make(http.Header, 2)
+	}
+	if key == "" {
+		return out
 	}
 	if respelt {
 		for k := range out {
@@ -995,6 +1032,16 @@ func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) h
 	}
 	slot[0] = val
 	out[key] = slot[:]
+	return out
+}
+
+// attemptHeader is the header of an attempt: the request's, with the key
+// (its value backed by slot) and the first-sent time.
+func (op *operation) attemptHeader(slot *[1]string) http.Header {
+	out := headerWith(op.req.Header, op.header, op.val, op.respelt, slot)
+	if op.sentHeader != "" {
+		out[op.sentHeader] = op.sentValue
+	}
 	return out
 }
 

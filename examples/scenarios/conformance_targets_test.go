@@ -319,14 +319,14 @@ func TestConformanceRetentionLate(t *testing.T) {
 	srv, err := server.New(server.Config{
 		Storage:   server.NewMemoryStorage().Storage(),
 		APIKeys:   map[string]string{"sk_one": "one"},
-		Retention: time.Second,
+		Retention: 3 * time.Second, // the first-sent policy's shortest (the late retry row)
 		Logger:    slog.New(slog.DiscardHandler),
 	})
 	require.NoError(t, err)
 	defer srv.Close()
-	ts := httptest.NewServer(lateKeys(srv, 700*time.Millisecond, 400*time.Millisecond))
+	ts := httptest.NewServer(lateKeys(srv, 2100*time.Millisecond, 1200*time.Millisecond))
 	defer ts.Close()
-	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/payments", "-token", "sk_one", "-retention", "1s", "-wait")
+	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/payments", "-token", "sk_one", "-retention", "3s", "-wait")
 	require.NoError(t, err)
-	assert.Regexp(t, `^not checkable \(K5 again was answered 1\.[0-9]+s after K5 was sent, past the 1s retention: it may have come too late\)$`, got["retention"])
+	assert.Regexp(t, `^not checkable \(K5 again was answered 3\.[0-9]+s after K5 was sent, past the 3s retention: it may have come too late\)$`, got["retention"])
 }

@@ -74,7 +74,7 @@ func sentFigure(t *testing.T, report string) int {
 
 // TestConformanceReference runs the check against the reference server,
 // with a card processor that is slow for one amount (the slow body), two
-// clients and a one-second retention, waited out: every row conforms.
+// clients and a three-second retention, waited out: every row conforms.
 func TestConformanceReference(t *testing.T) {
 	storage := server.NewMemoryStorage()
 	proc := &server.Processor{Charges: storage}
@@ -91,7 +91,7 @@ func TestConformanceReference(t *testing.T) {
 	srv, err := server.New(server.Config{
 		Storage:      storage.Storage(),
 		APIKeys:      map[string]string{"sk_one": "one", "sk_two": "two"},
-		Retention:    time.Second,
+		Retention:    3 * time.Second, // the first-sent policy's shortest (the late retry row)
 		LockTimeout:  300 * time.Millisecond,
 		ProcessorURL: slowProc.URL,
 		Logger:       slog.New(slog.DiscardHandler),
@@ -106,7 +106,7 @@ func TestConformanceReference(t *testing.T) {
 
 	var out bytes.Buffer
 	err = run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
-		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait"}, noEnv, &out)
+		"-slow-body", slowBodyFlag, "-retention", "3s", "-wait"}, noEnv, &out)
 	report := out.String()
 	if err != nil {
 		t.Fatalf("run: %v\n%s", err, report)

@@ -37,6 +37,12 @@ const (
 	// DefaultMaxFirstSentSkew caps the default allowance for a client
 	// clock that runs ahead ([Options.FirstSentSkew]).
 	DefaultMaxFirstSentSkew = 5 * time.Minute
+	// MinFirstSentRetention is the shortest Retention under which the
+	// first-sent policy runs ([Options.FirstSentHeader]): the header has a
+	// precision of one second, and a shorter retention leaves no room
+	// between it, the allowance and the retention (tests' retentions of a
+	// second or two turn the policy off).
+	MinFirstSentRetention = 3 * time.Second
 	// RetentionHeader is the response header that advertises, on every
 	// keyed response, how long the key is kept after its request finishes,
 	// in seconds, as proposed in the IETF draft's issue #49
@@ -149,13 +155,16 @@ type Options struct {
 	// FirstSentSkew is the allowance for a client clock that runs ahead of
 	// this server's (see FirstSentHeader). It must be less than half the
 	// Retention: it is taken off the retention. If zero, a tenth of the
-	// Retention is used, at most 5 minutes ([DefaultMaxFirstSentSkew]).
+	// Retention is used, at least 1s (the header's precision: a request
+	// just sent may look up to a second old) and at most 5 minutes
+	// ([DefaultMaxFirstSentSkew]).
 	FirstSentSkew time.Duration
 
 	// IgnoreFirstSent turns the first-sent policy off: keyed requests are
 	// served whatever their first-sent time, and a retry that arrives
 	// after its key was purged runs its operation again. The policy is
-	// also off when keys never expire (a negative Retention).
+	// also off when keys never expire (a negative Retention), and under a
+	// Retention shorter than [MinFirstSentRetention].
 	IgnoreFirstSent bool
 
 	// FingerprintVersion is the version of the canonical request form
@@ -410,12 +419,12 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m.firstSentHeader = http.CanonicalHeaderKey(cmpOr(opts.FirstSentHeader, DefaultFirstSentHeader))
 	m.skew = opts.FirstSentSkew
 	if m.skew == 0 {
-		m.skew = min(m.retention/10, DefaultMaxFirstSentSkew)
+		m.skew = min(max(m.retention/10, time.Second), DefaultMaxFirstSentSkew)
 	}
-	if m.retention > 0 && !(m.skew > 0 && m.skew < m.retention/2) {
+	m.firstSent = !opts.IgnoreFirstSent && m.retention >= MinFirstSentRetention
+	if m.firstSent && !(m.skew > 0 && m.skew < m.retention/2) {
 		panic(fmt.Sprintf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention))
 	}
-	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
 	if m.retention > 0 {
 		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
 	}

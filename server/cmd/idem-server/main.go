@@ -206,7 +206,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"(set 2 once no idem-server older than this one shares the database: those answer its keys 422)")
 	fs.DurationVar(&o.firstSentSkew, "first-sent-skew", 0,
 		"allowance for a client clock that runs ahead, taken off -retention by the first-sent policy: a retry first sent longer ago than "+
-			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at most 5m; it must be under half of -retention")
+			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at least 1s, at most 5m; it must be under half of -retention "+
+			"(a -retention under 3s turns the policy off)")
 	fs.BoolVar(&o.ignoreFirstSent, "ignore-first-sent", false,
 		"serve keyed requests whatever their Repeatability-First-Sent: a retry that arrives after its key was purged runs its operation again")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
@@ -250,7 +251,7 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	case !validShare(o.faults.FailAfterWriteRate) || !validShare(o.faults.DropAnswerRate) || !validShare(o.faults.HoldRate):
 		return o, fmt.Errorf("-fail-after-write %v, -drop-answer %v, -hold-rate %v: want shares in [0, 1]",
 			o.faults.FailAfterWriteRate, o.faults.DropAnswerRate, o.faults.HoldRate)
-	case o.firstSentSkew < 0 || (o.firstSentSkew > 0 && o.firstSentSkew >= o.retention/2):
+	case o.firstSentSkew < 0 || (o.firstSentSkew > 0 && o.retention >= idempotency.MinFirstSentRetention && o.firstSentSkew >= o.retention/2):
 		return o, fmt.Errorf("-first-sent-skew %v: want 0 (the default) or a duration under half of -retention %v", o.firstSentSkew, o.retention)
 	case o.faults.HoldAfterWrite < 0:
 		return o, fmt.Errorf("-hold-after-write %v: want 0 (no hold) or more", o.faults.HoldAfterWrite)
