@@ -54,6 +54,12 @@ type Config struct {
 	FirstSentSkew   time.Duration
 	IgnoreFirstSent bool
 
+	// SealKeys, if not nil, seal the stored responses at rest
+	// ([idempotency.Sealed]): the first key seals, every key opens. Nil:
+	// responses are stored as they are (a sealed one found in the store is
+	// answered 500, never run again).
+	SealKeys *idempotency.SealKeys
+
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
 	// defaults (1m, 500, 0.25).
@@ -229,6 +235,10 @@ func New(cfg Config) (*Server, error) {
 	s.client = newProcessorClient(s.procURL, cfg.ProcessorRetry, log)
 
 	keys := cfg.Storage.Keys
+	if cfg.SealKeys != nil {
+		keys = idempotency.Sealed(keys, cfg.SealKeys)
+	}
+	sweptKeys := keys // the sweeper settles through the sealing, never through a simulated crash
 	var crashes *crashingStore
 	if cfg.AfterCharge != nil {
 		crashes = &crashingStore{Store: keys}
@@ -258,7 +268,7 @@ func New(cfg Config) (*Server, error) {
 		Logger:             log,
 		OnEvent:            s.metrics.Observe,
 	})
-	s.sweeper = newSweeper(cfg, api, grace, log, s.metrics)
+	s.sweeper = newSweeper(cfg, sweptKeys, api, grace, log, s.metrics)
 	if in, ok := cfg.Storage.Keys.(idempotency.Inspector); ok {
 		s.metrics.watchKeys(in.Stats)
 	}

@@ -36,17 +36,17 @@ func sweepTimes(cfg Config) (grace, processorTimeout time.Duration, err error) {
 
 // newSweeper returns the sweeper of the payments API on cfg's key store,
 // or nil when cfg has none or the store cannot be swept.
-func newSweeper(cfg Config, api *payments, grace time.Duration, log *slog.Logger, m *Metrics) *idempotency.Sweeper {
+func newSweeper(cfg Config, keys idempotency.Store, api *payments, grace time.Duration, log *slog.Logger, m *Metrics) *idempotency.Sweeper {
 	if cfg.NoSweep || cfg.NoIdempotency {
 		return nil
 	}
-	if _, ok := cfg.Storage.Keys.(idempotency.Sweepable); !ok {
+	if _, ok := keys.(idempotency.Sweepable); !ok {
 		log.Warn("server: the key store does not implement idempotency.Sweepable: abandoned payments are not swept",
 			"store", fmt.Sprintf("%T", cfg.Storage.Keys))
 		return nil
 	}
 	return &idempotency.Sweeper{
-		Store:       cfg.Storage.Keys,
+		Store:       keys, // sealed, when the stored responses are
 		Settle:      api.settle,
 		Grace:       grace,
 		Interval:    cfg.SweepInterval,

@@ -23,7 +23,7 @@ func TestMemoryStoreInspectorConformance(t *testing.T) {
 	storetest.ExerciseInspector(t, memoryBackend)
 }
 
-// memoryBackend is an empty MemoryStore with staged writes.
+// memoryBackend is a new memory store with its staged writes.
 func memoryBackend(t *testing.T) storetest.Backend {
 	w := &stagedWrites{
 		store:   idempotency.NewMemoryStore(),

@@ -55,6 +55,27 @@
 // may have taken effect and only its own retry finishes it
 // ([ReleaseKind]).
 //
+// # What a stored response keeps, and how it is protected
+//
+// A stored response is kept for the retention, for whoever sends its key
+// again, so it keeps no more than a replay needs. Its status, content type
+// and body are kept, and of its headers those [Options.StoredHeaders] lists
+// ([DefaultStoredHeaders]: Location, ETag, Cache-Control and the like);
+// headers that carry credentials (Set-Cookie, Authorization,
+// WWW-Authenticate, ...) are never kept, whatever the list says.
+// [Options.Redact] may store a redacted copy (the first client gets the
+// whole response, a replay the copy, marked with [RedactedHeader]), and a
+// body over [Options.MaxStoredBodyBytes] (1 MiB) is replaced in the store by
+// a [ProblemResponseTooLarge] that keeps the status and Location, so the
+// operation is never run again for its size.
+//
+// [Sealed] seals what is stored at rest with AES-256-GCM under rotating
+// [SealKeys], bound to the client, the key and the status, so that the
+// store's readers (backups, replicas, support staff) see only the status and
+// the request's fingerprint, and a sealed response copied to another row
+// does not open. A stored response that cannot be opened is answered 500
+// [ProblemResponseSealed], never run again.
+//
 // # Crashes and slow requests
 //
 // The key is claimed in its own statement before any work, so a duplicate

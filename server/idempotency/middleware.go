@@ -190,6 +190,51 @@ type Options struct {
 	// know.
 	BodyFormat BodyFormat
 
+	// StoredHeaders lists the response headers stored with an outcome and
+	// replayed with it, besides Content-Type, which is always kept. Names
+	// are matched without regard to case. If nil, [DefaultStoredHeaders]
+	// is used; an empty, non-nil list stores none. A header left out is
+	// sent on the first response and is missing from its replays. Headers
+	// that carry credentials (Authorization, Cookie, Set-Cookie,
+	// WWW-Authenticate, Proxy-Authenticate, Proxy-Authorization,
+	// Authentication-Info) are never stored, nor are the framing headers
+	// the server writes for each response (Content-Length, Date,
+	// Transfer-Encoding, ...) and the ones the middleware sets (the key
+	// header, Idempotency-TTL, Idempotent-Replayed, [RedactedHeader]):
+	// listing them changes nothing, and Middleware logs a warning.
+	StoredHeaders []string
+
+	// Redact, if not nil, sees each response about to be stored (its
+	// status, content type, the headers StoredHeaders keeps, and its body,
+	// a copy it may change) and returns the response to store in its
+	// place: a body with the card number masked, a vended token removed.
+	// The first client gets the full response; every replay gets the
+	// stored one, with [RedactedHeader] ("Idempotent-Replay-Redacted:
+	// true") when it differs from the first. The status is kept whatever
+	// Redact returns, and the headers it returns are filtered again as
+	// StoredHeaders says. Redact runs on the request's goroutine, after
+	// the handler and before the completion; it must not fail (return
+	// less when in doubt); a panic in it fails the completion: nothing is
+	// committed, the key is released as after a 5xx, and the client gets
+	// 500.
+	//
+	// The trade-off: a replay is the answer to a client that did not get
+	// the first one (a timeout, a lost connection), and it is all that
+	// client will get of the operation's result. Redact what the client
+	// can fetch again by other means (GET the resource at its Location) or
+	// does not need twice, and never the fields it needs to know what
+	// happened (the id, the status of a payment).
+	Redact func(r *http.Request, resp StoredResponse) StoredResponse
+
+	// MaxStoredBodyBytes caps the body of a stored response, after Redact.
+	// A response whose body is larger is sent whole to the first client,
+	// and stored as its status and headers with, in place of the body, a
+	// problem of type [ProblemResponseTooLarge] saying so (Location is
+	// kept, so the client can fetch the resource): the operation is never
+	// run again for it. If zero, 1 MiB ([DefaultMaxStoredBodyBytes]) is
+	// used; if negative, there is no cap.
+	MaxStoredBodyBytes int64
+
 	// Logger receives what an operator must act on, at Warn and Error:
 	// takeovers, lost leases, fenced completions, panics and store errors,
 	// each with the client, key, method and path as attributes; per-request
@@ -295,10 +340,14 @@ func (e Event) String() string {
 //     kept for (see [Options.FirstSentHeader]). A key that exists with another
 //     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
 //     stored status, headers and body, byte for byte, with
-//     Idempotent-Replayed: true (a header whose name or value is not valid
+//     Idempotent-Replayed: true (the headers [Options.StoredHeaders] keeps;
+//     a header whose name or value is not valid
 //     text, such as an echoed obs-text value, is sent on the first response
-//     but not stored, so its replays go without it; see [ValidText]); a
-//     started one gets 409 [ProblemKeyInUse]
+//     but not stored, so its replays go without it; see [ValidText]; what
+//     [Options.Redact] and [Options.MaxStoredBodyBytes] change is marked
+//     with [RedactedHeader]), or, when the stored response is sealed and
+//     cannot be opened ([Sealed]), 500 [ProblemResponseSealed], never
+//     another run; a started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]). A stored record of another
 //     fingerprint version is compared, and claimed, in its own version;
@@ -403,6 +452,10 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	if m.log == nil {
 		m.log = slog.Default()
 	}
+	var ignored []string
+	if m.keep, ignored = newKeepPolicy(opts, m.keyHeader); len(ignored) > 0 {
+		m.log.Warn("idempotency: Options.StoredHeaders lists headers that are never stored", "headers", ignored)
+	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 			if r.Method != http.MethodPost && r.Method != http.MethodPatch {
@@ -448,6 +501,7 @@ type middleware struct {
 	firstSentHeader string
 	skew            time.Duration
 	ttl             string // RetentionHeader's value; "" when keys never expire
+	keep            keepPolicy
 	clientID        func(*http.Request) (string, bool)
 	log             *slog.Logger
 	nested          sync.Once // logs a Middleware nested in another once
@@ -676,6 +730,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		if rec.Status == StatusCompleted && rec.Response != nil {
+			if m.unopened(w, r, rec.Response, log) {
+				return
+			}
 			m.event(EventReplayed)
 			writeStored(w, rec.Response)
 			return
@@ -850,9 +907,13 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		writeRecorded(w, rec)
 		return
 	}
-	resp, dropped := rec.stored(m.keyHeader)
-	if len(dropped) > 0 {
-		log.Warn("idempotency: headers that are not valid text are sent but not stored: replays go without them", "headers", dropped)
+	resp, err := m.storedResponse(r, rec, log)
+	if err != nil {
+		log.Error("idempotency: the response could not be prepared for storing; the key is released", "err", err)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		return
 	}
 	switch err := tx.Complete(detached, resp); {
 	case err == nil:

@@ -84,3 +84,47 @@ func TestSweeperRun(t *testing.T) {
 		t.Errorf("the dead owner's renewal after the sweep: %v, want ErrFenced", err)
 	}
 }
+
+// TestSweeperThroughSealed: a store wrapped by Sealed is still Sweepable
+// and an Inspector, and a settlement made through it is sealed at rest,
+// like a handler's outcome, and opens for the replay.
+func TestSweeperThroughSealed(t *testing.T) {
+	store := idempotency.NewMemoryStore()
+	secret := make([]byte, 32)
+	keys, err := idempotency.NewSealKeys(idempotency.SealKey{ID: "k1", Secret: secret})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sealed := idempotency.Sealed(store, keys)
+	if _, ok := sealed.(idempotency.Sweepable); !ok {
+		t.Fatal("Sealed(MemoryStore) is not Sweepable")
+	}
+	if _, ok := sealed.(idempotency.Inspector); !ok {
+		t.Fatal("Sealed(MemoryStore) is not an Inspector")
+	}
+	claimKey(t, store, "k", time.Millisecond)
+	time.Sleep(5 * time.Millisecond) // the lease runs out
+	s := &idempotency.Sweeper{
+		Store:  sealed,
+		Grace:  time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler),
+		Settle: func(ctx context.Context, k idempotency.KeyInfo) (idempotency.Settlement, error) {
+			return idempotency.Settlement{Response: &idempotency.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_1"}`)}}, nil
+		},
+	}
+	if res, err := s.Sweep(context.Background()); err != nil || res.Completed != 1 {
+		t.Fatalf("Sweep = %+v, %v; want one completed", res, err)
+	}
+	req := idempotency.ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/other", Fingerprint: []byte("other"), FingerprintVersion: 1}
+	raw, err := store.Claim(context.Background(), req)
+	if err != nil || raw.Record == nil || raw.Record.Response == nil {
+		t.Fatalf("raw record: %+v, %v", raw, err)
+	}
+	if _, isSealed := idempotency.SealKeyID(*raw.Record.Response); !isSealed {
+		t.Errorf("the settlement is stored in the clear: %q", raw.Record.Response.Body)
+	}
+	opened, err := sealed.Claim(context.Background(), req)
+	if err != nil || opened.Record == nil || string(opened.Record.Response.Body) != `{"id":"pay_1"}` {
+		t.Errorf("through Sealed: %+v, %v; want the settlement opened", opened.Record, err)
+	}
+}

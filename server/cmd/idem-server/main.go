@@ -17,7 +17,7 @@
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
 // -no-idempotency, -cpuprofile, -processor-timeout, -sweep-grace,
 // -sweep-interval, -no-sweep, -admin-addr, -admin-token (or
-// IDEM_ADMIN_TOKEN).
+// IDEM_ADMIN_TOKEN), -seal-key-file.
 //
 // The sweeper settles the payments whose key was abandoned (its request's
 // server crashed, or it failed after the charge) and whose client did not
@@ -31,6 +31,12 @@
 // release or expire one with a reason) on a listener of its own, behind
 // -admin-token, without which it refuses to start; give it a private
 // address.
+//
+// -seal-key-file names a file of the keys that seal stored responses at
+// rest, one a line, "id base64-key" (32 bytes: openssl rand -base64 32);
+// the first line seals, every line opens (see server.ParseSealKeys). A
+// file that cannot be read or parsed stops the server at start, naming the
+// line.
 //
 // Slow clients are bounded: a request's headers and body must arrive within
 // -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
@@ -160,6 +166,7 @@ type options struct {
 	logFormat            string
 	noIdempotency        bool
 	cpuProfile           string
+	sealKeyFile          string
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -256,6 +263,11 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"to measure what the layer costs against the same charge and payment insert (the load test's unkeyed scenario)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "",
 		"write a CPU profile of the whole run to `file` when the server stops (for go tool pprof; the load test takes -server-args \"-cpuprofile f\")")
+	fs.StringVar(&o.sealKeyFile, "seal-key-file", "",
+		"`file` of the keys that seal stored responses at rest (AES-256-GCM, bound to the client, the key and the status): one key a line, "+
+			"\"id base64-key\" (32 bytes: openssl rand -base64 32), # comments; the first line seals, every line opens. "+
+			"To rotate, put the new key first and keep the old one until -retention has passed; \"id base64-key open-only\" on the first line stops sealing. "+
+			"Turn it on once every replica sharing the database runs this release (an older one replays sealed responses as they are stored); empty: off")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -441,6 +453,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log.Info("API keys loaded", "clients", strings.Join(clients, ","))
 	}
 
+	var sealKeys *idempotency.SealKeys
+	if o.sealKeyFile != "" {
+		if sealKeys, err = readSealKeys(o.sealKeyFile, log); err != nil {
+			return fmt.Errorf("-seal-key-file %s: %w", o.sealKeyFile, err)
+		}
+	}
+
 	trips := new(server.DBRoundTrips)
 	storage, pool, err := openStore(ctx, o, log, trips)
 	if err != nil {
@@ -477,6 +496,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		Faults:               o.faults,
 		FirstSentSkew:        o.firstSentSkew,
 		IgnoreFirstSent:      o.ignoreFirstSent,
+		SealKeys:             sealKeys,
 		Logger:               log,
 	})
 	if err != nil {
@@ -649,6 +669,38 @@ func (w *deadlineWriter) Flush() {
 
 // Unwrap lets http.ResponseController reach the connection.
 func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// readSealKeys reads the seal key file at path (see
+// server.ParseSealKeys) and logs which key seals and which open. A file
+// that others than its owner may read is logged at Warn.
+func readSealKeys(path string, log *slog.Logger) (*idempotency.SealKeys, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
+		log.Warn("the seal key file may be read by others than its owner; chmod 600 it", "file", path, "mode", fi.Mode().Perm().String())
+	}
+	keys, err := server.ParseSealKeys(f)
+	if err != nil {
+		return nil, err
+	}
+	ks, err := idempotency.NewSealKeys(keys...)
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, len(keys))
+	for i, k := range keys {
+		ids[i] = k.ID
+	}
+	sealing := ids[0]
+	if keys[0].OpenOnly {
+		sealing = "none (open-only)"
+	}
+	log.Info("stored responses are sealed at rest", "sealing_key", sealing, "opening_keys", strings.Join(ids, ","))
+	return ks, nil
+}
 
 // validShare reports whether f is a share in [0, 1] (NaN is not).
 func validShare(f float64) bool { return f >= 0 && f <= 1 }
