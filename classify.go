@@ -4,7 +4,7 @@ import "net/http"
 
 // A Verdict is what a [Transport.Classify] function says one attempt's
 // outcome calls for. The zero value, VerdictDefault, keeps the Transport's
-// own decision (the table in README.md, "Retry rules").
+// own decision (the table in docs/retries.md, "Retry rules").
 type Verdict int
 
 const (

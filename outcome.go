@@ -62,7 +62,7 @@ var ErrNotSent = errors.New("idem: not sent")
 
 // OutcomeOf returns the outcome of a call that returned resp and err: a
 // call to [Transport.RoundTrip], to an [http.Client] whose Transport is a
-// Transport, or to a [Client] method. README.md ("Did it happen?") has the
+// Transport, or to a [Client] method. docs/outcome.md ("Did it happen?") has the
 // whole table:
 //
 //   - A response: OutcomeDone, but for 408, 409, 429 and 5xx, which are

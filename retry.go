@@ -17,7 +17,7 @@ import (
 )
 
 // Defaults of [RetryPolicy], used for its zero fields. They follow the
-// peers that have run payment traffic longest; README.md ("Defaults") gives
+// peers that have run payment traffic longest; docs/retries.md ("Defaults") gives
 // the reason for each.
 const (
 	// DefaultMaxAttempts: the first attempt and three retries, as the AWS

@@ -114,7 +114,7 @@ func testChaos(t *testing.T, serverArgs string) {
 		t.Errorf("proxy stats %+v: want connections, some of them faulted", rep.proxy)
 	}
 
-	// The output ends with the three lines the README promises.
+	// The output ends with the three lines docs/chaos.md promises.
 	lines := strings.Split(strings.TrimSpace(out.String()), "\n")
 	if len(lines) < 3 {
 		t.Fatalf("output too short")

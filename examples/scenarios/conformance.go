@@ -764,7 +764,7 @@ func planConformance(cfg conformanceConfig) []*row {
 		},
 	}
 	if cfg.slowBody == nil {
-		inFlight.skip = "needs -slow-body: a body the target takes over a second to process (see the README)"
+		inFlight.skip = "needs -slow-body: a body the target takes over a second to process (see docs/conformance.md)"
 	}
 	rows = append(rows, inFlight)
 

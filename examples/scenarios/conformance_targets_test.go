@@ -256,7 +256,7 @@ func TestConformanceIgnoresKeys(t *testing.T) {
 				"key length":           "differs (256 not refused with 400: 201 Created, application/json)",
 				"advertised retention": "differs (K1's answer has no Idempotency-TTL: a client cannot tell how long it may retry)",
 				"late retry":           "differs (ran it, 201 Created, application/json: a retry that arrives after its key was purged would run again)",
-				"in flight":            "not checkable (needs -slow-body: a body the target takes over a second to process (see the README))",
+				"in flight":            "not checkable (needs -slow-body: a body the target takes over a second to process (see docs/conformance.md))",
 				"retention":            "not checkable (" + notReplayed + ": no key kept to time)",
 			}
 			if api.marker {
