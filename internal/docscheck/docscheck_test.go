@@ -35,10 +35,12 @@ func TestLinks(t *testing.T) {
 			if err := checkLink(p, l.target, anchors); err != nil {
 				t.Errorf("%s:%d: link %q: %v", p, l.line, l.target, err)
 			}
-			checked++
+			if _, ok := localTarget(p, l.target); ok {
+				checked++
+			}
 		}
 	}
-	t.Logf("%d links checked in %d pages", checked, len(pages))
+	t.Logf("%d relative links checked in %d pages", checked, len(pages))
 }
 
 // TestDocsLinkedFromREADME checks that the README links every page of
@@ -58,6 +60,51 @@ func TestDocsLinkedFromREADME(t *testing.T) {
 		assert.True(t, linked[page], "README.md does not link %s", page)
 	}
 }
+
+// TestGoReferences checks the pages that Go files name in their comments
+// and messages, such as docs/retries.md ("Defaults"): the page exists, and
+// a quoted section after it is one of its headings.
+func TestGoReferences(t *testing.T) {
+	found := 0
+	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && p != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata") {
+			return filepath.SkipDir
+		}
+		if d.IsDir() || !strings.HasSuffix(d.Name(), ".go") {
+			return nil
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			return err
+		}
+		name, err := filepath.Rel(root, p)
+		if err != nil {
+			return err
+		}
+		for _, m := range goReference.FindAllStringSubmatch(string(b), -1) {
+			found++
+			page, section := m[1], m[2]
+			if _, err := os.Stat(filepath.Join(root, filepath.FromSlash(page))); err != nil {
+				t.Errorf("%s names %s, which does not exist", name, page)
+				continue
+			}
+			if section != "" && !headingAnchors(read(t, page))[slug(section)] {
+				t.Errorf("%s names section %q of %s, which has no such heading", name, section, page)
+			}
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	require.NotZero(t, found, "no Go file names a page: is the pattern stale?")
+}
+
+// goReference is a page named from the repository's root in Go source,
+// with an optional quoted section: docs/outcome.md ("Did it happen?"), or
+// docs/retries.md, "Retry rules". A path inside a URL is not one.
+var goReference = regexp.MustCompile(`(?:^|[^/\w.-])((?:README|BENCHMARKS|docs/[\w-]+)\.md)\b(?:,? \(?"([^"]+)"\)?)?`)
 
 // markdownFiles lists the repository's .md files, relative to root with
 // forward slashes; hidden directories and testdata are left out.
