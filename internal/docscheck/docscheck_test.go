@@ -3,6 +3,7 @@ package docscheck
 import (
 	"fmt"
 	"io/fs"
+	"iter"
 	"net/url"
 	"os"
 	"path"
@@ -22,7 +23,7 @@ const root = "../.."
 // TestLinks checks every relative link of every Markdown file: its target
 // exists, and its #fragment, if any, is an anchor of the target page.
 func TestLinks(t *testing.T) {
-	pages := markdownFiles(t)
+	pages := repoFiles(t, ".md")
 	require.Contains(t, pages, "README.md")
 	require.Contains(t, pages, "BENCHMARKS.md")
 	anchors := map[string]map[string]bool{} // page → its anchors
@@ -66,25 +67,8 @@ func TestDocsLinkedFromREADME(t *testing.T) {
 // a quoted section after it is one of its headings.
 func TestGoReferences(t *testing.T) {
 	found := 0
-	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
-		}
-		if d.IsDir() && p != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata") {
-			return filepath.SkipDir
-		}
-		if d.IsDir() || !strings.HasSuffix(d.Name(), ".go") {
-			return nil
-		}
-		b, err := os.ReadFile(p)
-		if err != nil {
-			return err
-		}
-		name, err := filepath.Rel(root, p)
-		if err != nil {
-			return err
-		}
-		for _, m := range goReference.FindAllStringSubmatch(string(b), -1) {
+	for _, name := range repoFiles(t, ".go") {
+		for _, m := range goReference.FindAllStringSubmatch(read(t, name), -1) {
 			found++
 			page, section := m[1], m[2]
 			if _, err := os.Stat(filepath.Join(root, filepath.FromSlash(page))); err != nil {
@@ -95,9 +79,7 @@ func TestGoReferences(t *testing.T) {
 				t.Errorf("%s names section %q of %s, which has no such heading", name, section, page)
 			}
 		}
-		return nil
-	})
-	require.NoError(t, err)
+	}
 	require.NotZero(t, found, "no Go file names a page: is the pattern stale?")
 }
 
@@ -106,29 +88,30 @@ func TestGoReferences(t *testing.T) {
 // docs/retries.md, "Retry rules". A path inside a URL is not one.
 var goReference = regexp.MustCompile(`(?:^|[^/\w.-])((?:README|BENCHMARKS|docs/[\w-]+)\.md)\b(?:,? \(?"([^"]+)"\)?)?`)
 
-// markdownFiles lists the repository's .md files, relative to root with
-// forward slashes; hidden directories and testdata are left out.
-func markdownFiles(t *testing.T) []string {
+// repoFiles lists the repository's files whose names end in ext, relative
+// to root with forward slashes; hidden directories and testdata are left
+// out.
+func repoFiles(t *testing.T, ext string) []string {
 	t.Helper()
-	var pages []string
+	var files []string
 	err := filepath.WalkDir(root, func(p string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
-		if d.IsDir() && p != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata" || d.Name() == "node_modules") {
+		if d.IsDir() && p != root && (strings.HasPrefix(d.Name(), ".") || d.Name() == "testdata") {
 			return filepath.SkipDir
 		}
-		if !d.IsDir() && strings.HasSuffix(d.Name(), ".md") {
+		if !d.IsDir() && strings.HasSuffix(d.Name(), ext) {
 			rel, err := filepath.Rel(root, p)
 			if err != nil {
 				return err
 			}
-			pages = append(pages, filepath.ToSlash(rel))
+			files = append(files, filepath.ToSlash(rel))
 		}
 		return nil
 	})
 	require.NoError(t, err)
-	return pages
+	return files
 }
 
 func read(t *testing.T, page string) string {
@@ -206,25 +189,34 @@ var (
 // and HTML anchors of a page, outside code blocks and code spans.
 func links(text string) []link {
 	var out []link
-	inFence := false
-	for i, line := range strings.Split(text, "\n") {
-		if fence.MatchString(line) {
-			inFence = !inFence
-			continue
-		}
-		if inFence {
-			continue
-		}
+	for i, line := range proseLines(text) {
 		line = codeSpan.ReplaceAllString(line, "")
 		for _, re := range []*regexp.Regexp{inlineLink, refDef, htmlHref} {
 			for _, m := range re.FindAllStringSubmatch(line, -1) {
 				if m[1] != "" {
-					out = append(out, link{line: i + 1, target: m[1]})
+					out = append(out, link{line: i, target: m[1]})
 				}
 			}
 		}
 	}
 	return out
+}
+
+// proseLines yields a page's lines outside fenced code blocks, with their
+// line numbers (from 1).
+func proseLines(text string) iter.Seq2[int, string] {
+	return func(yield func(int, string) bool) {
+		inFence := false
+		for i, line := range strings.Split(text, "\n") {
+			if fence.MatchString(line) {
+				inFence = !inFence
+				continue
+			}
+			if !inFence && !yield(i+1, line) {
+				return
+			}
+		}
+	}
 }
 
 var (
@@ -241,15 +233,7 @@ var (
 func headingAnchors(text string) map[string]bool {
 	anchors := map[string]bool{}
 	seen := map[string]int{}
-	inFence := false
-	for _, line := range strings.Split(text, "\n") {
-		if fence.MatchString(line) {
-			inFence = !inFence
-			continue
-		}
-		if inFence {
-			continue
-		}
+	for _, line := range proseLines(text) {
 		for _, m := range htmlID.FindAllStringSubmatch(line, -1) {
 			anchors[strings.ToLower(m[1])] = true
 		}
