@@ -29,13 +29,22 @@ var ErrKeyBodyField = errors.New("idem: request body cannot carry the key field"
 // body field t.KeyBodyField, and prepares the body every attempt sends.
 // The body is read once (up to MaxBufferedBody bytes, GetBody or not); the
 // key is the body field's string value if it has one, else the one in the
-// request's KeyHeader (when KeyHeader is set), else the pinned one, else a
-// new one, and is then written into the body. It always closes req.Body.
+// request's KeyHeader (when KeyHeader is set; else its Idempotency-Key),
+// else the pinned one, else a new one, and is then written into the body.
+// It always closes req.Body.
 func (op *operation) initBodyKey() error {
 	req, t := op.req, op.t
 	field := t.keyBodyField()
 	if h := t.keyHeaderName(); h != "" {
 		op.header = textproto.CanonicalMIMEHeaderKey(h)
+	}
+	if op.header == "" {
+		if vs, _ := headerValues(req.Header, DefaultKeyHeader); len(vs) > 0 {
+			// The caller's own key header is read as KeyHeader's would
+			// be: else it would go on the wire beside another key in the
+			// body.
+			op.header = DefaultKeyHeader
+		}
 	}
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w %q: "+format, append([]any{ErrKeyBodyField, field}, args...)...)
@@ -78,6 +87,7 @@ func (op *operation) initBodyKey() error {
 		if err := keyheader.Validate(key); err != nil {
 			return fmt.Errorf("idem: the request's body field %q: %w", field, err)
 		}
+		noteSentKey(req.Context(), key) // not the pinned one, for a Client
 		op.key, op.val = key, keyheader.Format(key, t.keyFormat() == KeySFString)
 		if len(vs) > 0 {
 			hkey, val, err := keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
@@ -103,19 +113,22 @@ func (op *operation) initBodyKey() error {
 // readRequestBody reads and closes the body of req, up to limit+1 bytes
 // (so that a longer body is seen as such), and stops when the request's
 // context ends, as buffering a body without GetBody does (see
-// copyUntilDone). The buffer is sized for the request's ContentLength plus
-// extra bytes, so that inserting the key field does not grow it.
+// copyUntilDone). The buffer is sized for the request's ContentLength (up
+// to 64 KiB) plus extra bytes, so that inserting the key field into a body
+// of that size does not grow it.
 func readRequestBody(req *http.Request, limit int64, extra int) ([]byte, error) {
 	if req.Body == nil || req.Body == http.NoBody {
 		return nil, nil
 	}
 	defer req.Body.Close()
-	size := min(limit+1, 64<<10)
+	size := min(plusOne(limit), 64<<10)
 	if req.ContentLength > 0 && req.ContentLength <= limit {
-		size = req.ContentLength + 1 + int64(extra) // +1 to see io.EOF without growing
+		// +1 to see io.EOF without growing; at most 64 KiB up front, as
+		// ContentLength may claim more than the body holds.
+		size = min(req.ContentLength, 64<<10) + 1 + int64(extra)
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, size+bytes.MinRead)) // ReadFrom wants MinRead free
-	if _, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body); err != nil {
+	if _, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, plusOne(limit)), req.Body); err != nil {
 		return nil, fmt.Errorf("idem: reading request body: %w", err)
 	}
 	return buf.Bytes(), nil

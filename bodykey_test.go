@@ -13,6 +13,9 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
 	"github.com/idemkit/idem/internal/keyheader"
 )
 
@@ -473,4 +476,52 @@ func jsonEqual(a, b any) bool {
 	x, _ := json.Marshal(a)
 	y, _ := json.Marshal(b)
 	return bytes.Equal(x, y)
+}
+
+// TestKeyBodyFieldDefaultHeader checks that, with KeyBodyField and no
+// KeyHeader, an Idempotency-Key the caller put on the request is the
+// operation's key, in the body too, as a key header is whenever it is
+// read: it no longer goes on the wire beside another key in the body.
+// Without one, no key header is sent.
+func TestKeyBodyFieldDefaultHeader(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		header    []string
+		body      string
+		wantBody  string
+		wantLines []string
+		wantErr   string
+	}{
+		{"no header", nil, `{}`, `{"idempotency_key":"key-from-NewKey"}`, nil, ""},
+		{"header into the body", []string{"from-header"}, `{"a":1}`, `{"idempotency_key":"from-header","a":1}`, []string{"from-header"}, ""},
+		{"sf-string header", []string{`"from-header"`}, `{}`, `{"idempotency_key":"from-header"}`, []string{`"from-header"`}, ""},
+		{"header and field agree", []string{"same"}, `{"idempotency_key":"same"}`, `{"idempotency_key":"same"}`, []string{"same"}, ""},
+		{"header and field disagree", []string{"one"}, `{"idempotency_key":"two"}`, "", nil, "hold different keys"},
+		{"invalid header", []string{"a", "b"}, `{}`, "", nil, keyheader.ErrMultiple.Error()},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			base := &sentBody{}
+			tr := bodyKeyTransport(base)
+			req, err := http.NewRequestWithContext(WithKey(context.Background(), "pinned"), http.MethodPost, mockURL, strings.NewReader(tt.body))
+			require.NoError(t, err)
+			if tt.header != nil {
+				req.Header[DefaultKeyHeader] = tt.header
+			}
+			if tt.name == "no header" {
+				req = req.WithContext(context.Background())
+			}
+			resp, err := tr.RoundTrip(req)
+			if tt.wantErr != "" {
+				require.Error(t, err)
+				assert.Contains(t, err.Error(), tt.wantErr)
+				assert.Empty(t, base.bodies, "nothing is sent")
+				return
+			}
+			require.NoError(t, err)
+			resp.Body.Close()
+			require.Len(t, base.bodies, 1)
+			assert.Equal(t, tt.wantBody, base.bodies[0])
+			assert.Equal(t, tt.wantLines, base.headers[0])
+		})
+	}
 }

@@ -3,11 +3,15 @@ package idem
 import (
 	"context"
 	"errors"
+	"math"
 	"net/http"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 func TestNewRetryBudgetDefaults(t *testing.T) {
@@ -82,12 +86,12 @@ func TestRetryBudgetEarnsUpToCapacity(t *testing.T) {
 			t.Fatalf("Tokens() = %v, want %v", got, want)
 		}
 	}
-	// A tiny ratio still earns something: it is rounded up to a thousandth.
+	// A tiny ratio still earns something: it is rounded up to a millionth.
 	tiny := NewRetryBudget(1, 1e-9)
 	tiny.spend()
 	tiny.succeed()
-	if got := tiny.Tokens(); got != 0.001 {
-		t.Errorf("tiny ratio: Tokens() = %v, want 0.001", got)
+	if got := tiny.Tokens(); got != 0.000001 {
+		t.Errorf("tiny ratio: Tokens() = %v, want 0.000001", got)
 	}
 }
 
@@ -295,4 +299,51 @@ func TestTransportDefaultBudgetIsPerTransport(t *testing.T) {
 		t.Fatalf("a fresh Transport: %v, want its own full budget", err)
 	}
 	readAll(t, resp)
+}
+
+// TestNewRetryBudgetExtremes checks that capacities and ratios at or past
+// the edges of their types saturate instead of overflowing, and that a
+// small ratio is kept, not rounded up.
+func TestNewRetryBudgetExtremes(t *testing.T) {
+	t.Run("largest capacity", func(t *testing.T) {
+		b := NewRetryBudget(math.MaxInt, 0)
+		full := b.Tokens()
+		assert.GreaterOrEqual(t, full, 1e12, "saturated, not wrapped")
+		require.True(t, b.spend(), "a full budget must allow a retry")
+		assert.Equal(t, full-1, b.Tokens())
+		b.succeed()
+		assert.InDelta(t, full-1+DefaultBudgetRatio, b.Tokens(), 1e-3)
+	})
+	for _, ratio := range []float64{math.Inf(1), 1e30, math.MaxFloat64, 1e6} {
+		b := NewRetryBudget(3, ratio)
+		require.True(t, b.spend())
+		require.True(t, b.spend())
+		b.succeed()
+		assert.Equal(t, 3.0, b.Tokens(), "ratio %v: a success refills the budget, no further", ratio)
+		b.succeed()
+		assert.Equal(t, 3.0, b.Tokens(), "ratio %v", ratio)
+	}
+	t.Run("largest capacity and ratio", func(t *testing.T) {
+		b := NewRetryBudget(math.MaxInt, math.Inf(1))
+		require.True(t, b.spend())
+		b.succeed()
+		b.succeed()
+		assert.Equal(t, NewRetryBudget(math.MaxInt, 0).Tokens(), b.Tokens())
+	})
+	t.Run("NaN ratio takes the default", func(t *testing.T) {
+		b := NewRetryBudget(3, math.NaN())
+		require.True(t, b.spend())
+		b.succeed()
+		assert.Equal(t, 2+DefaultBudgetRatio, b.Tokens())
+	})
+	t.Run("small ratio", func(t *testing.T) {
+		b := NewRetryBudget(1, 0.0001)
+		require.True(t, b.spend())
+		b.succeed()
+		assert.Equal(t, 0.0001, b.Tokens())
+		for range 9999 {
+			b.succeed()
+		}
+		assert.Equal(t, 1.0, b.Tokens(), "ten thousand successes earn one retry")
+	})
 }

@@ -4,7 +4,7 @@ import "net/http"
 
 // A Verdict is what a [Transport.Classify] function says one attempt's
 // outcome calls for. The zero value, VerdictDefault, keeps the Transport's
-// own decision (the table in README.md, "Retry rules").
+// own decision (the table in docs/retries.md, "Retry rules").
 type Verdict int
 
 const (
@@ -15,8 +15,8 @@ const (
 	// retry budget.
 	VerdictRetry
 	// VerdictStop ends the operation: the response is returned as it
-	// came, or the error as a single attempt's error (a [*RetryError]
-	// after a retry).
+	// came, and the error in a [*RetryError] with the key for a keyed
+	// request or after a retry, else as it came.
 	VerdictStop
 	// VerdictConflict means the first request with the key is still
 	// running: the Transport waits and asks again with the same key, on

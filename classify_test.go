@@ -35,8 +35,8 @@ func TestSynctestClassify(t *testing.T) {
 		{"stop a 503", http.MethodPost, on(503, VerdictStop), []answer{reply(503), reply(201)}, RetryPolicy{}, 1, wantStatus(503)},
 		{"stop an error", http.MethodPost, on(0, VerdictStop), []answer{fail(readErr(syscall.ECONNRESET)), reply(201)}, RetryPolicy{}, 1, func(t *testing.T, _ *http.Response, err error) {
 			var rerr *RetryError
-			if !errors.Is(err, syscall.ECONNRESET) || errors.As(err, &rerr) {
-				t.Errorf("err = %v, want the single attempt's error as it came", err)
+			if !errors.Is(err, syscall.ECONNRESET) || !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key == "" {
+				t.Errorf("err = %v, want the single attempt's error in a RetryError with the key", err)
 			}
 		}},
 		{"conflict on a 425", http.MethodPost, on(425, VerdictConflict), []answer{reply(425, "Retry-After", "1")}, RetryPolicy{MaxConflictRetries: 2}, 3, func(t *testing.T, _ *http.Response, err error) {

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 )
 
@@ -47,36 +49,42 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // Do sends a request with in (if not nil) as its JSON body and decodes a
 // 2xx answer's JSON body into out (if not nil). It returns the response
 // with its body already read and closed, for its status and headers (see
-// [Replayed]). A non-2xx answer is returned as an [*APIError]; the
+// [Replayed]). A non-2xx answer is returned as an [*APIError], with the
+// start of its body (64 KiB, read for one second at most); the
 // Transport's own errors ([*KeyReuseError], [*InProgressError],
 // [*RetryError]) come back inside a *url.Error, reachable with errors.As.
 //
 // A POST or PATCH whose ctx pins no key ([WithKey]) gets a new key
 // ([NewKey]) pinned for the call: every attempt and every redirect of the
 // call sends it, and every error of the call names it (APIError.Key, and
-// the message of any other error, even http.Client.Timeout's), so that a
-// failed call can be retried with the same key.
+// the message of any other error, even http.Client.Timeout's and that of a
+// 2xx answer whose body cannot be decoded), so that a failed call can be
+// retried with the same key. A Transport with [Transport.KeyBodyField]
+// sends the key already in that field of in, if any: the errors then name
+// that one, the key the server saw.
 func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*http.Response, error) {
-	var key string
+	var ck *clientKey
 	if method == http.MethodPost || method == http.MethodPatch {
-		var pinned bool
-		if key, pinned = KeyFromContext(ctx); !pinned {
+		key, pinned := KeyFromContext(ctx)
+		if !pinned {
 			key = NewKey()
-			ctx = WithKey(ctx, key)
 		}
+		// Pinned again, so that the Transport says which key it sent: a
+		// key already in the body (KeyBodyField) wins over this one.
+		ctx, ck = withClientKey(ctx, key)
 	}
 	var body io.Reader
 	if in != nil {
 		data, err := json.Marshal(in)
 		if err != nil {
-			return nil, fmt.Errorf("idem: encoding request body: %w", err)
+			return nil, refused(fmt.Errorf("idem: encoding request body: %w", err))
 		}
 		body = bytes.NewReader(data)
 	}
 	url := strings.TrimSuffix(c.BaseURL, "/") + "/" + strings.TrimPrefix(path, "/")
 	req, err := http.NewRequestWithContext(ctx, method, url, body)
 	if err != nil {
-		return nil, fmt.Errorf("idem: %w", err)
+		return nil, refused(fmt.Errorf("idem: %w", err))
 	}
 	req.Header.Set("Accept", "application/json")
 	if in != nil {
@@ -90,15 +98,18 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 		hc = defaultHTTPClient
 	}
 	resp, err := hc.Do(req)
+	var key string // the key sent
+	if ck != nil {
+		key = ck.sentKey()
+	}
 	if err != nil {
-		if key != "" {
-			return nil, fmt.Errorf("idem: %s %s with idempotency key %s: %w", method, redact(req), key, err)
-		}
-		return nil, err
+		return nil, withKey(method, req, key, err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
-		problem, raw := readProblem(resp, 0) // the caller's context bounds it
+		// Bounded as the Transport bounds problem details: a caller whose
+		// context has no deadline is not held by a body that stalls.
+		problem, raw := readProblem(resp, maxDrainTime)
 		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Key: key, Body: raw}
 		if isJSON(resp.Header.Get("Content-Type")) {
 			apiErr.Problem = problem
@@ -107,9 +118,47 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 	}
 	if out != nil && resp.StatusCode != http.StatusNoContent {
 		if err := json.NewDecoder(resp.Body).Decode(out); err != nil {
-			return resp, fmt.Errorf("idem: decoding %s %s answer: %w", method, redact(req), err)
+			// The operation is done: its key fetches the answer again.
+			err = fmt.Errorf("decoding the %s answer: %w", resp.Status, err)
+			if key == "" {
+				return resp, fmt.Errorf("idem: %s %s: %w", method, redact(req), err)
+			}
+			return resp, withKey(method, req, key, err)
 		}
 	}
-	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, maxDrain))
+	readBody(io.Discard, resp, maxDrain, maxDrainTime) // what follows the JSON, for the connection's sake
 	return resp, nil
 }
+
+// withKey returns err with the request and its key in front, for a keyed
+// request; else err as it is. The request and the key are said once: an
+// error of idem's that names them already is said as it is, and
+// http.Client's *url.Error prefix ("Post \"URL\": ") is left out of the
+// message, though not out of the chain.
+func withKey(method string, req *http.Request, key string, err error) error {
+	if key == "" {
+		return err
+	}
+	var named interface{ namesRequest() }
+	if errors.As(err, &named) {
+		return &requestError{msg: named.(error).Error(), err: err}
+	}
+	text := err.Error()
+	if ue := (*url.Error)(nil); errors.As(err, &ue) {
+		text = ue.Err.Error()
+	}
+	return &requestError{
+		msg: fmt.Sprintf("idem: %s %s with idempotency key %s: %s", method, redact(req), key, strings.TrimPrefix(text, "idem: ")),
+		err: err,
+	}
+}
+
+// requestError is an error of a Client call: its message says the request
+// and its key once, its chain holds what http.Client returned.
+type requestError struct {
+	msg string
+	err error
+}
+
+func (e *requestError) Error() string { return e.msg }
+func (e *requestError) Unwrap() error { return e.err }

@@ -6,10 +6,15 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"testing"
+	"testing/synctest"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 type payment struct {
@@ -399,4 +404,126 @@ func TestClientPinsOneKeyPerCall(t *testing.T) {
 			t.Errorf("err = %#v, want an APIError with the key sent", err)
 		}
 	})
+}
+
+// TestClientDecodeErrorNamesTheKey checks that a 2xx answer to a keyed
+// call whose body cannot be decoded gives an error naming the key sent:
+// the payment was made, and the key is how to fetch its answer again.
+func TestClientDecodeErrorNamesTheKey(t *testing.T) {
+	for _, body := range []string{`{"id":`, `not JSON`, `{"id": 5}`} {
+		t.Run(body, func(t *testing.T) {
+			url, requests := apiServer(t, answerJSON(http.StatusCreated, "application/json", body))
+			var out payment
+			resp, err := newClient(t, url).Post(context.Background(), "/v1/payments", payment{Amount: 5}, &out)
+			require.Error(t, err)
+			require.NotNil(t, resp)
+			assert.Equal(t, http.StatusCreated, resp.StatusCode)
+			reqs := requests()
+			require.Len(t, reqs, 1)
+			key := reqs[0].header.Get(DefaultKeyHeader)
+			require.NotEmpty(t, key)
+			assert.Contains(t, err.Error(), key, "the error must name the key sent")
+			assert.Contains(t, err.Error(), "decoding")
+		})
+	}
+}
+
+// TestClientReportsTheKeySent checks that a Client whose Transport takes
+// the key from a body field reports the key the body carried, which the
+// server saw, and not the one the Client pinned and never sent.
+func TestClientReportsTheKeySent(t *testing.T) {
+	const bodyKey = "body-key-0001"
+	in := map[string]any{"idempotency_key": bodyKey, "amount": 5}
+	newBodyKeyClient := func(url string) *Client {
+		c := newClient(t, url)
+		c.HTTPClient.Transport.(*Transport).KeyBodyField = "idempotency_key"
+		return c
+	}
+	sentKey := func(t *testing.T, reqs []seen) string {
+		t.Helper()
+		require.NotEmpty(t, reqs)
+		var got map[string]any
+		require.NoError(t, json.Unmarshal([]byte(reqs[0].body), &got))
+		require.Equal(t, bodyKey, got["idempotency_key"], "the body's key is the one sent")
+		return bodyKey
+	}
+
+	t.Run("APIError", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusBadRequest, "application/problem+json", `{"title":"Bad Request"}`))
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, sentKey(t, requests()), apiErr.Key)
+	})
+	t.Run("attempts ran out", func(t *testing.T) {
+		url, requests := apiServer(t, func(w http.ResponseWriter, _ *http.Request) {
+			panic(http.ErrAbortHandler) // the connection is cut: an error, retried
+		})
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, nil)
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "idempotency key "+sentKey(t, requests())+":")
+	})
+	t.Run("decode error", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusCreated, "application/json", `{"id":`))
+		var out payment
+		_, err := newBodyKeyClient(url).Post(context.Background(), "/v1/payments", in, &out)
+		require.Error(t, err)
+		assert.Contains(t, err.Error(), "idempotency key "+sentKey(t, requests())+":")
+	})
+	t.Run("pinned key inserted", func(t *testing.T) {
+		url, requests := apiServer(t, answerJSON(http.StatusBadRequest, "application/problem+json", `{"title":"Bad Request"}`))
+		ctx := WithKey(context.Background(), "pinned-key-0001")
+		_, err := newBodyKeyClient(url).Post(ctx, "/v1/payments", map[string]any{"amount": 5}, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, "pinned-key-0001", apiErr.Key)
+		assert.Contains(t, requests()[0].body, `"idempotency_key":"pinned-key-0001"`)
+	})
+}
+
+// TestSynctestClientErrorBodyIsBounded checks that a Client reads an error
+// answer's body for a bounded time, as the Transport reads problem details:
+// a server that stalls mid-body gets an APIError with what came, not a
+// caller stuck for good on a context with no deadline.
+func TestSynctestClientErrorBodyIsBounded(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		body := newStallingBody(`{"title":"Bad Req`)
+		base := roundTripFunc(stalling(http.StatusBadRequest, body))
+		c := &Client{BaseURL: "https://api.example.com", HTTPClient: &http.Client{Transport: &Transport{Base: base}}}
+		start := time.Now()
+		_, err := c.Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil)
+		var apiErr *APIError
+		require.ErrorAs(t, err, &apiErr)
+		assert.Equal(t, http.StatusBadRequest, apiErr.StatusCode)
+		assert.Equal(t, `{"title":"Bad Req`, string(apiErr.Body))
+		assert.LessOrEqual(t, time.Since(start), maxDrainTime)
+	})
+}
+
+// TestClientErrorSaysTheRequestOnce: an error of a Client call names the
+// method, the URL and the key once, whatever idem error is inside, and
+// keeps http.Client's *url.Error and idem's error in its chain.
+func TestClientErrorSaysTheRequestOnce(t *testing.T) {
+	reuse, _ := apiServer(t, answerJSON(422, "application/problem+json", `{"title":"Idempotency key reused"}`))
+	busy, _ := apiServer(t, answerJSON(409, "application/problem+json", `{"title":"Request in progress"}`))
+	down := "http://127.0.0.1:1" // nothing listens: a refused dial, retried
+	for _, base := range []string{reuse, busy, down} {
+		c := newClient(t, base)
+		tr := c.HTTPClient.Transport.(*Transport)
+		tr.Retry.MaxConflictRetries, tr.Retry.MaxAttempts = 1, 2
+		_, err := c.Post(WithKey(context.Background(), "order-42"), "/v1/payments", payment{Amount: 2}, nil)
+		if err == nil {
+			t.Fatalf("%s: no error", base)
+		}
+		msg := err.Error()
+		for _, once := range []string{base + "/v1/payments", "order-42", "POST"} {
+			if n := strings.Count(msg, once); n != 1 {
+				t.Errorf("%s: %q appears %d times in %q", base, once, n, msg)
+			}
+		}
+		var ue *url.Error
+		if !errors.As(err, &ue) {
+			t.Errorf("%s: no *url.Error in the chain of %v", base, err)
+		}
+	}
 }

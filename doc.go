@@ -17,6 +17,15 @@
 // time or the [RetryBudget] run out, [*InProgressError] when the outcome is
 // still unknown and the same key must be retried later.
 //
+// After any call, [OutcomeOf] says whether the operation may have taken
+// effect, in one switch:
+//
+//	switch idem.OutcomeOf(resp, err) {
+//	case idem.OutcomeNotSent: // nothing reached the server: it may go elsewhere, under a new key
+//	case idem.OutcomeDone:    // the server's final answer: read it
+//	case idem.OutcomeUnknown: // it may have happened: retry with the same key, here only
+//	}
+//
 // To retry one operation across calls, or across a process restart, pin its
 // key with [WithKey]. [Client] is a small JSON client built on the
 // Transport, and [Replayed] tells a replayed answer from a first one.

@@ -3,10 +3,12 @@ package idem
 import (
 	"bytes"
 	"cmp"
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"mime"
+	"net"
 	"net/http"
 	"strings"
 	"time"
@@ -36,12 +38,17 @@ var (
 // an error after it was retried, or when an error that would be retried
 // could not be: attempts, time or retry budget ran out, the context ended
 // while waiting, the request body could not be reopened (GetBody failed),
-// or MaxElapsedTime cut an attempt short. It is also returned when the
-// request's context ends a keyed request's first attempt, whose outcome is
-// then unknown, so that the key to retry it with is at hand. Err is the
+// or MaxElapsedTime cut an attempt short. Every error that ends a keyed
+// request is one (the request's context ending its first attempt, or an
+// error that is not retried, such as a certificate the client refuses), so
+// that the key to retry it with is at hand. Err is the
 // reason, with the last attempt's outcome in its chain, so errors.Is(err,
 // context.DeadlineExceeded) and the like work through it. Attempts counts
 // only the attempts sent.
+//
+// [OutcomeOf] tells whether any attempt may have reached the server: a
+// RetryError none of whose attempts did (each failed to connect, say) is
+// [OutcomeNotSent], any other [OutcomeUnknown].
 //
 // When an operation ends on an HTTP status instead, RoundTrip returns the
 // last response and no error; only an empty retry budget
@@ -52,6 +59,8 @@ var (
 //	switch {
 //	case errors.As(err, &rerr) && errors.Is(err, idem.ErrBudgetExhausted):
 //		// the API is failing for many operations: back off at a higher level
+//	case errors.As(err, &rerr) && idem.OutcomeOf(nil, err) == idem.OutcomeNotSent:
+//		// nothing reached the server: the operation may go elsewhere
 //	case errors.As(err, &rerr):
 //		// the outcome is unknown: retry later with the same key (idem.WithKey)
 //	}
@@ -59,6 +68,8 @@ type RetryError struct {
 	Attempts int    // attempts sent, the first included
 	Key      string // the operation's idempotency key; "" for unkeyed requests
 	Err      error
+
+	notSent bool // no attempt reached the server; see OutcomeOf
 }
 
 // Error returns a message with the attempt count and the reason.
@@ -69,13 +80,26 @@ func (e *RetryError) Error() string {
 // Unwrap returns e.Err.
 func (e *RetryError) Unwrap() error { return e.Err }
 
+// Timeout reports whether a timeout ended the operation: the last
+// attempt's ([RetryPolicy.AttemptTimeout], or a network timeout), the
+// operation's ([RetryPolicy.MaxElapsedTime]) or the context's deadline.
+// Through [http.Client], the *url.Error's Timeout says the same.
+func (e *RetryError) Timeout() bool {
+	if errors.Is(e.Err, ErrAttemptTimeout) || errors.Is(e.Err, context.DeadlineExceeded) {
+		return true
+	}
+	var ne net.Error
+	return errors.As(e.Err, &ne) && ne.Timeout()
+}
+
 // InProgressError is returned by [Transport.RoundTrip] when a keyed
 // operation ends on 409 Conflict (the first request with the key is still
 // running), or on what the Transport's [Provider] reads as such: the
 // conflict budget ([RetryPolicy.ConflictTimeout],
 // [RetryPolicy.MaxConflictRetries]) ran out, the next wait would pass
 // [RetryPolicy.MaxElapsedTime], [RetryPolicy.MaxRetryAfter] or the context's
-// deadline, or the context ended. The outcome of the operation is unknown:
+// deadline, or the context or MaxElapsedTime ended the wait or the next
+// poll (the attempt after a 409). The outcome of the operation is unknown:
 // it may yet complete. Retry it later with the same key ([WithKey](ctx,
 // e.Key)) to learn its outcome; never with a new key, which could perform
 // it twice.
@@ -86,14 +110,17 @@ type InProgressError struct {
 	Polls   int           // 409 answers received
 	Waited  time.Duration // time spent waiting on them
 	Problem *Problem      // the last 409's problem details, if any
-	// Err is the context's error when the context ended the waiting, so
-	// that errors.Is(err, context.DeadlineExceeded) holds; else nil.
+	// Err is the context's error when the context ended the waiting, or
+	// the cut poll's error, so that errors.Is(err,
+	// context.DeadlineExceeded) holds; else nil.
 	Err error
 
 	reason string // why the waiting stopped, for Error
 }
 
 // Error returns a message with the key, why the waiting stopped and what to do.
+func (*InProgressError) namesRequest() {}
+
 func (e *InProgressError) Error() string {
 	why := ""
 	if e.reason != "" {
@@ -124,7 +151,10 @@ func (e *InProgressError) Unwrap() error { return e.Err }
 // lost (a timeout, a broken connection, a 5xx) may have been processed,
 // the 422 coming from a server or proxy that compares something that
 // changed between attempts. Learn the outcome with the same key before
-// sending the operation again under a new one.
+// sending the operation again under a new one. [OutcomeOf] says which: a
+// 422 to the first attempt, or after attempts none of which was sent, is
+// [OutcomeDone]; one to a retry after an attempt that may have reached the
+// server is [OutcomeUnknown].
 type KeyReuseError struct {
 	Key     string
 	Method  string
@@ -133,15 +163,19 @@ type KeyReuseError struct {
 	// Attempts counts the attempts sent with the key by the call, the one
 	// answered 422 included: 1 when the first attempt got it.
 	Attempts int
+
+	earlierNotSent bool // no attempt before the 422 reached the server
 }
 
 // Error returns a message that names the key, the method and URL, says
 // once what went wrong, and ends with the server's detail, if any:
 //
 //	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
+func (*KeyReuseError) namesRequest() {}
+
 func (e *KeyReuseError) Error() string {
 	why := "a bug in the caller"
-	if e.Attempts > 1 {
+	if e.outcome() == OutcomeUnknown {
 		why = fmt.Sprintf("answered to attempt %d: an earlier attempt of this call may have taken effect", e.Attempts)
 	}
 	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the key was used for a different request (%s)", e.Method, e.URL, e.Key, why)

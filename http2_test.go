@@ -3,12 +3,16 @@ package idem
 import (
 	"context"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // newHTTP2Server starts an httptest TLS server that speaks HTTP/2.
@@ -134,4 +138,145 @@ func TestHTTP2FaultsAreRetried(t *testing.T) {
 			t.Errorf("status %d, body error %v after %d requests; want the 201 once, its body read failing with the reset", resp.StatusCode, err, calls.Load())
 		}
 	})
+}
+
+// freezer is a TCP proxy on 127.0.0.1 whose connections can be frozen:
+// from then on it forwards nothing either way, but keeps reading, so each
+// peer sees a live connection that has gone silent. Connections opened
+// after a freeze are forwarded as usual.
+type freezer struct {
+	ln     net.Listener
+	target string
+	wg     sync.WaitGroup
+
+	mu    sync.Mutex
+	conns []*frozenPair
+}
+
+type frozenPair struct {
+	client, server net.Conn
+	frozen         atomic.Bool
+}
+
+func newFreezer(t *testing.T, target string) *freezer {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	f := &freezer{ln: ln, target: target}
+	f.wg.Add(1)
+	go f.accept()
+	t.Cleanup(func() {
+		ln.Close()
+		f.mu.Lock()
+		for _, p := range f.conns {
+			p.client.Close()
+			p.server.Close()
+		}
+		f.mu.Unlock()
+		f.wg.Wait()
+	})
+	return f
+}
+
+func (f *freezer) accept() {
+	defer f.wg.Done()
+	for {
+		c, err := f.ln.Accept()
+		if err != nil {
+			return
+		}
+		s, err := net.Dial("tcp", f.target)
+		if err != nil {
+			c.Close()
+			continue
+		}
+		p := &frozenPair{client: c, server: s}
+		f.mu.Lock()
+		f.conns = append(f.conns, p)
+		f.mu.Unlock()
+		f.wg.Add(2)
+		go f.pipe(p, c, s)
+		go f.pipe(p, s, c)
+	}
+}
+
+// pipe copies from src to dst until either closes, dropping what it reads
+// once the pair is frozen.
+func (f *freezer) pipe(p *frozenPair, src, dst net.Conn) {
+	defer f.wg.Done()
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := src.Read(buf)
+		if n > 0 && !p.frozen.Load() {
+			if _, werr := dst.Write(buf[:n]); werr != nil {
+				return
+			}
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// freeze silences every connection open now.
+func (f *freezer) freeze() {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	for _, p := range f.conns {
+		p.frozen.Store(true)
+	}
+}
+
+// TestHTTP2LostConnectionIsRetried checks that an HTTP/2 connection whose
+// peer received the whole request and went silent, which the base
+// transport's ping health check ends with "http2: client connection
+// lost", is retried like any connection broken before a response: with
+// the same key, on a new connection.
+func TestHTTP2LostConnectionIsRetried(t *testing.T) {
+	var px *freezer
+	var mu sync.Mutex
+	var keys []string
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		mu.Lock()
+		keys = append(keys, r.Header.Get(DefaultKeyHeader))
+		n := len(keys)
+		mu.Unlock()
+		if n == 1 {
+			px.freeze() // the request is in; its answer, and every ping's, is lost
+		}
+		w.WriteHeader(http.StatusCreated)
+		w.Write(body)
+	}))
+	srv.Config.Protocols = new(http.Protocols)
+	srv.Config.Protocols.SetUnencryptedHTTP2(true)
+	srv.Config.ErrorLog = discardLog()
+	srv.Start()
+	t.Cleanup(srv.Close)
+	px = newFreezer(t, srv.Listener.Addr().String())
+
+	base := &http.Transport{
+		Protocols: new(http.Protocols),
+		HTTP2:     &http.HTTP2Config{SendPingTimeout: 50 * time.Millisecond, PingTimeout: 50 * time.Millisecond},
+	}
+	base.Protocols.SetUnencryptedHTTP2(true)
+	t.Cleanup(base.CloseIdleConnections)
+	var first error
+	tr := &Transport{Base: base, Retry: fastPolicy, OnAttempt: func(a Attempt) {
+		if a.Number == 1 {
+			first = a.Err
+		}
+	}}
+	resp, err := post(t, tr, context.Background(), "http://"+px.ln.Addr().String()+"/v1/payments", `{"amount":4200}`)
+	require.NoError(t, err, "the first attempt failed with %v", first)
+	assert.Equal(t, http.StatusCreated, resp.StatusCode)
+	assert.Equal(t, 2, resp.ProtoMajor)
+	assert.Equal(t, `{"amount":4200}`, readAll(t, resp))
+	require.Error(t, first)
+	assert.Contains(t, first.Error(), "client connection lost", "the first attempt should have died of unanswered pings")
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, keys, 2)
+	assert.NotEmpty(t, keys[0])
+	assert.Equal(t, keys[0], keys[1], "the retry must send the same key")
 }

@@ -186,13 +186,22 @@ func TestMockNotRetriedError(t *testing.T) {
 		httpmock.NewErrorResponder(urlErr(context.DeadlineExceeded)),
 		httpmock.NewStringResponder(201, ""),
 	))
+	// A keyed call: the error comes in a RetryError with the key, as the
+	// request may have reached the server.
 	_, err := mockSend(t, tr, http.MethodPost, `{}`)
 	var rerr *RetryError
-	if !errors.Is(err, context.DeadlineExceeded) || errors.As(err, &rerr) {
-		t.Errorf("err = %v, want the attempt's own error, not a RetryError", err)
+	if !errors.Is(err, context.DeadlineExceeded) || !errors.As(err, &rerr) || rerr.Attempts != 1 || rerr.Key == "" {
+		t.Errorf("err = %v, want the attempt's own error in a RetryError with the key", err)
 	}
 	if n := calls(mock, http.MethodPost); n != 1 {
 		t.Errorf("%d calls, want 1", n)
+	}
+
+	// An unkeyed one: the attempt's own error, as it came.
+	mock.RegisterResponder(http.MethodGet, mockURL, httpmock.NewErrorResponder(urlErr(context.DeadlineExceeded)))
+	_, err = mockSend(t, tr, http.MethodGet, "")
+	if !errors.Is(err, context.DeadlineExceeded) || errors.As(err, &rerr) {
+		t.Errorf("err = %v, want the attempt's own error, not a RetryError", err)
 	}
 }
 

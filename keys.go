@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net/http"
 	"strings"
+	"sync/atomic"
 
 	"github.com/google/uuid"
 
@@ -59,8 +60,45 @@ func WithKey(ctx context.Context, key string) context.Context {
 
 // KeyFromContext returns the key pinned on ctx by [WithKey].
 func KeyFromContext(ctx context.Context) (string, bool) {
-	key, ok := ctx.Value(keyContextKey{}).(string)
-	return key, ok
+	switch v := ctx.Value(keyContextKey{}).(type) {
+	case string:
+		return v, true
+	case *clientKey:
+		return v.key, true
+	}
+	return "", false
+}
+
+// clientKey is a key pinned by [Client], which must name the key sent in
+// its errors: the Transport notes here a key it sends instead, one
+// already in the body's KeyBodyField.
+type clientKey struct {
+	key  string
+	sent atomic.Pointer[string]
+}
+
+// withClientKey returns a copy of ctx that pins key, as WithKey does, and
+// the clientKey that tells the key sent.
+func withClientKey(ctx context.Context, key string) (context.Context, *clientKey) {
+	ck := &clientKey{key: key}
+	return context.WithValue(ctx, keyContextKey{}, ck), ck
+}
+
+// sentKey returns the key sent under ck: the pinned one, unless the
+// Transport noted another.
+func (ck *clientKey) sentKey() string {
+	if p := ck.sent.Load(); p != nil {
+		return *p
+	}
+	return ck.key
+}
+
+// noteSentKey tells a Client that pinned a key on ctx that key is the one
+// sent instead.
+func noteSentKey(ctx context.Context, key string) {
+	if ck, ok := ctx.Value(keyContextKey{}).(*clientKey); ok && key != ck.key {
+		ck.sent.Store(&key)
+	}
 }
 
 // headerValues returns the values of the header name (canonical) in h

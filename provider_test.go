@@ -594,7 +594,7 @@ func TestProviderZeroValueIsTheDraft(t *testing.T) {
 }
 
 // TestProviderVerdicts is the table of each built-in provider's rules, as
-// the README lists them: a response's status, headers and body, and the
+// docs/providers.md lists them: a response's status, headers and body, and the
 // verdict.
 func TestProviderVerdicts(t *testing.T) {
 	for _, c := range []struct {

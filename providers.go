@@ -10,7 +10,8 @@ import (
 
 // The built-in providers. Each rule cites the page of the provider's
 // documentation (or, where the documentation is silent, of its own SDK) it
-// comes from; README.md ("How each provider answers") has the same table.
+// comes from; docs/providers.md ("How each provider answers") has the same
+// table.
 // A body is parsed with encoding/json into the few fields a rule needs: a
 // body that is not the provider's error object, or is cut off by
 // ProviderBodyLimit, matches no body rule and leaves the status and

@@ -17,7 +17,7 @@ import (
 )
 
 // Defaults of [RetryPolicy], used for its zero fields. They follow the
-// peers that have run payment traffic longest; README.md ("Defaults") gives
+// peers that have run payment traffic longest; docs/retries.md ("Defaults") gives
 // the reason for each.
 const (
 	// DefaultMaxAttempts: the first attempt and three retries, as the AWS
@@ -91,8 +91,10 @@ type RetryPolicy struct {
 	// which does not cut the first attempt.
 	MaxElapsedTime time.Duration
 	// AttemptTimeout bounds each attempt, up to the end of the response
-	// headers; the body of the final response may be read for longer. An
-	// attempt that times out is retried. Zero means no per-attempt timeout.
+	// headers, or of a 2xx answer to a keyed request read inside the
+	// attempt ([Transport.MaxBufferedResponse]); the body of any other
+	// final response may be read for longer. An attempt that times out is
+	// retried. Zero means no per-attempt timeout.
 	AttemptTimeout time.Duration
 	// MaxRetryAfter is the longest Retry-After honoured; a longer one ends
 	// the operation at once with the response that carried it. Defaults to
@@ -188,10 +190,23 @@ func decide(keyed bool, resp *http.Response, err error) (v verdict, reason strin
 	return done, resp.Status
 }
 
-// retryableError reports whether an attempt's error may be retried: it
-// failed to connect, the connection broke before a response, or the attempt
-// timed out. The caller's own cancellation is not retried, nor errors that
-// will recur (bad certificate, unsupported scheme, malformed request).
+// retryableError reports whether an attempt's error may be retried. Every
+// error before a response is, but those known to recur or to be the
+// caller's: the caller's cancellation, a certificate or TLS handshake the
+// server refuses, a name that does not resolve, a Base that refused to
+// send ([ErrNotSent]: a circuit breaker, say, which a retry would defeat)
+// or returned nothing, and idem's own errors from a Base that is itself a
+// Transport.
+//
+// The list is of what not to retry, not of what to retry, because
+// net/http's errors after a request was written are plain strings: an
+// answer it cannot parse ("malformed HTTP status code"), headers over
+// MaxResponseHeaderBytes, a server that closed an idle connection as the
+// request went out, an HTTP/2 connection whose pings went unanswered
+// ("client connection lost"). The server may have acted on such a request,
+// and only a retry with its key can tell. Its refusals before sending (an
+// unsupported scheme, an invalid header) are plain strings too, and are
+// retried alike: in vain, but safely.
 func retryableError(err error) bool {
 	if errors.Is(err, ErrAttemptTimeout) {
 		return true
@@ -203,35 +218,35 @@ func retryableError(err error) bool {
 		certErr     *tls.CertificateVerificationError
 		unknownAuth x509.UnknownAuthorityError
 		hostErr     x509.HostnameError
+		invalidErr  x509.CertificateInvalidError
 		recordErr   tls.RecordHeaderError
+		alertErr    tls.AlertError
 	)
-	if errors.As(err, &certErr) || errors.As(err, &unknownAuth) || errors.As(err, &hostErr) || errors.As(err, &recordErr) {
+	if errors.As(err, &certErr) || errors.As(err, &unknownAuth) || errors.As(err, &hostErr) ||
+		errors.As(err, &invalidErr) || errors.As(err, &recordErr) || errors.As(err, &alertErr) {
 		return false
 	}
 	var dnsErr *net.DNSError
 	if errors.As(err, &dnsErr) {
 		return dnsErr.IsTimeout || dnsErr.IsTemporary
 	}
-	switch {
-	case errors.Is(err, syscall.ECONNREFUSED), errors.Is(err, syscall.ECONNRESET),
-		errors.Is(err, syscall.ECONNABORTED), errors.Is(err, syscall.EPIPE),
-		errors.Is(err, syscall.ETIMEDOUT), errors.Is(err, syscall.EHOSTUNREACH),
-		errors.Is(err, syscall.ENETUNREACH), errors.Is(err, syscall.ENETDOWN):
-		return true
-	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
-		// The server closed the connection before a full response.
-		return true
-	case http2Reason(err) != "":
-		// RoundTrip returns an error only before the response headers,
-		// so the stream ended with no response.
-		return true
+	if errors.Is(err, ErrNotSent) || errors.Is(err, errNilResponse) || idemError(err) {
+		return false
 	}
-	var opErr *net.OpError
-	if errors.As(err, &opErr) && opErr.Op == "dial" {
-		return true
-	}
-	var netErr net.Error
-	return errors.As(err, &netErr) && netErr.Timeout()
+	return true
+}
+
+// idemError reports whether err holds one of idem's own outcomes, which a
+// Base that is itself a Transport returns: retrying them again would
+// multiply the retries, or retry a key reuse.
+func idemError(err error) bool {
+	var (
+		retryErr    *RetryError
+		reuseErr    *KeyReuseError
+		progressErr *InProgressError
+	)
+	return errors.As(err, &retryErr) || errors.As(err, &reuseErr) || errors.As(err, &progressErr) ||
+		errors.Is(err, ErrBodyNotReplayable) || errors.Is(err, ErrBudgetExhausted) || errors.Is(err, ErrKeyBodyField)
 }
 
 func errorReason(err error) string {

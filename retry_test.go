@@ -111,7 +111,8 @@ func TestDecideError(t *testing.T) {
 		{"canceled", urlErr(context.Canceled), done, "canceled"},
 		{"deadline", urlErr(context.DeadlineExceeded), done, "deadline exceeded"},
 		{"bad certificate", urlErr(&tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}), done, "error"},
-		{"unsupported scheme", urlErr(errors.New(`unsupported protocol scheme "ftp"`)), done, "error"},
+		{"unsupported scheme", urlErr(errors.New(`unsupported protocol scheme "ftp"`)), retry, "error"},
+		{"malformed answer", urlErr(errors.New(`net/http: HTTP/1.x transport connection broken: malformed HTTP status code "2O1"`)), retry, "error"},
 	}
 	for _, tt := range tests {
 		for _, keyed := range []bool{true, false} {
@@ -184,9 +185,9 @@ var retryableErrorTests = []struct {
 	{"wrapped io.ErrUnexpectedEOF", urlErr(fmt.Errorf("reading response: %w", io.ErrUnexpectedEOF)), true},
 	{"dial error of another kind", urlErr(&net.OpError{Op: "dial", Net: "tcp", Err: errors.New("socket: too many open files")}), true},
 	{"net.Error with Timeout", urlErr(netError{timeout: true}), true},
-	{"net.Error without Timeout", urlErr(netError{timeout: false}), false},
+	{"net.Error without Timeout", urlErr(netError{timeout: false}), true},
 	{"read deadline", urlErr(&net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}), true},
-	{"read error of another kind", urlErr(&net.OpError{Op: "read", Net: "tcp", Err: errors.New("use of closed network connection")}), false},
+	{"read error of another kind", urlErr(&net.OpError{Op: "read", Net: "tcp", Err: errors.New("use of closed network connection")}), true},
 
 	// DNS: a missing name will stay missing; a slow resolver may recover.
 	{"DNS not found", urlErr(&net.OpError{Op: "dial", Net: "tcp", Err: &net.DNSError{Err: "no such host", Name: "api.example.invalid", IsNotFound: true}}), false},
@@ -202,6 +203,8 @@ var retryableErrorTests = []struct {
 	{"bare hostname mismatch", x509.HostnameError{Host: "api.example.com"}, false},
 	{"TLS record header", urlErr(tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"}), false},
 	{"certificate error in a dial error", urlErr(&net.OpError{Op: "dial", Net: "tcp", Err: &tls.CertificateVerificationError{Err: x509.UnknownAuthorityError{}}}), false},
+	{"expired certificate", urlErr(x509.CertificateInvalidError{Reason: x509.Expired}), false},
+	{"TLS alert from the server", urlErr(tls.AlertError(40)), false},
 
 	// The caller gave up: never retried, though DeadlineExceeded is a
 	// net.Error whose Timeout is true.
@@ -218,10 +221,26 @@ var retryableErrorTests = []struct {
 	{"ErrAttemptTimeout with Canceled in chain", fmt.Errorf("%w: %w", ErrAttemptTimeout, context.Canceled), true},
 	{"ErrAttemptTimeout with DeadlineExceeded in chain", urlErr(fmt.Errorf("%w: %w", ErrAttemptTimeout, context.DeadlineExceeded)), true},
 
-	// Errors that will recur.
-	{"unsupported scheme", urlErr(errors.New(`unsupported protocol scheme "ftp"`)), false},
-	{"malformed header", errors.New(`net/http: invalid header field name "bad header"`), false},
+	// net/http's errors after the request was written are plain strings:
+	// the server may have acted on the request, and only a retry with its
+	// key tells. Its refusals before sending are plain strings too, and are
+	// retried alike (in vain, but safely).
+	{"malformed status code", urlErr(errors.New(`net/http: HTTP/1.x transport connection broken: malformed HTTP status code "2O1"`)), true},
+	{"headers over the limit", urlErr(errors.New("net/http: server response headers exceeded 1024 bytes; aborted")), true},
+	{"server closed idle connection", urlErr(errors.New("http: server closed idle connection")), true},
+	{"HTTP/2 connection lost", urlErr(errors.New("http2: client connection lost")), true},
+	{"unsupported scheme", urlErr(errors.New(`unsupported protocol scheme "ftp"`)), true},
+	{"malformed header", errors.New(`net/http: invalid header field name "bad header"`), true},
+
+	// A broken Base, and idem's own outcomes from a Base that is a
+	// Transport too: retrying them would multiply retries.
+	{"nil response", errNilResponse, false},
 	{"body not replayable", ErrBodyNotReplayable, false},
+	{"budget exhausted", fmt.Errorf("%w; last attempt: 503", ErrBudgetExhausted), false},
+	{"key body field", fmt.Errorf("%w \"id\": not JSON", ErrKeyBodyField), false},
+	{"retry error", urlErr(&RetryError{Attempts: 4, Key: "k", Err: io.EOF}), false},
+	{"key reuse", urlErr(&KeyReuseError{Key: "k"}), false},
+	{"in progress", urlErr(&InProgressError{Key: "k"}), false},
 }
 
 func TestRetryableError(t *testing.T) {

@@ -697,7 +697,9 @@ func TestSynctestAttemptTimeout(t *testing.T) {
 			srv := newFake(func(req *http.Request) (*http.Response, error) {
 				attemptCtx = req.Context()
 				resp, _ := reply(201)(req)
-				resp.Body = io.NopCloser(&slowReader{delay: 5 * time.Second, data: "paid"})
+				// Of unknown length: not read inside the attempt (see
+				// MaxBufferedResponse and TestSynctestAnswerReadWithinAttemptTimeout).
+				resp.Body, resp.ContentLength = io.NopCloser(&slowReader{delay: 5 * time.Second, data: "paid"}), -1
 				return resp, nil
 			})
 			resp, err := fakePost(t, &Transport{Base: srv, Retry: policy}, context.Background())

@@ -9,10 +9,12 @@ import (
 	"io"
 	"log/slog"
 	"maps"
+	"math"
 	"net/http"
 	"net/textproto"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/cenkalti/backoff/v4"
@@ -21,6 +23,10 @@ import (
 // DefaultMaxBufferedBody is the largest request body without GetBody that
 // [Transport] buffers in memory so it can send it again: 1 MiB.
 const DefaultMaxBufferedBody = 1 << 20
+
+// DefaultMaxBufferedResponse is the largest 2xx answer to a keyed request
+// that [Transport] reads whole inside its attempt: 64 KiB.
+const DefaultMaxBufferedResponse = 64 << 10
 
 // maxDrain bounds how much of a retried response's body is read before it
 // is closed, so that its connection can be reused without reading a large
@@ -42,9 +48,10 @@ const maxDrainTime = time.Second
 //     the JSON body, and a key already in that field comes first.
 //   - GET, HEAD, OPTIONS, TRACE, PUT and DELETE get no key and are retried
 //     as idempotent. Other methods are sent once.
-//   - Connection errors (HTTP/2 stream resets and GOAWAY before a
-//     response among them), attempt timeouts, 408, 429, 500, 502, 503 and 504
-//     are retried with exponential backoff and jitter, within
+//   - Errors before a response (connection errors, answers that cannot be
+//     read, HTTP/2 stream resets, GOAWAY and lost connections), attempt
+//     timeouts, 408, 429, 500, 502, 503 and 504 are retried with
+//     exponential backoff and jitter, within
 //     [RetryPolicy.MaxAttempts], [RetryPolicy.MaxElapsedTime], the request
 //     context and the [RetryBudget]. Retry-After (seconds or HTTP-date) is
 //     honoured on any retried answer, up to [RetryPolicy.MaxRetryAfter];
@@ -58,8 +65,14 @@ const maxDrainTime = time.Second
 //   - A [Transport.Provider] reads the answers of an API that speaks
 //     otherwise, such as Stripe's 400 idempotency_error (key reuse) or
 //     PayPal's 422 UNPROCESSABLE_ENTITY (a refused request, returned).
+//   - A keyed request's 2xx answer of at most MaxBufferedResponse bytes
+//     is read whole inside its attempt: one cut while it is read is
+//     retried with the same key, and the server's replay completes it.
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
+//     Errors not retried are those known to recur (a certificate the
+//     client refuses, a TLS alert, a name that does not resolve) and the
+//     context's; a keyed request's come in a RetryError too, with the key.
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
@@ -102,7 +115,9 @@ type Transport struct {
 	// just after the brace, and no other byte changes. Names match exactly
 	// once unescaped; nested objects do not count; a field named twice or
 	// holding something other than a string is refused. A key header is
-	// sent only if KeyHeader is set, and must then agree with the field.
+	// sent only if KeyHeader is set, or, without KeyHeader, if the request
+	// has an Idempotency-Key header: its key is then the operation's, and
+	// must agree with the field.
 	KeyBodyField string
 
 	// KeyFormat says how new and pinned keys are written: KeyBare (the
@@ -142,6 +157,35 @@ type Transport struct {
 	// strings.Reader have GetBody and are never buffered.
 	MaxBufferedBody int64
 
+	// MaxBufferedResponse is the largest 2xx answer to a keyed request
+	// (POST, PATCH) that is read whole inside its attempt, when its
+	// Content-Length says it is no larger: an answer cut while it is read
+	// is then retried with the same key, and the server's replay of the
+	// stored answer completes it, instead of leaving the caller a read
+	// error and an unknown outcome. AttemptTimeout bounds the read, and a
+	// read that stalls past it is retried too. A larger answer, one of
+	// unknown length (chunked, which may be a stream that must not be held
+	// up), and the answers to unkeyed requests are handed over unread. If
+	// zero, DefaultMaxBufferedResponse is used; a negative value reads none.
+	MaxBufferedResponse int64
+
+	// FirstSentHeader names the header in which every attempt of a keyed
+	// operation says when the operation was first sent, an HTTP-date, the
+	// same on every retry: when RoundTrip began, or the time pinned with
+	// [WithFirstSent]; a request that carries the header already is sent
+	// as it is. A server that keeps keys for a limited time can then tell
+	// a retry that comes after it let the key go, and refuse it instead of
+	// running the operation again: idem's server side answers it 410,
+	// which ends the call in a [*KeyExpiredError]. If empty,
+	// "Repeatability-First-Sent" ([DefaultFirstSentHeader], OASIS
+	// Repeatable Requests) is used.
+	FirstSentHeader string
+
+	// NoFirstSent sends no first-sent time (see FirstSentHeader): a retry
+	// that reaches a server after it purged the key may then run the
+	// operation again.
+	NoFirstSent bool
+
 	// Classify, if not nil, sees each attempt's outcome, a response or an
 	// error (the other is nil), and may override what the Transport makes
 	// of it: retry, stop, wait out a conflict, or end on key reuse (see
@@ -166,6 +210,7 @@ type Transport struct {
 
 	budgetOnce sync.Once
 	budget     *RetryBudget
+	sentCache  atomic.Pointer[sentStamp] // the first-sent value of the current second
 }
 
 // Attempt describes one attempt of a logical operation. [Transport.OnAttempt]
@@ -211,11 +256,10 @@ func (t *Transport) base() http.RoundTripper {
 // DefaultKeyHeader as it is, or the Transport's KeyHeader (else the
 // Provider's) canonicalized.
 func (t *Transport) keyHeader() string {
-	name := t.keyHeaderName() // provider.go
-	if name == "" {
-		return DefaultKeyHeader
+	if t.KeyHeader == "" && t.Provider.KeyHeader == "" {
+		return DefaultKeyHeader // the common case, without keyHeaderName's cmp.Or
 	}
-	return textproto.CanonicalMIMEHeaderKey(name)
+	return textproto.CanonicalMIMEHeaderKey(t.keyHeaderName()) // provider.go
 }
 
 func (t *Transport) retryBudget() *RetryBudget {
@@ -254,8 +298,9 @@ var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.
 
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
-// [*KeyReuseError], [*InProgressError] or [*RetryError], or the error of a
-// single attempt that is not retryable. It always closes req.Body.
+// [*KeyReuseError], [*InProgressError] or [*RetryError], or, for an unkeyed
+// request, the error of a single attempt that is not retried. It always
+// closes req.Body.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	op := operation{
 		t:      t,
@@ -296,10 +341,18 @@ type operation struct {
 	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
 	filled bool          // whether they are
 	start  time.Duration // when the operation started, as time.Since(epoch)
+	// reached says an attempt may have reached the server: it got a
+	// response, or an error that does not prove otherwise (see notSent).
+	reached bool
 
 	keyed, idempotent bool
 	header, key, val  string
 	respelt           bool // the request has the key header under another spelling too
+	// The first-sent time (firstsent.go): its header, "" when the
+	// attempts carry none of the Transport's; its value; the time.
+	sentHeader string
+	sentValue  []string
+	sentAt     time.Time
 
 	body            body
 	problem         *Problem      // of the last 409
@@ -327,15 +380,26 @@ func (op *operation) run() (*http.Response, error) {
 		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
 		if err != nil {
 			closeBody(req)
-			return nil, err
+			return nil, refused(err)
 		}
+	}
+	if op.keyed {
+		op.initFirstSent() // firstsent.go
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
-			return nil, err
+			return nil, refused(err)
 		}
 	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
-		return nil, err
+		return nil, refused(err)
+	}
+	if err := op.ctx.Err(); err != nil {
+		// Done before anything was sent.
+		closeBody(req)
+		if op.key != "" {
+			return nil, op.retryError(err)
+		}
+		return nil, refused(err)
 	}
 	var last error          // the outcome of the last attempt sent, before a retry
 	var lastVerdict verdict // and what it called for
@@ -345,19 +409,27 @@ func (op *operation) run() (*http.Response, error) {
 			if lastVerdict == conflict {
 				return op.inProgress(nil, func() {}, "MaxElapsedTime reached", nil)
 			}
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last)}
+			return nil, op.retryError(fmt.Errorf("%w before attempt %d; last attempt: %w", errOperationTimedOut, op.attempts+1, last))
 		}
 		body, err := op.body.open(op.attempts + 1)
 		if err != nil {
 			// GetBody failed: the attempt is not sent, nor counted.
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last)}
+			return nil, op.retryError(fmt.Errorf("idem: reopening request body: %w; last attempt: %w", err, last))
 		}
+		reachedBefore := op.reached
 		resp, cancel, err := op.send(body)
+		if err != nil && lastVerdict == conflict && (op.ctx.Err() != nil || errors.Is(err, errOperationTimedOut)) {
+			// A poll cut short: the last the server said is that the
+			// key's request is still running.
+			op.report(nil, err, false, 0, "409: "+errorReason(err)+" during the next poll")
+			return op.inProgress(nil, cancel, "409: "+errorReason(err)+" during the next poll", err)
+		}
 		if err != nil && errors.Is(err, errOperationTimedOut) {
 			return op.finish(nil, err, cancel, "MaxElapsedTime reached during the attempt", true)
 		}
 		v, reason := op.classify(resp, err)
 		if v == conflict {
+			op.polled()
 			// A keyed operation that ends on a 409 ends with an
 			// InProgressError, which carries the last problem details.
 			var body []byte
@@ -374,6 +446,13 @@ func (op *operation) run() (*http.Response, error) {
 			op.indefinite = true
 			v = done
 		}
+		if v == done && resp != nil && resp.StatusCode == http.StatusGone && op.keyed {
+			if expired := op.expired(resp, method); expired != nil { // firstsent.go
+				cancel()
+				op.report(resp, nil, false, 0, "410 Gone: key expired")
+				return nil, expired
+			}
+		}
 		switch v {
 		case done:
 			return op.finish(resp, err, cancel, reason, false)
@@ -382,7 +461,7 @@ func (op *operation) run() (*http.Response, error) {
 			op.describe(problem, body) // provider.go
 			cancel()
 			op.report(resp, nil, false, 0, reason+": key used for another request")
-			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts}
+			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts, earlierNotSent: !reachedBefore}
 		}
 		wait, why, end := op.plan(v, resp)
 		switch end {
@@ -406,7 +485,7 @@ func (op *operation) run() (*http.Response, error) {
 			if v == conflict {
 				return op.inProgress(nil, func() {}, "409: "+errorReason(err)+" while waiting", err)
 			}
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last)}
+			return nil, op.retryError(fmt.Errorf("%w while waiting to retry; last attempt: %w", err, last))
 		}
 	}
 }
@@ -449,10 +528,6 @@ func (op *operation) planNext(v verdict, resp *http.Response) (time.Duration, st
 		wait, why = ra, "Retry-After"
 	}
 	if v == conflict {
-		op.conflicts++
-		if op.conflicts == 1 {
-			op.firstConflict = time.Now()
-		}
 		if !hasRA {
 			wait = next(&op.conflictBackoff, p)
 		}
@@ -540,7 +615,8 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		var cancelCause context.CancelCauseFunc
 		actx.Context, cancelCause = context.WithCancelCause(op.ctx)
 		// A timer rather than WithTimeout: it is stopped once the headers
-		// are in, so a slow read of the final body is not cut off.
+		// are in (and an answer read inside the attempt), so a slow read
+		// of the final body is not cut off.
 		timer = time.AfterFunc(d, func() { cancelCause(cause) })
 		cancel = func() { timer.Stop(); cancelCause(context.Canceled) }
 	}
@@ -550,8 +626,8 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	// The caller's request is never modified either way.
 	ar.req = *op.req.WithContext(actx)
 	areq := &ar.req
-	if op.header != "" {
-		areq.Header = headerWith(op.req.Header, op.header, op.val, op.respelt, &actx.keyValue)
+	if op.header != "" || op.sentHeader != "" {
+		areq.Header = op.attemptHeader(&actx.keyValue)
 	}
 	areq.Body = body
 	areq.GetBody = op.body.getBody
@@ -562,6 +638,23 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	if resp == nil && err == nil {
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
+	}
+	if resp != nil && resp.Body == nil {
+		// As http.Client takes it: an empty body, unless it should not be.
+		if resp.ContentLength > 0 && areq.Method != http.MethodHead {
+			resp, err = nil, fmt.Errorf("idem: the base RoundTripper (%T) returned a *Response with content length %d but a nil Body", op.t.base(), resp.ContentLength)
+		} else {
+			resp.Body = http.NoBody
+		}
+	}
+	if resp != nil || !notSent(areq, body, err) { // outcome.go
+		op.reached = true
+	}
+	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {
+		// Read inside the attempt, under its timer: a cut is retried.
+		if err = readAnswer(resp, &ar.answer); err != nil {
+			resp = nil
+		}
 	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
 		// The attempt ran out of time: the headers came too late, or not
@@ -603,16 +696,17 @@ func (op *operation) attemptLimit() (time.Duration, error) {
 
 // finish hands the outcome of the last attempt to the caller. gaveUp says
 // the outcome called for a retry that could not be made; an error is then a
-// RetryError, as it is after any retry, and so is the error of a keyed
-// attempt that the request's context ended, whose outcome is unknown: the
-// caller needs the key to learn it. Only the error of a first attempt that
-// is not retryable comes back as it is.
+// RetryError, as it is after any retry, and so is every error of a keyed
+// operation: its request may have reached the server (its context ended
+// it, an answer could not be read, …), and the caller needs the key to
+// learn what happened. Only the error of an unkeyed request's first
+// attempt that is not retried comes back as it is.
 func (op *operation) finish(resp *http.Response, err error, cancel func(), why string, gaveUp bool) (*http.Response, error) {
 	if err != nil {
 		cancel()
 		op.report(nil, err, false, 0, why)
-		if op.attempts > 1 || gaveUp || (op.key != "" && op.ctx.Err() != nil) {
-			return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+		if op.attempts > 1 || gaveUp || op.key != "" {
+			return nil, op.retryError(err)
 		}
 		return nil, err
 	}
@@ -627,6 +721,8 @@ func (op *operation) finish(resp *http.Response, err error, cancel func(), why s
 		// request's context until that ends.
 		if rw, ok := resp.Body.(io.ReadWriteCloser); ok && resp.StatusCode == http.StatusSwitchingProtocols {
 			resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
+		} else if _, read := resp.Body.(*answerBody); read || resp.Body == http.NoBody {
+			cancel() // nothing left to read
 		} else {
 			resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
 		}
@@ -647,7 +743,7 @@ func (op *operation) fail(sentinel error, resp *http.Response, err error, cancel
 	} else {
 		err = fmt.Errorf("%w; last attempt: %s", sentinel, resp.Status)
 	}
-	return nil, &RetryError{Attempts: op.attempts, Key: op.key, Err: err}
+	return nil, op.retryError(err)
 }
 
 // inProgress ends an operation on a 409 that cannot be waited out: the
@@ -665,6 +761,20 @@ func (op *operation) inProgress(resp *http.Response, cancel func(), why string, 
 	return nil, &InProgressError{
 		Key: op.key, Method: op.req.Method, URL: redact(op.req),
 		Polls: max(op.conflicts, 1), Waited: waited, Problem: op.problem, Err: err, reason: why,
+	}
+}
+
+// retryError returns a RetryError of the operation with the given reason,
+// which says whether any attempt may have reached the server.
+func (op *operation) retryError(err error) *RetryError {
+	return &RetryError{Attempts: op.attempts, Key: op.key, Err: err, notSent: !op.reached}
+}
+
+// polled counts a 409 (or what Classify takes as one), as it arrives.
+func (op *operation) polled() {
+	op.conflicts++
+	if op.conflicts == 1 {
+		op.firstConflict = time.Now()
 	}
 }
 
@@ -728,6 +838,38 @@ func outcome(resp *http.Response, err error) string {
 	return "no response"
 }
 
+func (t *Transport) maxAnswer() int64 {
+	if t.MaxBufferedResponse == 0 {
+		return DefaultMaxBufferedResponse
+	}
+	return t.MaxBufferedResponse
+}
+
+// readAnswer reads the body of resp, of known length, whole, and makes
+// into, holding it, the body; or, if it cannot, closes the body and
+// returns why.
+func readAnswer(resp *http.Response, into *answerBody) error {
+	buf := make([]byte, resp.ContentLength+1) // +1 to see the end
+	n, err := io.ReadFull(resp.Body, buf)
+	switch {
+	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
+		// It ended where it said it would. (net/http's own short body
+		// ends with io.ErrUnexpectedEOF too, but before its length.)
+	case err == nil:
+		// Longer than it said (a Base, not net/http): handed over as
+		// it came, what was read first.
+		resp.Body = &peekedBody{prefix: buf, rest: resp.Body}
+		return nil
+	default:
+		resp.Body.Close()
+		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
+	}
+	resp.Body.Close()
+	into.b = buf[:n]
+	resp.Body = into
+	return nil
+}
+
 func (t *Transport) maxBuffered() int64 {
 	if t.MaxBufferedBody == 0 {
 		return DefaultMaxBufferedBody
@@ -761,12 +903,12 @@ func (b *body) init(req *http.Request, limit int64) error {
 		b.replayable = false
 		return nil
 	}
-	size := limit + 1
+	size := plusOne(limit)
 	if req.ContentLength > 0 && req.ContentLength <= limit {
-		size = req.ContentLength + 1 // +1 to see io.EOF without growing
+		size = plusOne(req.ContentLength) // +1 to see io.EOF without growing
 	}
 	buf := bytes.NewBuffer(make([]byte, 0, min(size, 64<<10)))
-	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, limit+1), req.Body)
+	n, err := copyUntilDone(req.Context(), buf, io.LimitReader(req.Body, plusOne(limit)), req.Body)
 	if err != nil {
 		req.Body.Close()
 		return fmt.Errorf("idem: reading request body: %w", err)
@@ -791,6 +933,16 @@ func (b *body) init(req *http.Request, limit int64) error {
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
 	return nil
+}
+
+// plusOne returns n+1, or n if that would overflow: a read limit of
+// limit+1 bytes tells a body over limit from one of limit bytes, and none
+// is over math.MaxInt64.
+func plusOne(n int64) int64 {
+	if n == math.MaxInt64 {
+		return n
+	}
+	return n + 1
 }
 
 // copyUntilDone copies src to dst until EOF, an error, or the end of ctx.
@@ -866,7 +1018,10 @@ func (c *cancelOnCloseRW) Close() error {
 func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) http.Header {
 	out := maps.Clone(h)
 	if out == nil {
-		out = make(http.Header, 1)
+		out = make(http.Header, 2)
+	}
+	if key == "" {
+		return out
 	}
 	if respelt {
 		for k := range out {
@@ -877,6 +1032,16 @@ func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) h
 	}
 	slot[0] = val
 	out[key] = slot[:]
+	return out
+}
+
+// attemptHeader is the header of an attempt: the request's, with the key
+// (its value backed by slot) and the first-sent time.
+func (op *operation) attemptHeader(slot *[1]string) http.Header {
+	out := headerWith(op.req.Header, op.header, op.val, op.respelt, slot)
+	if op.sentHeader != "" {
+		out[op.sentHeader] = op.sentValue
+	}
 	return out
 }
 

@@ -13,10 +13,17 @@
 # server's share is in every peer's figure alike. ROUNDS repeats this,
 # interleaving the peers, and the table gives the median round.
 #
-# The binary is built with CGO_ENABLED=0 and runs with GOMAXPROCS=1 and
-# GODEBUG=asyncpreemptoff=1 (valgrind and Go's preemption signals do not
-# mix). Each run at OPS=4000 takes a few seconds; callgrind is some 50
-# times slower than native.
+# The binary is built with CGO_ENABLED=0 and runs with GOMAXPROCS=1 (with
+# more Ps, an idle one spins and polls for as long as an op takes in wall
+# time, which callgrind counts: any extra work is counted many times
+# over) and GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off: callgrind asserts
+# on Go's preemption signals, and valgrind 3.19 does not know RDTSCP,
+# which the runtime executes when a thread sleeps on a contended runtime
+# lock, so without cpu.rdtscp=off a run dies of SIGILL now and then.
+# GOGC is passed through: GOGC=off leaves the GC's cycles, which fall
+# whole into one window or the next, out of the count. PEERS (a list)
+# runs only those peers. Each run at OPS=4000 takes a minute or two;
+# callgrind is some 50 to 100 times slower than native.
 #
 # OUTDIR gets the callgrind.out files of the last round (for
 # callgrind_annotate, e.g. on callgrind.idem.4000) and instructions.txt,
@@ -36,13 +43,13 @@ mkdir -p "$out"
 bin=$(mktemp -d)/bench.test
 trap 'rm -rf "$(dirname "$bin")"' EXIT
 CGO_ENABLED=0 go test -c -o "$bin" .
-peers=(bare idem retryablehttp failsafe)
+read -r -a peers <<< "${PEERS:-bare idem retryablehttp failsafe}"
 
 # total PEER N runs TestOps with N ops under callgrind and prints the
 # instruction total.
 total() {
 	local f="$out/callgrind.$1.$2"
-	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1 valgrind --tool=callgrind --callgrind-out-file="$f" \
+	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off valgrind --tool=callgrind --callgrind-out-file="$f" \
 		"$bin" -test.run '^TestOps$' -test.count 1 -ops "$2" -peer "$1" > "$f.log" 2>&1 ||
 		{ cat "$f.log" >&2; exit 1; }
 	awk '/^summary:/ { print $2 }' "$f"
@@ -61,11 +68,13 @@ done
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 {
-	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test TestOps under callgrind, GOMAXPROCS=1)"
+	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test TestOps under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100})"
+	echo "x-bare: the ratio of the medians; paired: the median of the ratios to bare in the same round"
 	base=$(printf '%s' "${per[bare]}" | median)
-	printf '%-14s %14s %8s   %s\n' client instructions/op x-bare rounds
+	printf '%-14s %14s %8s %8s   %s\n' client instructions/op x-bare paired rounds
 	for p in "${peers[@]}"; do
 		m=$(printf '%s' "${per[$p]}" | median)
-		printf '%-14s %14d %8.3f   %s\n' "$p" "$m" "$(echo "$m / $base" | bc -l)" "$(printf '%s' "${per[$p]}" | tr '\n' ' ')"
+		paired=$(paste <(printf '%s' "${per[$p]}") <(printf '%s' "${per[bare]}") | awk '{ printf "%.6f\n", $1 / $2 }' | median)
+		printf '%-14s %14d %8.3f %8.3f   %s\n' "$p" "$m" "$(echo "$m / $base" | bc -l)" "$paired" "$(printf '%s' "${per[$p]}" | tr '\n' ' ')"
 	done
 } | tee "$out/instructions.txt"

@@ -215,7 +215,7 @@ func pgbenchCharge(charge string) (string, error) {
 	}
 	charge = strings.Replace(charge, createdCol, "created_at, true AS created FROM inserted", 1)
 	charge, err := params(charge, map[int]string{
-		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz",
+		1: "''", 2: ":key", 3: ":amount", 4: ":currency", 5: "NULL::timestamptz", 6: ":customer",
 	})
 	if err != nil {
 		return "", fmt.Errorf("createChargeSQL: %w", err)

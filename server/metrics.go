@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"fmt"
 	"maps"
 	"net/http"
@@ -28,8 +29,21 @@ import (
 //	idem_leases_renewed_total      leases of running requests renewed
 //	idem_leases_lost_total         running requests whose key was taken over
 //	idem_keys_purged_total         expired keys deleted by the purge job
+//	idem_keys_swept_total          abandoned keys the sweeper took over and handed to its hook
+//	idem_keys_settled_total        abandoned keys the sweeper settled: completed from a charge, or released
+//	idem_keys_force_released_total keys released by an operator
+//	idem_keys_expired_by_operator_total keys expired by an operator
 //	idem_processor_charges_total   charges of the fake card processor, by result
 //	idem_db_round_trips_total      round trips to PostgreSQL, by kind (with [Config.DBRoundTrips])
+//
+// and, when the key store implements [idempotency.Inspector], gauges of the
+// keys that are not finished, counted at each scrape by one query (on
+// PostgreSQL, a walk of the index of those keys):
+//
+//	idem_keys_running                     keys whose request runs
+//	idem_keys_running_oldest_age_seconds  age of the operation of the oldest running key
+//	idem_keys_lapsed                      started keys whose owner died, not yet taken over
+//	idem_keys_released_failed             keys released after a failure, awaiting a retry or the sweeper
 //
 // They are counters of this server alone, not of the process (several
 // servers may share one, as tests do), so the Prometheus client library,
@@ -41,6 +55,8 @@ type Metrics struct {
 	charges sync.Map // result → *atomic.Int64
 	trips   *DBRoundTrips
 	order   []family
+	// keyStats counts the keys behind the gauges; nil: no gauges.
+	keyStats func(context.Context) (idempotency.KeyStats, error)
 }
 
 // family is one counter as /metrics shows it: a name, its help, and its
@@ -71,6 +87,10 @@ func NewMetrics() *Metrics {
 	event(idempotency.EventLeaseLost, "idem_leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
 	event(idempotency.EventCancelled, "idem_requests_cancelled_total", "Keyed requests whose context ended (a deadline, a shutdown) before their handler answered; answered 503, nothing stored.")
 	event(idempotency.EventExpiredRetry, "idem_expired_retries_total", "Retries first sent longer ago than their key is kept, whose key was gone or expired: answered 410, not run.")
+	event(idempotency.EventSwept, "idem_keys_swept_total", "Abandoned keys the sweeper took over and handed to its hook.")
+	event(idempotency.EventSettled, "idem_keys_settled_total", "Abandoned keys the sweeper settled: completed from the processor's charge, or released.")
+	event(idempotency.EventForceReleased, "idem_keys_force_released_total", "Keys released by an operator.")
+	event(idempotency.EventExpired, "idem_keys_expired_by_operator_total", "Keys expired by an operator.")
 	m.order = append(m.order,
 		family{name: "idem_keys_purged_total", help: "Expired idempotency keys deleted by the purge job.",
 			samples: func() map[string]int64 { return map[string]int64{"": m.purged.Load()} }},
@@ -147,6 +167,7 @@ func (m *Metrics) Handler() http.Handler {
 				}
 			}
 		}
+		m.writeKeyGauges(r.Context(), &b)
 		w.Header().Set("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
 		w.Header().Set("Cache-Control", "no-store")
 		w.Write([]byte(b.String()))

@@ -203,7 +203,7 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	// begun, it runs to its end and is stored, so the retry gets the replay.
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), a.processorTimeout)
 	defer cancel()
-	charge, err := a.processor.charge(ctx, chargeKey(o.clientID, o.operation), in.Amount, in.Currency)
+	charge, err := a.processor.charge(ctx, chargeKey(o.clientID, o.operation), in.Amount, in.Currency, in.Customer)
 	switch {
 	case err == nil:
 	case errors.Is(err, errProcessorDeclined):
@@ -319,16 +319,22 @@ func (a *payments) get(w http.ResponseWriter, r *http.Request) {
 
 // writeJSON writes v as a JSON response.
 func writeJSON(w http.ResponseWriter, status int, v any) {
+	body := encodeJSON(v)
+	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	w.WriteHeader(status)
+	w.Write(body)
+}
+
+// encodeJSON returns the JSON body of v as the API writes it.
+func encodeJSON(v any) []byte {
 	var buf bytes.Buffer
 	enc := json.NewEncoder(&buf)
 	enc.SetEscapeHTML(false)
 	if err := enc.Encode(v); err != nil {
 		panic(err) // the API's types always encode
 	}
-	w.Header().Set("Content-Type", "application/json")
-	w.Header().Set("Content-Length", strconv.Itoa(buf.Len()))
-	w.WriteHeader(status)
-	w.Write(buf.Bytes())
+	return buf.Bytes()
 }
 
 // parsePayment reads and validates a payment body, JSON or form-encoded.

@@ -92,15 +92,19 @@ func (s *PostgresStorage) GetPayment(ctx context.Context, clientID, id string) (
 // ID gets a generated one, an unset time the current one.
 const createChargeSQL = `
 WITH inserted AS (
-    INSERT INTO charges (charge_id, idempotency_key, amount, currency, created_at)
-    VALUES (coalesce(nullif($1, ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), $2, $3, $4, coalesce($5, now()))
+    INSERT INTO charges (charge_id, idempotency_key, amount, currency, customer_id, created_at)
+    VALUES (coalesce(nullif($1, ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), $2, $3, $4, nullif($6, ''),
+        coalesce($5, now()))
     ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING charge_id, idempotency_key, amount, currency, created_at
+    RETURNING charge_id, idempotency_key, amount, currency, customer_id, created_at
 )
-SELECT charge_id, idempotency_key, amount, currency, created_at, true FROM inserted
+SELECT ` + chargeColumns + `, true FROM inserted
 UNION ALL
-SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM charges
+SELECT ` + chargeColumns + `, false FROM charges
 WHERE idempotency_key = $2 AND NOT EXISTS (SELECT FROM inserted)`
+
+// chargeColumns are the columns of a Charge, in scanCharge's order.
+const chargeColumns = `charge_id, idempotency_key, amount, currency, coalesce(customer_id, ''), created_at`
 
 // maxRaces bounds how often CreateCharge runs its statement again after
 // losing a race.
@@ -110,8 +114,8 @@ const maxRaces = 10
 func (s *PostgresStorage) CreateCharge(ctx context.Context, c Charge) (stored Charge, created bool, err error) {
 	createdAt := pgtype.Timestamptz{Time: c.CreatedAt, Valid: !c.CreatedAt.IsZero()}
 	for range maxRaces {
-		err = s.pool.QueryRow(ctx, createChargeSQL, c.ID, c.IdempotencyKey, c.Amount, c.Currency, createdAt).
-			Scan(&stored.ID, &stored.IdempotencyKey, &stored.Amount, &stored.Currency, &stored.CreatedAt, &created)
+		err = s.pool.QueryRow(ctx, createChargeSQL, c.ID, c.IdempotencyKey, c.Amount, c.Currency, createdAt, c.Customer).
+			Scan(&stored.ID, &stored.IdempotencyKey, &stored.Amount, &stored.Currency, &stored.Customer, &stored.CreatedAt, &created)
 		if !errors.Is(err, pgx.ErrNoRows) {
 			break
 		}
@@ -120,6 +124,21 @@ func (s *PostgresStorage) CreateCharge(ctx context.Context, c Charge) (stored Ch
 		return Charge{}, false, interpretError(err)
 	}
 	return stored, created, nil
+}
+
+// ChargeByKey implements [ChargeStore]. A key that is not valid text names
+// no charge.
+func (s *PostgresStorage) ChargeByKey(ctx context.Context, idempotencyKey string) (Charge, error) {
+	var c Charge
+	if !idempotency.ValidText(idempotencyKey) {
+		return c, ErrNotFound
+	}
+	err := s.pool.QueryRow(ctx, `SELECT `+chargeColumns+` FROM charges WHERE idempotency_key = $1`, idempotencyKey).
+		Scan(&c.ID, &c.IdempotencyKey, &c.Amount, &c.Currency, &c.Customer, &c.CreatedAt)
+	if err != nil {
+		return Charge{}, interpretError(err)
+	}
+	return c, nil
 }
 
 // interpretError translates the errors of pgx the server knows, by

@@ -11,6 +11,7 @@ import (
 	"log/slog"
 	mrand "math/rand/v2"
 	"net/http"
+	"net/url"
 	"sync/atomic"
 	"time"
 
@@ -22,11 +23,15 @@ import (
 // Processor is a fake card processor: an http.Handler serving
 // POST /v1/charges, itself idempotent like a real one. A charge request
 // carries an Idempotency-Key and a JSON body {"amount": 4200, "currency":
-// "usd"}; the first request with a key creates the charge (201), every later
-// one gets the same charge back (200, Idempotent-Replayed: true), and one
-// with another amount or currency gets 422. Charges are kept in a
-// [ChargeStore], so exactly one charge exists per key however often and
-// however concurrently it is asked for.
+// "usd", "customer": "cus_123"} (the customer is optional); the first
+// request with a key creates the charge (201), every later one gets the
+// same charge back (200, Idempotent-Replayed: true), and one with another
+// amount or currency gets 422. Charges are kept in a [ChargeStore], so
+// exactly one charge exists per key however often and however concurrently
+// it is asked for. GET /v1/charges?idempotency_key=K returns the charge
+// made under K (200), or 404: a real processor's search of its charges by
+// their metadata, which is how the payments API's sweeper finds the
+// charge of an abandoned operation without making one.
 //
 // It can be slowed down ([Processor.Delay]) and made to fail, to exercise
 // the payments API's retries and crash recovery: [Processor.FailNext] and
@@ -86,6 +91,7 @@ func (p *Processor) observe(result string) {
 type chargeRequest struct {
 	Amount   int64  `json:"amount"`
 	Currency string `json:"currency"`
+	Customer string `json:"customer,omitempty"`
 }
 
 // chargeResponse is the processor's answer for a charge.
@@ -93,23 +99,33 @@ type chargeResponse struct {
 	ID       string    `json:"id"`
 	Amount   int64     `json:"amount"`
 	Currency string    `json:"currency"`
+	Customer string    `json:"customer,omitempty"`
 	Created  time.Time `json:"created"`
 }
 
-// ServeHTTP serves POST /v1/charges; any other request gets 404 or 405.
+func chargeOf(c Charge) chargeResponse {
+	return chargeResponse{c.ID, c.Amount, c.Currency, c.Customer, c.CreatedAt}
+}
+
+// ServeHTTP serves POST /v1/charges and GET /v1/charges?idempotency_key=K;
+// any other request gets 404 or 405.
 func (p *Processor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	if r.URL.Path != "/v1/charges" {
-		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "The processor serves only POST /v1/charges.")
-		return
-	}
-	if r.Method != http.MethodPost {
-		w.Header().Set("Allow", http.MethodPost)
-		writeProblem(w, r, ProblemMethodNotAllowed, http.StatusMethodNotAllowed, "Create charges with POST /v1/charges.")
+		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "The processor serves only POST and GET /v1/charges.")
 		return
 	}
 	log := p.Logger
 	if log == nil {
 		log = slog.Default()
+	}
+	if r.Method == http.MethodGet {
+		p.find(w, r, log)
+		return
+	}
+	if r.Method != http.MethodPost {
+		w.Header().Set("Allow", "GET, POST")
+		writeProblem(w, r, ProblemMethodNotAllowed, http.StatusMethodNotAllowed, "Create charges with POST /v1/charges.")
+		return
 	}
 	key, err := keyheader.Parse(r.Header.Values("Idempotency-Key"))
 	if err != nil {
@@ -144,6 +160,7 @@ func (p *Processor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		IdempotencyKey: key,
 		Amount:         req.Amount,
 		Currency:       req.Currency,
+		Customer:       req.Customer,
 		CreatedAt:      time.Now().UTC().Truncate(time.Microsecond),
 	})
 	if err != nil {
@@ -174,7 +191,29 @@ func (p *Processor) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	log.Debug("processor: charge", "key", key, "charge", charge.ID, "created", created)
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
-	json.NewEncoder(w).Encode(chargeResponse{charge.ID, charge.Amount, charge.Currency, charge.CreatedAt})
+	json.NewEncoder(w).Encode(chargeOf(charge))
+}
+
+// find serves GET /v1/charges?idempotency_key=K: the charge made under K,
+// or 404.
+func (p *Processor) find(w http.ResponseWriter, r *http.Request, log *slog.Logger) {
+	key := r.URL.Query().Get("idempotency_key")
+	if key == "" {
+		writeProblem(w, r, idempotency.ProblemInvalidRequest, http.StatusBadRequest, "Name the charge: GET /v1/charges?idempotency_key=<the key it was made with>.")
+		return
+	}
+	charge, err := p.Charges.ChargeByKey(r.Context(), key)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		writeProblem(w, r, ProblemNotFound, http.StatusNotFound, "No charge was made with this idempotency key.")
+		return
+	case err != nil:
+		log.Error("processor: reading a charge failed", "key", key, "err", err)
+		writeProblem(w, r, idempotency.ProblemInternal, http.StatusInternalServerError, "The charge could not be read. Retry.")
+		return
+	}
+	w.Header().Set("Content-Type", "application/json")
+	json.NewEncoder(w).Encode(chargeOf(charge))
 }
 
 // Errors of processorClient.charge.
@@ -185,6 +224,8 @@ var (
 	// errProcessorConflict: the processor holds a charge for this key with
 	// other parameters.
 	errProcessorConflict = errors.New("processor holds another charge for this key")
+	// errNoCharge: the processor holds no charge for this key.
+	errNoCharge = errors.New("processor holds no charge for this key")
 )
 
 // processorClient calls a [Processor] over HTTP through the SDK's
@@ -222,8 +263,8 @@ func newProcessorClient(baseURL string, retry idem.RetryPolicy, log *slog.Logger
 // charge charges amount in currency under the idempotency key. It returns
 // the charge, or errProcessorDeclined (nothing was charged),
 // errProcessorConflict, or another error when the outcome is unknown.
-func (c *processorClient) charge(ctx context.Context, key string, amount int64, currency string) (chargeResponse, error) {
-	body, _ := json.Marshal(chargeRequest{Amount: amount, Currency: currency})
+func (c *processorClient) charge(ctx context.Context, key string, amount int64, currency, customer string) (chargeResponse, error) {
+	body, _ := json.Marshal(chargeRequest{Amount: amount, Currency: currency, Customer: customer})
 	req, err := http.NewRequestWithContext(idem.WithKey(ctx, key), http.MethodPost, c.url+"/v1/charges", bytes.NewReader(body))
 	if err != nil {
 		return chargeResponse{}, err
@@ -251,6 +292,32 @@ func (c *processorClient) charge(ctx context.Context, key string, amount int64, 
 		io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
 		return chargeResponse{}, fmt.Errorf("processor: unexpected answer %s", resp.Status)
 	}
+}
+
+// find returns the charge made under the idempotency key, errNoCharge when
+// there is none, or another error when the processor could not tell.
+func (c *processorClient) find(ctx context.Context, key string) (chargeResponse, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.url+"/v1/charges?"+url.Values{"idempotency_key": {key}}.Encode(), nil)
+	if err != nil {
+		return chargeResponse{}, err
+	}
+	resp, err := c.client.Do(req)
+	if err != nil {
+		return chargeResponse{}, err
+	}
+	defer resp.Body.Close()
+	switch resp.StatusCode {
+	case http.StatusOK:
+		var ch chargeResponse
+		if err := json.NewDecoder(io.LimitReader(resp.Body, 1<<16)).Decode(&ch); err != nil {
+			return chargeResponse{}, fmt.Errorf("processor: decoding the charge: %w", err)
+		}
+		return ch, nil
+	case http.StatusNotFound:
+		return chargeResponse{}, errNoCharge
+	}
+	io.Copy(io.Discard, io.LimitReader(resp.Body, 1<<16))
+	return chargeResponse{}, fmt.Errorf("processor: unexpected answer %s to a charge lookup", resp.Status)
 }
 
 // close releases the client's idle connections.

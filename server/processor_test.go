@@ -28,7 +28,9 @@ func TestProcessor(t *testing.T) {
 		replayed                      bool
 	}{
 		{"wrong path", "POST", "/v1/refunds", "k", charge, 404, false},
-		{"wrong method", "GET", "/v1/charges", "", "", 405, false},
+		{"wrong method", "DELETE", "/v1/charges", "", "", 405, false},
+		{"lookup without a key", "GET", "/v1/charges", "", "", 400, false},
+		{"lookup of no charge", "GET", "/v1/charges?idempotency_key=k", "", "", 404, false},
 		{"no key", "POST", "/v1/charges", "", charge, 400, false},
 		{"bad body", "POST", "/v1/charges", "k", `{"amount": -1, "currency": "usd"}`, 400, false},
 		{"create", "POST", "/v1/charges", "k", charge, 201, false},
@@ -78,22 +80,29 @@ func TestProcessorClient(t *testing.T) {
 
 	p.FailNext(2)
 	p.LoseNext(1)
-	ch, err := c.charge(ctx, "op-1", 100, "usd")
+	ch, err := c.charge(ctx, "op-1", 100, "usd", "cus_1")
 	if err != nil || ch.Amount != 100 || ch.ID == "" {
 		t.Fatalf("charge through failures = %+v, %v", ch, err)
 	}
-	again, err := c.charge(ctx, "op-1", 100, "usd")
+	again, err := c.charge(ctx, "op-1", 100, "usd", "cus_1")
 	if err != nil || again.ID != ch.ID {
 		t.Errorf("second charge with the key = %+v, %v; want %s", again, err, ch.ID)
 	}
 	if n := len(store.Charges()); n != 1 {
 		t.Errorf("%d charges, want 1", n)
 	}
-	if _, err := c.charge(ctx, "op-1", 200, "usd"); err != errProcessorConflict {
+	// The charge is found by its key, customer and all, and only it.
+	if found, err := c.find(ctx, "op-1"); err != nil || found != ch || found.Customer != "cus_1" {
+		t.Errorf("find(op-1) = %+v, %v; want %+v, for customer cus_1", found, err, ch)
+	}
+	if _, err := c.find(ctx, "op-none"); err != errNoCharge {
+		t.Errorf("find of a key never charged: %v, want errNoCharge", err)
+	}
+	if _, err := c.charge(ctx, "op-1", 200, "usd", "cus_1"); err != errProcessorConflict {
 		t.Errorf("other amount: %v, want errProcessorConflict", err)
 	}
 	p.FailNext(100)
-	if _, err := c.charge(ctx, "op-2", 100, "usd"); err == nil || !strings.Contains(err.Error(), "503") {
+	if _, err := c.charge(ctx, "op-2", 100, "usd", ""); err == nil || !strings.Contains(err.Error(), "503") {
 		t.Errorf("processor down: %v, want a declined 503", err)
 	}
 	p.FailNext(0)
@@ -102,7 +111,7 @@ func TestProcessorClient(t *testing.T) {
 	p.Delay = time.Second
 	ctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
 	defer cancel()
-	if _, err := c.charge(ctx, "op-3", 100, "usd"); err == nil || err == errProcessorDeclined {
+	if _, err := c.charge(ctx, "op-3", 100, "usd", ""); err == nil || err == errProcessorDeclined {
 		t.Errorf("timeout: %v, want an unknown outcome", err)
 	}
 }

@@ -54,12 +54,34 @@ type Config struct {
 	FirstSentSkew   time.Duration
 	IgnoreFirstSent bool
 
+	// SealKeys, if not nil, seal the stored responses at rest
+	// ([idempotency.Sealed]): the first key seals, every key opens. Nil:
+	// responses are stored as they are (a sealed one found in the store is
+	// answered 500, never run again).
+	SealKeys *idempotency.SealKeys
+
 	// PurgeInterval, PurgeBatch and PurgeDutyCycle pace the purge job of
 	// [Server.Run]; see [idempotency.Purger] for their meaning and
 	// defaults (1m, 500, 0.25).
 	PurgeInterval  time.Duration
 	PurgeBatch     int
 	PurgeDutyCycle float64
+
+	// SweepGrace and SweepInterval pace the sweeper of [Server.Run] (see
+	// [idempotency.Sweeper]): every SweepInterval it settles the payments
+	// whose key was abandoned for SweepGrace (its lease ran out, or it was
+	// released after a failure, and no retry came): a charge found at the
+	// processor becomes the payment and the key completes with its 201; no
+	// charge releases the key. SweepGrace is at least ProcessorTimeout, so
+	// that a request cut off from the database has finished its charge
+	// call when the sweeper looks. If SweepGrace is zero, the longer of
+	// [idempotency.DefaultSweepGrace] (1m) and ProcessorTimeout is used; if
+	// SweepInterval is zero, [idempotency.DefaultSweepInterval] (10s).
+	SweepGrace    time.Duration
+	SweepInterval time.Duration
+	// NoSweep leaves the sweeper out of [Server.Run]: abandoned payments
+	// wait for their clients' retries, and expire with their keys.
+	NoSweep bool
 
 	// ProcessorURL is the base URL of the card processor the payments API
 	// charges through (it posts to ProcessorURL + "/v1/charges"). If
@@ -81,7 +103,9 @@ type Config struct {
 	// retries included; they run on when the client hangs up, so that a
 	// charge once begun is recorded. The lease of the payment's key is
 	// renewed meanwhile, so it need not be shorter than the lock timeout.
-	// If zero, [DefaultProcessorTimeout] (30s) is used.
+	// If zero, [DefaultProcessorTimeout] (30s) is used, or SweepGrace when
+	// that is set and shorter; a SweepGrace shorter than a ProcessorTimeout
+	// is refused.
 	ProcessorTimeout time.Duration
 
 	// AfterCharge, if not nil, is called by the payments API after the
@@ -135,8 +159,9 @@ type Config struct {
 //
 // with the payments routes behind [BearerAuth] and [idempotency.Middleware],
 // built on the library exactly as any service would be. Run its purge job
-// with [Server.Run] and stop it with [Server.Close]. A Server is safe for
-// concurrent use.
+// and its sweeper with [Server.Run] and stop it with [Server.Close]; serve
+// the operators' API ([Server.AdminHandler]) on a listener of its own. A
+// Server is safe for concurrent use.
 //
 // For a graceful stop, call http.Server.Shutdown on the server that serves
 // it first, so in-flight requests finish and complete or release their
@@ -147,6 +172,7 @@ type Server struct {
 	handler   http.Handler
 	metrics   *Metrics
 	purger    *idempotency.Purger
+	sweeper   *idempotency.Sweeper // nil without one (see Config.NoSweep)
 	processor *Processor
 	client    *processorClient
 	procSrv   *http.Server // nil when Config.ProcessorURL is set
@@ -163,6 +189,10 @@ func New(cfg Config) (*Server, error) {
 		cfg.Storage.Charges = NewMemoryStorage()
 	}
 	log := cmp.Or(cfg.Logger, slog.Default())
+	grace, processorTimeout, err := sweepTimes(cfg)
+	if err != nil {
+		return nil, err
+	}
 	if len(cfg.APIKeys) == 0 {
 		keys, _ := ParseAPIKeys(DefaultAPIKeys)
 		cfg.APIKeys = keys
@@ -205,6 +235,10 @@ func New(cfg Config) (*Server, error) {
 	s.client = newProcessorClient(s.procURL, cfg.ProcessorRetry, log)
 
 	keys := cfg.Storage.Keys
+	if cfg.SealKeys != nil {
+		keys = idempotency.Sealed(keys, cfg.SealKeys)
+	}
+	sweptKeys := keys // the sweeper settles through the sealing, never through a simulated crash
 	var crashes *crashingStore
 	if cfg.AfterCharge != nil {
 		crashes = &crashingStore{Store: keys}
@@ -214,7 +248,7 @@ func New(cfg Config) (*Server, error) {
 		store:             cfg.Storage.Payments,
 		processor:         s.client,
 		log:               log,
-		processorTimeout:  cmp.Or(cfg.ProcessorTimeout, DefaultProcessorTimeout),
+		processorTimeout:  processorTimeout,
 		afterCharge:       cfg.AfterCharge,
 		crashes:           crashes,
 		storeServerErrors: cfg.StoreServerErrors,
@@ -234,6 +268,10 @@ func New(cfg Config) (*Server, error) {
 		Logger:             log,
 		OnEvent:            s.metrics.Observe,
 	})
+	s.sweeper = newSweeper(cfg, sweptKeys, api, grace, log, s.metrics)
+	if in, ok := cfg.Storage.Keys.(idempotency.Inspector); ok {
+		s.metrics.watchKeys(in.Stats)
+	}
 	v1 := http.NewServeMux()
 	if cfg.NoIdempotency {
 		log.Warn("server: POST /v1/payments runs WITHOUT the idempotency layer (NoIdempotency): no key is needed or stored, and a retry pays twice; for measuring the layer's cost only")
@@ -285,12 +323,26 @@ func (s *Server) Processor() *Processor { return s.processor }
 // ProcessorURL returns the base URL the payments API charges through.
 func (s *Server) ProcessorURL() string { return s.procURL }
 
-// Run runs the purge job until ctx is done: at once, then every
-// [Config.PurgeInterval], it deletes the expired keys in batches of
-// [Config.PurgeBatch] ([Server.Purge]). Failures are logged and retried at
-// the next tick. Run returns nil when ctx is done, and an error at once for
-// purge settings out of range (see [idempotency.Purger.Run]).
-func (s *Server) Run(ctx context.Context) error { return s.purger.Run(ctx) }
+// Run runs the purge job and the sweeper until ctx is done. At once, then
+// every [Config.PurgeInterval], the purge deletes the expired keys in
+// batches of [Config.PurgeBatch] ([Server.Purge]); at once, then every
+// [Config.SweepInterval], the sweeper settles the abandoned payments
+// ([Server.Sweep]). Failures are logged and retried at the next tick. Run
+// returns nil when ctx is done, and an error at once for settings out of
+// range (see [idempotency.Purger.Run]).
+func (s *Server) Run(ctx context.Context) error {
+	if s.sweeper == nil {
+		return s.purger.Run(ctx)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	errs := make(chan error, 2)
+	go func() { errs <- s.purger.Run(ctx) }()
+	go func() { errs <- s.sweeper.Run(ctx) }()
+	err := <-errs
+	cancel()
+	return errors.Join(err, <-errs)
+}
 
 // Purge deletes the expired keys, one bounded batch at a time, paced by
 // [Config.PurgeDutyCycle] (see [idempotency.Purger.Purge]), and returns how

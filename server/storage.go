@@ -55,7 +55,11 @@ type Charge struct {
 	IdempotencyKey string // derived by the payments API from (client, operation)
 	Amount         int64
 	Currency       string
-	CreatedAt      time.Time
+	// Customer is the customer charged, as a real processor keeps it
+	// (Stripe's charge.customer): the sweeper writes a payment from the
+	// charge alone. "" for the charges of an earlier server.
+	Customer  string
+	CreatedAt time.Time
 }
 
 // ChargeStore keeps the fake card processor's charges.
@@ -64,6 +68,9 @@ type ChargeStore interface {
 	// c.IdempotencyKey with created false. It is atomic: concurrent calls
 	// with one key create one charge.
 	CreateCharge(ctx context.Context, c Charge) (stored Charge, created bool, err error)
+	// ChargeByKey returns the charge stored under idempotencyKey, or
+	// ErrNotFound.
+	ChargeByKey(ctx context.Context, idempotencyKey string) (Charge, error)
 }
 
 // Storage is where a [Server] keeps its keys, its payments and its fake
@@ -177,6 +184,20 @@ func (m *MemoryStorage) CreateCharge(ctx context.Context, c Charge) (Charge, boo
 	}
 	m.charges[c.IdempotencyKey] = c
 	return c, true, nil
+}
+
+// ChargeByKey implements [ChargeStore].
+func (m *MemoryStorage) ChargeByKey(ctx context.Context, idempotencyKey string) (Charge, error) {
+	if err := ctx.Err(); err != nil {
+		return Charge{}, err
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	c, ok := m.charges[idempotencyKey]
+	if !ok {
+		return Charge{}, ErrNotFound
+	}
+	return c, nil
 }
 
 // Charges returns every charge, oldest first; tests and the scenarios use

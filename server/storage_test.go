@@ -279,9 +279,19 @@ func testCreateChargeOnce(t *testing.T, s Storage) {
 	if dup.ID != "ch_1" || dup.Amount != 4200 || !dup.CreatedAt.Equal(got.CreatedAt) {
 		t.Errorf("second CreateCharge returned %+v, want the stored %+v", dup, got)
 	}
-	other, created, err := s.Charges.CreateCharge(ctx, Charge{ID: "ch_3", IdempotencyKey: "cli_a/op_2", Amount: 1, Currency: "eur"})
-	if err != nil || !created || other.ID != "ch_3" {
-		t.Errorf("CreateCharge with another key = %+v, %v, %v; want a new charge ch_3", other, created, err)
+	other, created, err := s.Charges.CreateCharge(ctx, Charge{ID: "ch_3", IdempotencyKey: "cli_a/op_2", Amount: 1, Currency: "eur", Customer: "cus_1"})
+	if err != nil || !created || other.ID != "ch_3" || other.Customer != "cus_1" {
+		t.Errorf("CreateCharge with another key = %+v, %v, %v; want a new charge ch_3 of cus_1", other, created, err)
+	}
+	for key, want := range map[string]Charge{"cli_a/op_1": got, "cli_a/op_2": other} {
+		if found, err := s.Charges.ChargeByKey(ctx, key); err != nil || found != want {
+			t.Errorf("ChargeByKey(%s) = %+v, %v; want %+v", key, found, err, want)
+		}
+	}
+	for _, key := range []string{"cli_a/op_3", "bad\x00key"} {
+		if _, err := s.Charges.ChargeByKey(ctx, key); !errors.Is(err, ErrNotFound) {
+			t.Errorf("ChargeByKey(%q): %v, want ErrNotFound", key, err)
+		}
 	}
 }
 

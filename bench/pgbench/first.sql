@@ -34,14 +34,15 @@ RETURNING lock_token, operation_id::text
 
 -- createChargeSQL (the fake card processor)
 WITH inserted AS (
-    INSERT INTO charges (charge_id, idempotency_key, amount, currency, created_at)
-    VALUES (coalesce(nullif('', ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), :key, :amount, :currency, coalesce(NULL::timestamptz, now()))
+    INSERT INTO charges (charge_id, idempotency_key, amount, currency, customer_id, created_at)
+    VALUES (coalesce(nullif('', ''), 'ch_' || replace(gen_random_uuid()::text, '-', '')), :key, :amount, :currency, nullif(:customer, ''),
+        coalesce(NULL::timestamptz, now()))
     ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING charge_id, idempotency_key, amount, currency, created_at
+    RETURNING charge_id, idempotency_key, amount, currency, customer_id, created_at
 )
-SELECT charge_id, idempotency_key, amount, currency, created_at, true AS created FROM inserted
+SELECT charge_id, idempotency_key, amount, currency, coalesce(customer_id, ''), created_at, true AS created FROM inserted
 UNION ALL
-SELECT charge_id, idempotency_key, amount, currency, created_at, false FROM charges
+SELECT charge_id, idempotency_key, amount, currency, coalesce(customer_id, ''), created_at, false FROM charges
 WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
 \gset ch_
 

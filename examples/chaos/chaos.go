@@ -26,6 +26,12 @@ const (
 	streamTerminations
 	streamRestarts
 	streamClients // + client number
+	// streamVanish + client number: whether a client vanishes after an
+	// unknown outcome, a stream of its own so that the clients' other
+	// draws are the same with and without -vanish.
+	streamVanish = streamClients + 1<<16
+	// streamLate: which operations are sent again after their retention.
+	streamLate = streamVanish + 1<<16
 )
 
 // chaos is one run in progress.
@@ -61,6 +67,7 @@ type report struct {
 	logsKeptIn  string
 	stopProblem error
 	serverLogs  map[string]int64 // the replicas' log records, by message
+	late        lateStats        // what the late retries got
 }
 
 // runChaos runs the test and prints its report to stdout.
@@ -128,6 +135,8 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 				"-retention", cfg.retention.String(),
 				"-fingerprint-version", version,
 				"-purge-interval", "1s",
+				"-sweep-grace", cfg.sweepGrace.String(),
+				"-sweep-interval", sweepInterval.String(),
 				"-processor-delay", delay.String(),
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
 				"-shutdown-timeout", cfg.shutdownTimeout().String(),
@@ -210,12 +219,14 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	c.awaitSweepers(ctx, cl)
+	cl.lateRetries(ctx, c, rng(cfg.seed, streamLate))
 	if err := errors.Join(c.errs...); err != nil {
 		keepLogs = true
 		return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
 	}
 
-	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps()}
+	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps(), late: cl.late}
 	c.proxy.Close()
 	rep.proxy = c.proxy.Stats()
 	rep.stopProblem = c.fleet.stopAll(cfg.stopTimeout())
@@ -234,6 +245,38 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	}
 	rep.print(out)
 	return rep, nil
+}
+
+// sweepInterval is the replicas' -sweep-interval.
+const sweepInterval = 500 * time.Millisecond
+
+// awaitSweepers waits, after the clients are done, until every downstream
+// charge has its payment, or for as long as the sweepers need to settle an
+// operation abandoned at the end of the run: its lease runs out, its grace
+// passes, a sweep comes. The operations of the clients that vanished are
+// settled by the sweepers alone.
+func (c *chaos) awaitSweepers(ctx context.Context, cl *clients) {
+	bound := c.cfg.lockTimeout + c.cfg.sweepGrace + 4*sweepInterval + 5*time.Second
+	deadline := time.Now().Add(bound)
+	for {
+		qctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		n, err := c.db.orphanCharges(qctx)
+		cancel()
+		switch {
+		case err != nil:
+			c.event("counting the charges without a payment failed: %v", err)
+			return
+		case n == 0:
+			c.event("every downstream charge has its payment (%d operations vanished, left to the sweepers)", cl.vanished.Load())
+			return
+		case time.Now().After(deadline):
+			c.event("%d downstream charges still without a payment after %s", n, bound)
+			return
+		}
+		if !sleep(ctx, 200*time.Millisecond) {
+			return
+		}
+	}
 }
 
 // holdArgs are the replicas' flags that hold a share of the payments'

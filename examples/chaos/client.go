@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -72,6 +73,9 @@ type op struct {
 	// is refused with 400 (rejected); then the corrected request is sent
 	// with the same key. acceptedInvalid: a server took it.
 	invalid, rejected, acceptedInvalid bool
+	// vanished: after an unknown outcome, its client vanished for good and
+	// never asked again; its state stays pending.
+	vanished bool
 }
 
 func newOp(n int, a account) *op {
@@ -186,7 +190,9 @@ type clients struct {
 	stats    *stats
 	seq      atomic.Int64 // op numbers
 
-	pending atomic.Int64 // ops without a definitive answer
+	pending  atomic.Int64 // ops without a definitive answer whose client still asks
+	vanished atomic.Int64 // ops whose client vanished after an unknown outcome
+	late     lateStats    // of lateRetries, which runs alone once the clients are done
 
 	mu  sync.Mutex
 	ops []*op // every op ever started
@@ -237,6 +243,7 @@ func newClients(cfg config, baseURL string, st *stats) (*clients, *http.Transpor
 // done.
 func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 	acct := w % len(c.accounts)
+	vanish := rand.New(rand.NewPCG(c.cfg.seed, streamVanish+uint64(w)))
 	var todo []*op // pending, in no order
 	for ctx.Err() == nil {
 		// The pending operation that is due first.
@@ -269,6 +276,13 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 			continue
 		}
 		c.call(ctx, acct, o, rng)
+		if o.state == pending && ctx.Err() == nil && vanish.Float64() < c.cfg.vanishRate {
+			// Gone for good: only the servers' sweepers settle it now.
+			o.vanished = true
+			c.pending.Add(-1)
+			c.vanished.Add(1)
+			continue
+		}
 		if o.state == pending {
 			// Ask again later; the wait grows with the calls made.
 			wait := min(100*time.Millisecond<<min(o.calls-1, 5), 2*time.Second)
@@ -372,3 +386,55 @@ func (c *clients) allOps() []*op {
 	defer c.mu.Unlock()
 	return append([]*op(nil), c.ops...)
 }
+
+// lateRetries sends a share (-late) of the operations that succeeded once
+// more, after their key's retention, with the key and the first-sent time
+// of their first call pinned, as a job queue that retries a payment it
+// lost track of does: each must be refused (410, *idem.KeyExpiredError),
+// never paid again. What each got is counted in the report.
+func (c *clients) lateRetries(ctx context.Context, ch *chaos, rng *rand.Rand) {
+	var late []*op
+	for _, o := range c.allOps() {
+		if o.state == succeeded && rng.Float64() < c.cfg.lateRate {
+			late = append(late, o)
+		}
+	}
+	if len(late) == 0 {
+		return
+	}
+	latest := late[0].end
+	for _, o := range late {
+		if o.end.After(latest) {
+			latest = o.end
+		}
+	}
+	wait := time.Until(latest.Add(c.cfg.retention + time.Second))
+	ch.event("late retries: %d operations that succeeded are sent again with their key and first-sent time, %s from now, after their retention",
+		len(late), max(wait, 0).Round(time.Millisecond))
+	if !sleep(ctx, wait) {
+		return
+	}
+	for _, o := range late {
+		rctx := idem.WithFirstSent(idem.WithKey(ctx, o.key), o.start)
+		body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
+		var out struct {
+			ID string `json:"id"`
+		}
+		resp, err := c.api[slices.Index(c.accounts, o.account)].Post(rctx, "/v1/payments", body, &out)
+		var expired *idem.KeyExpiredError
+		switch {
+		case errors.As(err, &expired):
+			c.late.refused++
+		case err == nil && idem.Replayed(resp) && out.ID == o.paymentID:
+			c.late.replayed++
+		case err == nil:
+			c.late.paid++ // a second payment: the final check counts it as a duplicate
+		default:
+			c.late.other++
+		}
+	}
+	ch.event("late retries: %d refused (410), %d replayed, %d paid again, %d other", c.late.refused, c.late.replayed, c.late.paid, c.late.other)
+}
+
+// lateStats counts what the late retries got.
+type lateStats struct{ refused, replayed, paid, other int }

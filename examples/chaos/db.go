@@ -103,6 +103,14 @@ func (d *database) terminate(ctx context.Context, appName string) (int, error) {
 	return n, err
 }
 
+// orphanCharges counts the downstream charges that no payment refers to.
+func (d *database) orphanCharges(ctx context.Context) (int, error) {
+	var n int
+	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM `+d.table("charges")+` c
+		WHERE NOT EXISTS (SELECT FROM `+d.table("payments")+` p WHERE p.charge_id = c.charge_id)`).Scan(&n)
+	return n, err
+}
+
 // close drops the schema (unless keep) and closes the pool.
 func (d *database) close(keep bool) error {
 	defer d.pool.Close()

@@ -15,8 +15,11 @@
 // idem.InProgressError, a 5xx, a cut connection) retries the same operation
 // later with the same key (idem.WithKey), as the SDK's documentation tells
 // users to, until it gets a definitive answer or the grace period after the
-// faults ends. The run prints the faults it injected, the clients' figures
-// and, last, three lines:
+// faults ends; except a share of them (-vanish), whose client vanishes for
+// good after an unknown outcome: the servers' sweepers must settle those
+// operations, so that every downstream charge still has its payment. The
+// run prints the faults it injected, the clients' figures and, last, three
+// lines:
 //
 //	operations: 4711
 //	duplicates: 0
@@ -81,6 +84,9 @@ type config struct {
 	invalidRate    float64       // share of operations whose first request holds invalid text
 	holdRate       float64       // share of payments whose transaction a replica holds past the retention
 	cancelRate     float64       // share of calls whose context the client cancels mid-flight
+	lateRate       float64       // share of succeeded operations sent again after their retention
+	vanishRate     float64       // share of unknown outcomes after which the client never asks again
+	sweepGrace     time.Duration // the servers' -sweep-grace
 	restarts       int           // rolling graceful restarts (SIGTERM, drain, start)
 	mix            faultproxy.Mix
 	keepSchema     bool
@@ -123,8 +129,17 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.Float64Var(&c.holdRate, "hold", 0.02,
 		"share of payments whose transaction a replica holds open for -retention plus 1s after its insert (the servers' -hold-after-write): "+
 			"the retry after it must get the replay, since retention counts from the answer")
+	fs.Float64Var(&c.lateRate, "late", 0.05,
+		"share of the operations that succeeded that are sent again once their key's retention has passed, with their key and first-sent time pinned "+
+			"(Repeatability-First-Sent): each must be refused with 410, never paid again")
 	fs.Float64Var(&c.cancelRate, "cancel", 0.03,
 		"share of calls whose context the client cancels at a random moment within the time a call takes (four processor delays): the operation is asked about again later, with the same key")
+	fs.Float64Var(&c.vanishRate, "vanish", 0.05,
+		"share of unknown outcomes after which the client vanishes for good, never asking about its operation again: "+
+			"the servers' sweepers settle it (a charge becomes its payment), and it is left out of the lost operations")
+	fs.DurationVar(&c.sweepGrace, "sweep-grace", 6*time.Second,
+		"the servers' -sweep-grace (and so their processor timeout): how long an abandoned operation is left to its client before a sweeper settles it; "+
+			"it must exceed -slow-processor-delay and stay below -retention")
 	fs.Float64Var(&c.mix.Reset, "reset", 0.04, "share of proxied connections reset before the request reaches a server")
 	fs.Float64Var(&c.mix.Drop, "drop", 0.04, "share of proxied connections whose answer is dropped after the server sent it")
 	fs.Float64Var(&c.mix.Stall, "stall", 0.02, "share of proxied connections whose answer is held past the attempt timeout")
@@ -167,8 +182,12 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 		return c, errors.New("-retention must be positive")
 	case c.invalidRate < 0 || c.invalidRate > 1:
 		return c, errors.New("-invalid-text must be in [0, 1]")
-	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1):
-		return c, errors.New("-hold and -cancel must be in [0, 1]")
+	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1) || !(c.vanishRate >= 0 && c.vanishRate <= 1) ||
+		!(c.lateRate >= 0 && c.lateRate <= 1):
+		return c, errors.New("-hold, -cancel, -vanish and -late must be in [0, 1]")
+	case c.sweepGrace <= max(c.processorDelay, c.slowDelay) || c.sweepGrace >= c.retention:
+		return c, fmt.Errorf("-sweep-grace %v must exceed the processor delays (%v, %v: it is also the servers' processor timeout) and stay below -retention %v, "+
+			"or abandoned keys expire before a sweeper settles them", c.sweepGrace, c.processorDelay, c.slowDelay, c.retention)
 	}
 	if err := c.mix.Valid(); err != nil {
 		return c, err

@@ -22,6 +22,8 @@ func printHeader(w io.Writer, cfg config, schema, dbURL string) {
 		cfg.kills, cfg.restarts, cfg.terminations, cfg.mix.Reset, cfg.mix.Drop, cfg.mix.Stall, cfg.mix.Latency)
 	fmt.Fprintf(w, "  retention %s; %g of operations first sent with invalid text; replica 0 slow but alive (processor %s)\n",
 		cfg.retention, cfg.invalidRate, cfg.slowDelay)
+	fmt.Fprintf(w, "  %g of unknown outcomes end with the client vanishing for good; the servers sweep abandoned operations after %s\n",
+		cfg.vanishRate, cfg.sweepGrace)
 	fmt.Fprintln(w)
 }
 
@@ -73,6 +75,11 @@ func (r *report) print(w io.Writer) {
 	}
 	slices.Sort(times)
 	row("operations settled by a later call", "%6d", retried)
+	if l := r.late; l != (lateStats{}) {
+		row("sent again after their retention", "%6d (%d refused with 410, %d replayed, %d paid again, %d other)",
+			l.refused+l.replayed+l.paid+l.other, l.refused, l.replayed, l.paid, l.other)
+	}
+	row("operations whose client vanished", "%6d (%d of them paid)", r.verdict.vanished, r.verdict.vanishedPaid)
 	if len(times) > 0 {
 		row("time to success", "p50 %s, p99 %s, max %s",
 			round(percentile(times, 0.50)), round(percentile(times, 0.99)), round(times[len(times)-1]))
@@ -138,6 +145,9 @@ var serverEvents = []struct {
 	{"processor: injected failure", "processor 503s injected", false},
 	{"payments: processor refused the charge", "charges refused after retries", false},
 	{"payments: holding the transaction after the payment's insert (Faults.HoldAfterWrite)", "transactions held past the retention", false},
+	{"idempotency: abandoned key completed", "abandoned keys completed by a sweeper", true},
+	{"idempotency: abandoned key released: nothing of its operation took effect", "abandoned keys released by a sweeper", false},
+	{"idempotency: completing an abandoned key was fenced: a retry took it over; its writes were rolled back", "sweeps fenced by a late retry", false},
 }
 
 // breakdown formats counts by name, largest first: " (a 3, b 1)".

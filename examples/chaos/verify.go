@@ -76,6 +76,11 @@ type verdict struct {
 	// invalid: operations whose first request held invalid text;
 	// acceptedInvalid: those a server took instead of answering 400.
 	invalid, acceptedInvalid int
+	// vanished: operations whose client vanished after an unknown outcome,
+	// left out of the lost ones; vanishedPaid: those that hold a payment
+	// (a charge made before the client vanished became one, by a
+	// sweeper's settlement or an earlier attempt's completion).
+	vanished, vanishedPaid int
 
 	problems []string // the first few, for the report
 }
@@ -128,8 +133,12 @@ func (v *verdict) err() error {
 // check compares what the clients learned with what the database holds.
 // Every operation must have exactly one payment, made with its key, whose
 // ids are the ones its client was told, and at most one charge; every
-// operation must have ended in success (its request is valid). ops must no
-// longer change.
+// operation must have ended in success (its request is valid). An
+// operation whose client vanished was told nothing: it must have at most
+// one payment, made with its key for its amount, and at most one charge;
+// whether it has one depends on whether it was charged, and the final
+// check, every charge has its payment, holds for it too. ops must no longer
+// change.
 func check(ops []*op, db dbState) verdict {
 	v := verdict{operations: len(ops)}
 	byCustomer := make(map[string][]paymentRow)
@@ -160,6 +169,14 @@ func check(ops []*op, db dbState) verdict {
 			v.extraCharges += n - 1
 			v.problem("op %d (client %s, key %s): %d downstream charges: %s", o.n, o.account.id, o.key, n, chargeIDs(charges))
 		}
+		if o.vanished {
+			v.vanished++
+			if len(pays) == 1 {
+				v.vanishedPaid++
+				v.checkPayment(o, pays[0], charges)
+			}
+			continue
+		}
 		switch o.state {
 		case pending:
 			v.unresolved++
@@ -189,14 +206,8 @@ func check(ops []*op, db dbState) verdict {
 			v.mismatched++
 			v.problem("op %d (client %s, key %s): told payment %s charge %s, database holds %s charge %s",
 				o.n, o.account.id, o.key, o.paymentID, o.chargeID, p.id, p.chargeID)
-		case p.clientID != o.account.id || p.key != o.key || p.amount != o.amount:
-			v.mismatched++
-			v.problem("op %d (client %s, key %s): payment %s was made by client %s with key %s for %d",
-				o.n, o.account.id, o.key, p.id, p.clientID, p.key, p.amount)
-		case !slices.ContainsFunc(charges, func(c chargeRow) bool { return c.id == p.chargeID }):
-			v.mismatched++
-			v.problem("op %d (client %s, key %s): payment %s refers to charge %q, the processor holds %s",
-				o.n, o.account.id, o.key, p.id, p.chargeID, chargeIDs(charges))
+		default:
+			v.checkPayment(o, p, charges)
 		}
 	}
 	for _, pays := range byCustomer {
@@ -220,6 +231,21 @@ func check(ops []*op, db dbState) verdict {
 		}
 	}
 	return v
+}
+
+// checkPayment checks that p, the one payment of o, was made by its client
+// with its key for its amount, and refers to its charge.
+func (v *verdict) checkPayment(o *op, p paymentRow, charges []chargeRow) {
+	switch {
+	case p.clientID != o.account.id || p.key != o.key || p.amount != o.amount:
+		v.mismatched++
+		v.problem("op %d (client %s, key %s): payment %s was made by client %s with key %s for %d",
+			o.n, o.account.id, o.key, p.id, p.clientID, p.key, p.amount)
+	case !slices.ContainsFunc(charges, func(c chargeRow) bool { return c.id == p.chargeID }):
+		v.mismatched++
+		v.problem("op %d (client %s, key %s): payment %s refers to charge %q, the processor holds %s",
+			o.n, o.account.id, o.key, p.id, p.chargeID, chargeIDs(charges))
+	}
 }
 
 func paymentIDs(ps []paymentRow) string {

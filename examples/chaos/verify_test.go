@@ -70,6 +70,23 @@ func TestCheck(t *testing.T) {
 			ops[1].state = failed
 			db.payments = append(db.payments[:1], db.payments[2:]...)
 		}, 0, 0, 1},
+		{"vanished, paid by a sweeper", func(ops []*op, db *dbState) {
+			ops[0].state, ops[0].vanished = pending, true
+		}, 0, 0, 0},
+		{"vanished, never charged", func(ops []*op, db *dbState) {
+			ops[0].state, ops[0].vanished = pending, true
+			db.payments, db.charges = db.payments[1:], db.charges[1:]
+		}, 0, 0, 0},
+		{"vanished, paid twice", func(ops []*op, db *dbState) {
+			ops[0].state, ops[0].vanished = pending, true
+			p := db.payments[0]
+			p.id = "pay_second"
+			db.payments = append(db.payments, p)
+		}, 1, 0, 0},
+		{"vanished, paid with another key", func(ops []*op, db *dbState) {
+			ops[0].state, ops[0].vanished = pending, true
+			db.payments[0].key = "another-key"
+		}, 0, 0, 1},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -88,5 +105,18 @@ func TestCheck(t *testing.T) {
 				t.Errorf("operations %d, want 3", v.operations)
 			}
 		})
+	}
+}
+
+// TestCheckVanishedCharge: an operation whose client vanished is not lost,
+// but its charge without a payment (nobody settled it) fails the run.
+func TestCheckVanishedCharge(t *testing.T) {
+	ops, db := ledger(3)
+	ops[0].state, ops[0].vanished = pending, true
+	db.payments = db.payments[1:]
+	v := check(ops, db)
+	if v.lost() != 0 || v.vanished != 1 || v.vanishedPaid != 0 || v.orphanCharges != 1 || v.err() == nil {
+		t.Errorf("lost %d, vanished %d (%d paid), charges without a payment %d, err %v; want 0, 1 (0), 1 and an error",
+			v.lost(), v.vanished, v.vanishedPaid, v.orphanCharges, v.err())
 	}
 }

@@ -9,9 +9,11 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"mime"
 	"net/http"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -94,6 +96,11 @@ const (
 	keyHeaderName = idem.DefaultKeyHeader
 	replayHeader  = "Idempotent-Replayed"
 	problemJSON   = "application/problem+json"
+	// ttlHeader is how long the API keeps a key, in seconds, as the IETF
+	// draft's issue #49 proposes; firstSentHeader, when a request's
+	// operation was first sent (OASIS Repeatable Requests).
+	ttlHeader       = "Idempotency-TTL"
+	firstSentHeader = "Repeatability-First-Sent"
 )
 
 // finding is the verdict of one row: conforms, differs or not checkable,
@@ -118,6 +125,9 @@ type probe struct {
 	sf     bool   // send the key as an RFC 9651 sf-string: "key"
 	body   []byte
 	when   string // for the plan: when it is sent, if not at once
+	// firstSent, if not zero, is sent as Repeatability-First-Sent: when
+	// the request's operation was first sent.
+	firstSent time.Time
 }
 
 // reply is what a probe got.
@@ -345,6 +355,9 @@ func (c *checker) do(ctx context.Context, p *probe) (*http.Response, error) {
 		}
 		req.Header[keyHeaderName] = []string{k}
 	}
+	if !p.firstSent.IsZero() {
+		req.Header.Set(firstSentHeader, p.firstSent.UTC().Format(http.TimeFormat))
+	}
 	resp, err := c.hc.Do(req)
 	if err != nil {
 		cancel()
@@ -424,7 +437,7 @@ func stopVerdict(c *checker, err error) *finding {
 func planConformance(cfg conformanceConfig) []*row {
 	noun := cfg.noun()
 	other := otherBody(cfg.body)
-	k1, k2, k3, k4, k5 := idem.NewKey(), idem.NewKey(), idem.NewKey(), idem.NewKey(), idem.NewKey()
+	k1, k2, k3, k4, k5, k6 := idem.NewKey(), idem.NewKey(), idem.NewKey(), idem.NewKey(), idem.NewKey(), idem.NewKey()
 	long := idem.NewKey() + "-"
 	long += strings.Repeat("x", idem.MaxKeyLen-len(long))
 
@@ -538,6 +551,61 @@ func planConformance(cfg conformanceConfig) []*row {
 			return replay
 		},
 	})
+
+	// advertised is the retention K1's first answer advertised, if it
+	// did; the late-retry row's horizon.
+	var advertised time.Duration
+	rows = append(rows, &row{
+		name: "advertised retention", rule: "every keyed answer says how long its key is kept (" + ttlHeader + ", in seconds)",
+		judge: func(ctx context.Context, c *checker) finding {
+			if v := firstOK(c); v != nil {
+				return *v
+			}
+			v := c.replies[first].header.Values(ttlHeader)
+			if len(v) == 0 {
+				return finding{differs, "K1's answer has no " + ttlHeader + ": a client cannot tell how long it may retry"}
+			}
+			secs, err := strconv.ParseInt(v[0], 10, 64)
+			if len(v) > 1 || err != nil || secs <= 0 || secs > math.MaxInt64/int64(time.Second) {
+				return finding{differs, fmt.Sprintf("%s: %q is not a number of seconds", ttlHeader, v)}
+			}
+			advertised = time.Duration(secs) * time.Second
+			if cfg.retention > 0 && advertised != cfg.retention {
+				return finding{differs, fmt.Sprintf("%s: %d (%s), but -retention says %s", ttlHeader, secs, advertised, cfg.retention)}
+			}
+			return finding{conforms, fmt.Sprintf("%s: %d (%s)", ttlHeader, secs, advertised)}
+		},
+	})
+
+	late := &probe{label: "K6, the body, first sent before the retention", client: 1, key: k6, body: cfg.body,
+		when: "its " + firstSentHeader + " an hour older than the retention"}
+	lateRow := &row{
+		name: "late retry", rule: "a request first sent longer ago than the retention, whose key the API no longer has, gets 410 and is not run",
+		probes: []*probe{late},
+		judge: func(ctx context.Context, c *checker) finding {
+			if refusal, all := c.refusedAll(); all {
+				return finding{notCheckable, refusal}
+			}
+			horizon := cmp.Or(advertised, cfg.retention)
+			if horizon <= 0 {
+				return finding{notCheckable, "the retention is not known: no " + ttlHeader + " on K1's answer, and no -retention"}
+			}
+			late.firstSent = time.Now().Add(-horizon - time.Hour)
+			rs, v := c.sendAll(ctx, late)
+			if v != nil {
+				return *v
+			}
+			switch r := rs[0]; {
+			case r.status == http.StatusGone:
+				return finding{conforms, r.String()}
+			case r.ok2xx():
+				return finding{differs, "ran it, " + r.String() + ": a retry that arrives after its key was purged would run again"}
+			default:
+				return finding{differs, r.String() + ", not 410"}
+			}
+		},
+	}
+	rows = append(rows, lateRow)
 
 	changed := &probe{label: "K1, another body", client: 1, key: k1, body: other}
 	control := &probe{label: "K3, another body", client: 1, key: k3, body: other,
@@ -696,7 +764,7 @@ func planConformance(cfg conformanceConfig) []*row {
 		},
 	}
 	if cfg.slowBody == nil {
-		inFlight.skip = "needs -slow-body: a body the target takes over a second to process (see the README)"
+		inFlight.skip = "needs -slow-body: a body the target takes over a second to process (see docs/conformance.md)"
 	}
 	rows = append(rows, inFlight)
 

@@ -131,7 +131,7 @@ func TestConformanceAPIKeyHeaders(t *testing.T) {
 	}
 	assert.Contains(t, got["per client"], "an operation of client 2's own")
 	assert.Contains(t, report, "idem conformance check of POST "+ts.URL+"/v1/orders")
-	assert.Contains(t, report, "7 conform, 0 differ, 1 not checkable; ")
+	assert.Contains(t, report, "9 conform, 0 differ, 1 not checkable; ")
 	assert.Contains(t, report, "operations made (-max-operations 10)")
 	assert.NotContains(t, strings.ToLower(report), "payment")
 	assert.Equal(t, sentFigure(t, report), api.count(http.MethodPost))
@@ -191,7 +191,7 @@ func TestConformanceCredentialsRefused(t *testing.T) {
 				assert.True(t, strings.HasPrefix(got[row], "not checkable (credentials refused"), "row %s: %q", row, got[row])
 				assert.Contains(t, got[row], tc.want)
 			}
-			assert.Contains(t, report, "0 conform, 0 differ, 8 not checkable; 1 requests sent")
+			assert.Contains(t, report, "0 conform, 0 differ, 10 not checkable; 1 requests sent")
 			assert.EqualValues(t, 1, posts.Load())
 		})
 	}
@@ -248,17 +248,19 @@ func TestConformanceIgnoresKeys(t *testing.T) {
 			require.Error(t, err)
 			notReplayed := "K1 was not seen replayed (see replay)"
 			want := map[string]string{
-				"key required":  "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
-				"replay":        "differs (another answer, 201 Created, application/json: the request ran twice)",
-				"another body":  "not checkable (another body is not accepted with a new key either: 422 Unprocessable Content, text/plain: the 422 may not be about the key)",
-				"sf-string key": "not checkable (" + notReplayed + ": no replay to expect)",
-				"per client":    "not checkable (" + notReplayed + ": client 2's answer shows nothing of scoping)",
-				"key length":    "differs (256 not refused with 400: 201 Created, application/json)",
-				"in flight":     "not checkable (needs -slow-body: a body the target takes over a second to process (see the README))",
-				"retention":     "not checkable (" + notReplayed + ": no key kept to time)",
+				"key required":         "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
+				"replay":               "differs (another answer, 201 Created, application/json: the request ran twice)",
+				"another body":         "not checkable (another body is not accepted with a new key either: 422 Unprocessable Content, text/plain: the 422 may not be about the key)",
+				"sf-string key":        "not checkable (" + notReplayed + ": no replay to expect)",
+				"per client":           "not checkable (" + notReplayed + ": client 2's answer shows nothing of scoping)",
+				"key length":           "differs (256 not refused with 400: 201 Created, application/json)",
+				"advertised retention": "differs (K1's answer has no Idempotency-TTL: a client cannot tell how long it may retry)",
+				"late retry":           "differs (ran it, 201 Created, application/json: a retry that arrives after its key was purged would run again)",
+				"in flight":            "not checkable (needs -slow-body: a body the target takes over a second to process (see docs/conformance.md))",
+				"retention":            "not checkable (" + notReplayed + ": no key kept to time)",
 			}
 			if api.marker {
-				for _, row := range []string{"key required", "replay", "key length"} {
+				for _, row := range []string{"key required", "replay", "key length", "late retry"} {
 					want[row] = strings.Replace(want[row], "application/json", "application/json, Idempotent-Replayed: true", 1)
 				}
 			}
@@ -317,14 +319,14 @@ func TestConformanceRetentionLate(t *testing.T) {
 	srv, err := server.New(server.Config{
 		Storage:   server.NewMemoryStorage().Storage(),
 		APIKeys:   map[string]string{"sk_one": "one"},
-		Retention: time.Second,
+		Retention: 3 * time.Second, // the first-sent policy's shortest (the late retry row)
 		Logger:    slog.New(slog.DiscardHandler),
 	})
 	require.NoError(t, err)
 	defer srv.Close()
-	ts := httptest.NewServer(lateKeys(srv, 700*time.Millisecond, 400*time.Millisecond))
+	ts := httptest.NewServer(lateKeys(srv, 2100*time.Millisecond, 1200*time.Millisecond))
 	defer ts.Close()
-	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/payments", "-token", "sk_one", "-retention", "1s", "-wait")
+	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/payments", "-token", "sk_one", "-retention", "3s", "-wait")
 	require.NoError(t, err)
-	assert.Regexp(t, `^not checkable \(K5 again was answered 1\.[0-9]+s after K5 was sent, past the 1s retention: it may have come too late\)$`, got["retention"])
+	assert.Regexp(t, `^not checkable \(K5 again was answered 3\.[0-9]+s after K5 was sent, past the 3s retention: it may have come too late\)$`, got["retention"])
 }

@@ -59,7 +59,7 @@ func verdictsOf(t *testing.T, report string) map[string]string {
 	return got
 }
 
-var rowNames = []string{"key required", "replay", "another body", "sf-string key", "per client", "key length", "in flight", "retention"}
+var rowNames = []string{"key required", "replay", "advertised retention", "late retry", "another body", "sf-string key", "per client", "key length", "in flight", "retention"}
 
 // sentFigure returns the "N requests sent" of a report.
 func sentFigure(t *testing.T, report string) int {
@@ -74,7 +74,7 @@ func sentFigure(t *testing.T, report string) int {
 
 // TestConformanceReference runs the check against the reference server,
 // with a card processor that is slow for one amount (the slow body), two
-// clients and a one-second retention, waited out: every row conforms.
+// clients and a three-second retention, waited out: every row conforms.
 func TestConformanceReference(t *testing.T) {
 	storage := server.NewMemoryStorage()
 	proc := &server.Processor{Charges: storage}
@@ -91,7 +91,7 @@ func TestConformanceReference(t *testing.T) {
 	srv, err := server.New(server.Config{
 		Storage:      storage.Storage(),
 		APIKeys:      map[string]string{"sk_one": "one", "sk_two": "two"},
-		Retention:    time.Second,
+		Retention:    3 * time.Second, // the first-sent policy's shortest (the late retry row)
 		LockTimeout:  300 * time.Millisecond,
 		ProcessorURL: slowProc.URL,
 		Logger:       slog.New(slog.DiscardHandler),
@@ -106,7 +106,7 @@ func TestConformanceReference(t *testing.T) {
 
 	var out bytes.Buffer
 	err = run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
-		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait"}, noEnv, &out)
+		"-slow-body", slowBodyFlag, "-retention", "3s", "-wait"}, noEnv, &out)
 	report := out.String()
 	if err != nil {
 		t.Fatalf("run: %v\n%s", err, report)
@@ -120,7 +120,7 @@ func TestConformanceReference(t *testing.T) {
 	if len(got) != len(rowNames) {
 		t.Errorf("rows %v, want %v", got, rowNames)
 	}
-	if !strings.Contains(report, "8 conform, 0 differ, 0 not checkable; ") {
+	if !strings.Contains(report, "10 conform, 0 differ, 0 not checkable; ") {
 		t.Errorf("report:\n%s", report)
 	}
 	if sent := sentFigure(t, report); int(posts.Load()) != sent {
@@ -203,20 +203,22 @@ func TestConformanceBroken(t *testing.T) {
 
 	var out bytes.Buffer
 	err := run(t.Context(), []string{"-target", ts.URL + "/v1/payments", "-token", "sk_one", "-token2", "sk_two",
-		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait", "-max-payments", "12"}, noEnv, &out)
+		"-slow-body", slowBodyFlag, "-retention", "1s", "-wait", "-max-payments", "13"}, noEnv, &out)
 	report := out.String()
-	if err == nil || errors.Is(err, errUsage) || err.Error() != "6 of 8 rows differ from the contract" {
-		t.Errorf("run = %v, want 6 of 8 rows differ\n%s", err, report)
+	if err == nil || errors.Is(err, errUsage) || err.Error() != "8 of 10 rows differ from the contract" {
+		t.Errorf("run = %v, want 8 of 10 rows differ\n%s", err, report)
 	}
 	want := map[string]string{
-		"key required":  "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
-		"replay":        "conforms (same status and body; no replay marker, and a new key got another answer)",
-		"another body":  "differs (replayed the first answer: the body is not compared)",
-		"in flight":     "differs (ran the duplicate as well: two answers, two payments)",
-		"per client":    "differs (replayed client 1's answer to client 2: keys are shared by all clients)",
-		"sf-string key": "differs (a new payment: the quotes were taken as part of another key)",
-		"key length":    "differs (256 not refused with 400: 201 Created, application/json)",
-		"retention":     "conforms (replayed 900ms after K5 was sent; still replayed after the retention)",
+		"key required":         "differs (accepted without a key, a payment no retry can find: 201 Created, application/json)",
+		"replay":               "conforms (same status and body; no replay marker, and a new key got another answer)",
+		"another body":         "differs (replayed the first answer: the body is not compared)",
+		"in flight":            "differs (ran the duplicate as well: two answers, two payments)",
+		"per client":           "differs (replayed client 1's answer to client 2: keys are shared by all clients)",
+		"sf-string key":        "differs (a new payment: the quotes were taken as part of another key)",
+		"key length":           "differs (256 not refused with 400: 201 Created, application/json)",
+		"advertised retention": "differs (K1's answer has no Idempotency-TTL: a client cannot tell how long it may retry)",
+		"late retry":           "differs (ran it, 201 Created, application/json: a retry that arrives after its key was purged would run again)",
+		"retention":            "conforms (replayed 900ms after K5 was sent; still replayed after the retention)",
 	}
 	got := verdictsOf(t, report)
 	for _, name := range rowNames {
@@ -227,12 +229,12 @@ func TestConformanceBroken(t *testing.T) {
 	if sent := sentFigure(t, report); int(posts.Load()) != sent {
 		t.Errorf("the server got %d requests, the report says %d were sent", posts.Load(), sent)
 	}
-	// K1, no key, K2 (a new key: the replay has no marker), K4 twice, the
-	// sf-string, both long keys, K5.
-	if n := api.made(); n != 9 {
-		t.Errorf("the check made %d payments, want 9", n)
+	// K1, no key, K2 (a new key: the replay has no marker), K6 first sent
+	// long ago, K4 twice, the sf-string, both long keys, K5.
+	if n := api.made(); n != 10 {
+		t.Errorf("the check made %d payments, want 10", n)
 	}
-	if !strings.Contains(report, "at most 10 payments made (-max-payments 12)") { // the 9 and client 2's K1
+	if !strings.Contains(report, "at most 11 payments made (-max-payments 13)") { // the 10 and client 2's K1
 		t.Errorf("report:\n%s", report)
 	}
 	t.Logf("\n%s", report)

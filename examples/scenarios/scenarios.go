@@ -103,9 +103,9 @@ var scenarios = []scenario{
 	},
 	{
 		name:  "retention-resume",
-		title: "a failed request resumed after the retention counted from its key's creation: still one charge",
+		title: "a failed request resumed after the retention counted from its key's creation: still one charge; a retry after the retention is refused, not run",
 		server: func(c *server.Config) {
-			c.Retention = retention
+			c.Retention = resumeRetention
 			c.ProcessorDelay = resumeProcessorDelay
 			c.ProcessorRetry = idem.RetryPolicy{MaxAttempts: 3, InitialInterval: 20 * time.Millisecond, MaxInterval: 50 * time.Millisecond}
 		},
@@ -537,10 +537,15 @@ func slowAlive(ctx context.Context, e *env) error {
 	return e.expectStored(ctx, cus, 1, 1)
 }
 
-// resumeProcessorDelay is the card processor's latency in the
-// retention-resume scenario: with the server's three tries at the
-// processor, the first request outlives the retention.
-const resumeProcessorDelay = 400 * time.Millisecond
+// The retention and the card processor's latency in the retention-resume
+// scenario: with the server's three tries at the processor, the first
+// request outlives the retention. The retention is long enough for the
+// first-sent policy, whose header has a precision of one second
+// (idempotency.MinFirstSentRetention).
+const (
+	resumeRetention      = 3 * time.Second
+	resumeProcessorDelay = 1050 * time.Millisecond
+)
 
 // retentionResume: the card processor charges but its answers are lost;
 // the server tries it three times, longer than the retention, then answers
@@ -560,20 +565,40 @@ func retentionResume(ctx context.Context, e *env) error {
 			proc.LoseNext(0)
 			released = time.Now()
 			resumed = released.Add(a.Wait)
-			e.tl.note("the server released the key: it is kept %s from now, with its operation", retention)
+			e.tl.note("the server released the key: it is kept %s from now, with its operation", resumeRetention)
 		}
 	})
 	c := e.client(e.transport(policy))
 	cus := customer("retention-resume")
 	start := time.Now()
-	out, resp, err := e.pay(ctx, c, "pay", payment{Amount: 4200, Currency: "usd", Customer: cus})
+	// The key and its first-sent time, stored with the order before the
+	// first call, as an application that retries from a queue does.
+	ctx = idem.WithFirstSent(idem.WithKey(ctx, idem.NewKey()), start)
+	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
+	out, resp, err := e.pay(ctx, c, "pay", in)
 	if err != nil {
 		return err
 	}
-	e.expect(!released.IsZero() && resumed.Sub(start) > retention && resumed.Sub(released) < retention,
+	e.expect(!released.IsZero() && resumed.Sub(start) > resumeRetention && resumed.Sub(released) < resumeRetention,
 		"the retry came %s after the key was created, %s after it was released (retention %s)",
-		resumed.Sub(start).Round(time.Millisecond), resumed.Sub(released).Round(time.Millisecond), retention)
+		resumed.Sub(start).Round(time.Millisecond), resumed.Sub(released).Round(time.Millisecond), resumeRetention)
 	e.expect(resp.StatusCode == http.StatusCreated && out.ID != "", "it resumed the operation: %s", statusLine(resp.StatusCode))
+
+	// A queued retry of the same operation, after the key's retention:
+	// the server no longer has the key, and the request says it was first
+	// sent long before, so it is refused instead of paid again.
+	wait := resumeRetention + 300*time.Millisecond
+	e.tl.note("a queued retry of the operation waits %s past its success; the server keeps keys for %s", wait, resumeRetention)
+	if err := sleep(ctx, wait); err != nil {
+		return err
+	}
+	_, _, err = e.pay(ctx, c, "late retry", in)
+	var expired *idem.KeyExpiredError
+	if errors.As(err, &expired) && idem.OutcomeOf(nil, err) == idem.OutcomeUnknown {
+		e.expect(true, "the late retry is refused, not run: *idem.KeyExpiredError, outcome unknown")
+	} else {
+		e.expect(false, "the late retry: %v, want *idem.KeyExpiredError", err)
+	}
 	return e.expectStored(ctx, cus, 1, 1)
 }
 

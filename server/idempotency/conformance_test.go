@@ -12,14 +12,25 @@ import (
 )
 
 func TestMemoryStoreConformance(t *testing.T) {
-	storetest.Exercise(t, func(t *testing.T) storetest.Backend {
-		w := &stagedWrites{
-			store:   idempotency.NewMemoryStore(),
-			written: make(map[string]bool),
-			pending: make(map[idempotency.Tx][]string),
-		}
-		return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written}
-	})
+	storetest.Exercise(t, memoryBackend)
+}
+
+func TestMemoryStoreSweeperConformance(t *testing.T) {
+	storetest.ExerciseSweeper(t, memoryBackend)
+}
+
+func TestMemoryStoreInspectorConformance(t *testing.T) {
+	storetest.ExerciseInspector(t, memoryBackend)
+}
+
+// memoryBackend is a new memory store with its staged writes.
+func memoryBackend(t *testing.T) storetest.Backend {
+	w := &stagedWrites{
+		store:   idempotency.NewMemoryStore(),
+		written: make(map[string]bool),
+		pending: make(map[idempotency.Tx][]string),
+	}
+	return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written}
 }
 
 var errNoUnitOfWork = errors.New("no unit of work of this MemoryStore in the context")

@@ -55,12 +55,23 @@ func NewContext(ctx context.Context, c Claim, tx Tx) context.Context {
 // it through their store's accessor (pgstore.TxFromContext for a real
 // pgx.Tx, [MemoryStore.Stage]); they must not call Complete or Rollback
 // themselves: the middleware decides from the status.
+//
+// It returns the store's own unit of work: a Tx that wraps another and
+// says so with an Unwrap() Tx method, as [Sealed]'s does, is unwrapped, so
+// that a store's accessor finds its own type.
 func TxFromContext(ctx context.Context) (Tx, bool) {
 	r, ok := ctx.Value(runKey).(*run)
 	if !ok {
 		return nil, false
 	}
-	return r.tx, true
+	tx := r.tx
+	for {
+		w, ok := tx.(interface{ Unwrap() Tx })
+		if !ok {
+			return tx, true
+		}
+		tx = w.Unwrap()
+	}
 }
 
 // ClaimFromContext returns the claim of the key whose request the handler

@@ -55,6 +55,27 @@
 // may have taken effect and only its own retry finishes it
 // ([ReleaseKind]).
 //
+// # What a stored response keeps, and how it is protected
+//
+// A stored response is kept for the retention, for whoever sends its key
+// again, so it keeps no more than a replay needs. Its status, content type
+// and body are kept, and of its headers those [Options.StoredHeaders] lists
+// ([DefaultStoredHeaders]: Location, ETag, Cache-Control and the like);
+// headers that carry credentials (Set-Cookie, Authorization,
+// WWW-Authenticate, ...) are never kept, whatever the list says.
+// [Options.Redact] may store a redacted copy (the first client gets the
+// whole response, a replay the copy, marked with [RedactedHeader]), and a
+// body over [Options.MaxStoredBodyBytes] (1 MiB) is replaced in the store by
+// a [ProblemResponseTooLarge] that keeps the status and Location, so the
+// operation is never run again for its size.
+//
+// [Sealed] seals what is stored at rest with AES-256-GCM under rotating
+// [SealKeys], bound to the client, the key and the status, so that the
+// store's readers (backups, replicas, support staff) see only the status and
+// the request's fingerprint, and a sealed response copied to another row
+// does not open. A stored response that cannot be opened is answered 500
+// [ProblemResponseSealed], never run again.
+//
 // # Crashes and slow requests
 //
 // The key is claimed in its own statement before any work, so a duplicate
@@ -97,4 +118,16 @@
 // expired keys, released ones included, in bounded batches every minute,
 // pausing between batches in proportion to how long each took, so that a
 // large backlog does not slow the requests down.
+//
+// # Abandoned operations and operators
+//
+// A key whose owner crashed after its downstream work, and whose client
+// never came back, would stay unsettled until it expired. A [Sweeper]
+// finds such keys (a lease run out, or a release after a failure, that no
+// retry took for a grace period), takes each over as a retry would, and
+// hands it to an application hook that completes it with its business
+// writes and a response, or releases it. [Admin] looks keys up, lists the
+// stuck ones, and releases or expires one with a reason. Both need a store
+// that implements [Sweepable] and [Inspector], as [MemoryStore] and the
+// PostgreSQL store do.
 package idempotency

@@ -37,6 +37,12 @@ const (
 	// DefaultMaxFirstSentSkew caps the default allowance for a client
 	// clock that runs ahead ([Options.FirstSentSkew]).
 	DefaultMaxFirstSentSkew = 5 * time.Minute
+	// MinFirstSentRetention is the shortest Retention under which the
+	// first-sent policy runs ([Options.FirstSentHeader]): the header has a
+	// precision of one second, and a shorter retention leaves no room
+	// between it, the allowance and the retention (tests' retentions of a
+	// second or two turn the policy off).
+	MinFirstSentRetention = 3 * time.Second
 	// RetentionHeader is the response header that advertises, on every
 	// keyed response, how long the key is kept after its request finishes,
 	// in seconds, as proposed in the IETF draft's issue #49
@@ -149,13 +155,16 @@ type Options struct {
 	// FirstSentSkew is the allowance for a client clock that runs ahead of
 	// this server's (see FirstSentHeader). It must be less than half the
 	// Retention: it is taken off the retention. If zero, a tenth of the
-	// Retention is used, at most 5 minutes ([DefaultMaxFirstSentSkew]).
+	// Retention is used, at least 1s (the header's precision: a request
+	// just sent may look up to a second old) and at most 5 minutes
+	// ([DefaultMaxFirstSentSkew]).
 	FirstSentSkew time.Duration
 
 	// IgnoreFirstSent turns the first-sent policy off: keyed requests are
 	// served whatever their first-sent time, and a retry that arrives
 	// after its key was purged runs its operation again. The policy is
-	// also off when keys never expire (a negative Retention).
+	// also off when keys never expire (a negative Retention), and under a
+	// Retention shorter than [MinFirstSentRetention].
 	IgnoreFirstSent bool
 
 	// FingerprintVersion is the version of the canonical request form
@@ -180,6 +189,51 @@ type Options struct {
 	// sharing the store at once. Middleware panics on a format it does not
 	// know.
 	BodyFormat BodyFormat
+
+	// StoredHeaders lists the response headers stored with an outcome and
+	// replayed with it, besides Content-Type, which is always kept. Names
+	// are matched without regard to case. If nil, [DefaultStoredHeaders]
+	// is used; an empty, non-nil list stores none. A header left out is
+	// sent on the first response and is missing from its replays. Headers
+	// that carry credentials (Authorization, Cookie, Set-Cookie,
+	// WWW-Authenticate, Proxy-Authenticate, Proxy-Authorization,
+	// Authentication-Info) are never stored, nor are the framing headers
+	// the server writes for each response (Content-Length, Date,
+	// Transfer-Encoding, ...) and the ones the middleware sets (the key
+	// header, Idempotency-TTL, Idempotent-Replayed, [RedactedHeader]):
+	// listing them changes nothing, and Middleware logs a warning.
+	StoredHeaders []string
+
+	// Redact, if not nil, sees each response about to be stored (its
+	// status, content type, the headers StoredHeaders keeps, and its body,
+	// a copy it may change) and returns the response to store in its
+	// place: a body with the card number masked, a vended token removed.
+	// The first client gets the full response; every replay gets the
+	// stored one, with [RedactedHeader] ("Idempotent-Replay-Redacted:
+	// true") when it differs from the first. The status is kept whatever
+	// Redact returns, and the headers it returns are filtered again as
+	// StoredHeaders says. Redact runs on the request's goroutine, after
+	// the handler and before the completion; it must not fail (return
+	// less when in doubt); a panic in it fails the completion: nothing is
+	// committed, the key is released as after a 5xx, and the client gets
+	// 500.
+	//
+	// The trade-off: a replay is the answer to a client that did not get
+	// the first one (a timeout, a lost connection), and it is all that
+	// client will get of the operation's result. Redact what the client
+	// can fetch again by other means (GET the resource at its Location) or
+	// does not need twice, and never the fields it needs to know what
+	// happened (the id, the status of a payment).
+	Redact func(r *http.Request, resp StoredResponse) StoredResponse
+
+	// MaxStoredBodyBytes caps the body of a stored response, after Redact.
+	// A response whose body is larger is sent whole to the first client,
+	// and stored as its status and headers with, in place of the body, a
+	// problem of type [ProblemResponseTooLarge] saying so (Location is
+	// kept, so the client can fetch the resource): the operation is never
+	// run again for it. If zero, 1 MiB ([DefaultMaxStoredBodyBytes]) is
+	// used; if negative, there is no cap.
+	MaxStoredBodyBytes int64
 
 	// OneTransaction claims each new key in the handler's own unit of
 	// work instead of in a commit of its own: the key, the handler's
@@ -241,7 +295,8 @@ type Options struct {
 }
 
 // Event is something [Middleware] did with a keyed request, reported to
-// [Options.OnEvent].
+// [Options.OnEvent], or that a [Sweeper] or an operator ([Admin]) did with
+// a stored key, reported to their OnEvent.
 type Event int
 
 // Events reported to [Options.OnEvent].
@@ -259,6 +314,12 @@ const (
 	EventLeaseLost                     // a renewal found the key taken over: the handler's context is cancelled
 	EventCancelled                     // 503: the request's context ended before its handler answered: nothing stored
 	EventExpiredRetry                  // 410: a request first sent longer ago than its key is kept found its key gone or expired: nothing run
+
+	// The keys' lifecycle beyond a request: the sweeper, the operators.
+	EventSwept         // a [Sweeper] took an abandoned key over and handed it to its hook
+	EventSettled       // a [Sweeper]'s hook settled an abandoned key: completed or released
+	EventForceReleased // an operator released a key ([Admin.ForceRelease])
+	EventExpired       // an operator expired a key ([Admin.Expire])
 )
 
 var eventNames = [...]string{
@@ -275,6 +336,12 @@ var eventNames = [...]string{
 	EventLeaseLost:    "lease_lost",
 	EventCancelled:    "cancelled",
 	EventExpiredRetry: "expired_retry",
+
+	// The keys' lifecycle beyond a request: the sweeper, the operators.
+	EventSwept:         "swept",
+	EventSettled:       "settled",
+	EventForceReleased: "force_released",
+	EventExpired:       "expired",
 }
 
 // String returns the event's name, as used in logs and metric names.
@@ -317,10 +384,14 @@ func (e Event) String() string {
 //     kept for (see [Options.FirstSentHeader]). A key that exists with another
 //     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
 //     stored status, headers and body, byte for byte, with
-//     Idempotent-Replayed: true (a header whose name or value is not valid
+//     Idempotent-Replayed: true (the headers [Options.StoredHeaders] keeps;
+//     a header whose name or value is not valid
 //     text, such as an echoed obs-text value, is sent on the first response
-//     but not stored, so its replays go without it; see [ValidText]); a
-//     started one gets 409 [ProblemKeyInUse]
+//     but not stored, so its replays go without it; see [ValidText]; what
+//     [Options.Redact] and [Options.MaxStoredBodyBytes] change is marked
+//     with [RedactedHeader]), or, when the stored response is sealed and
+//     cannot be opened ([Sealed]), 500 [ProblemResponseSealed], never
+//     another run; a started one gets 409 [ProblemKeyInUse]
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]), as does a key that another request
 //     claimed in its unit of work and has not committed
@@ -408,12 +479,12 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m.firstSentHeader = http.CanonicalHeaderKey(cmpOr(opts.FirstSentHeader, DefaultFirstSentHeader))
 	m.skew = opts.FirstSentSkew
 	if m.skew == 0 {
-		m.skew = min(m.retention/10, DefaultMaxFirstSentSkew)
+		m.skew = min(max(m.retention/10, time.Second), DefaultMaxFirstSentSkew)
 	}
-	if m.retention > 0 && !(m.skew > 0 && m.skew < m.retention/2) {
+	m.firstSent = !opts.IgnoreFirstSent && m.retention >= MinFirstSentRetention
+	if m.firstSent && !(m.skew > 0 && m.skew < m.retention/2) {
 		panic(fmt.Sprintf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention))
 	}
-	m.firstSent = !opts.IgnoreFirstSent && m.retention > 0
 	if m.retention > 0 {
 		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
 	}
@@ -427,6 +498,10 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	m.log = opts.Logger
 	if m.log == nil {
 		m.log = slog.Default()
+	}
+	var ignored []string
+	if m.keep, ignored = newKeepPolicy(opts, m.keyHeader); len(ignored) > 0 {
+		m.log.Warn("idempotency: Options.StoredHeaders lists headers that are never stored", "headers", ignored)
 	}
 	return func(next http.Handler) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -473,6 +548,7 @@ type middleware struct {
 	firstSentHeader string
 	skew            time.Duration
 	ttl             string // RetentionHeader's value; "" when keys never expire
+	keep            keepPolicy
 	clientID        func(*http.Request) (string, bool)
 	log             *slog.Logger
 	nested          sync.Once // logs a Middleware nested in another once
@@ -710,6 +786,9 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		if rec.Status == StatusCompleted && rec.Response != nil {
+			if m.unopened(w, r, rec.Response, log) {
+				return
+			}
 			m.event(EventReplayed)
 			writeStored(w, rec.Response)
 			return
@@ -896,9 +975,13 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		writeRecorded(w, rec)
 		return
 	}
-	resp, dropped := rec.stored(m.keyHeader)
-	if len(dropped) > 0 {
-		log.Warn("idempotency: headers that are not valid text are sent but not stored: replays go without them", "headers", dropped)
+	resp, err := m.storedResponse(r, rec, log)
+	if err != nil {
+		log.Error("idempotency: the response could not be prepared for storing; the key is released", "err", err)
+		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+			"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		return
 	}
 	switch err := tx.Complete(detached, resp); {
 	case err == nil:
@@ -924,53 +1007,12 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 }
 
-// renew renews the claim's lease every third of the lock timeout until the
-// returned stop is called; stop waits for a renewal under way to end. A
-// renewal that finds the key taken over cancels the handler's context with
-// [ErrLeaseLost] and stops renewing. A renewal that fails otherwise (the
-// store unreachable) is logged and tried again at the next tick: the lease
-// runs out only when no renewal reaches the store for a whole lock timeout.
+// renew renews the claim's lease while the handler runs (see keepLease).
 func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) (stop func()) {
-	if m.lockTimeout <= 0 || c.OneTransaction { // no lease to renew
+	if c.OneTransaction { // no lease to renew
 		return func() {}
 	}
-	// The renewals outlive the client (like the completion) but not the
-	// handler: stop cancels this context.
-	rctx, stopCtx := context.WithCancel(context.WithoutCancel(ctx))
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		t := time.NewTicker(max(m.lockTimeout/3, time.Millisecond))
-		defer t.Stop()
-		for {
-			select {
-			case <-rctx.Done():
-				return
-			case <-t.C:
-			}
-			switch err := m.store.Renew(rctx, c); {
-			case err == nil:
-				m.event(EventRenewed)
-			case errors.Is(err, ErrFenced):
-				if rctx.Err() != nil {
-					return // stopped meanwhile: the request finished
-				}
-				m.event(EventLeaseLost)
-				log.Warn("idempotency: lease lost: the key was taken over while its request ran; cancelling the handler",
-					"operation", c.OperationID)
-				cancel(ErrLeaseLost)
-				return
-			case rctx.Err() != nil:
-				return
-			default:
-				log.Error("idempotency: renewing the lease failed; retrying at the next tick", "err", err, "operation", c.OperationID)
-			}
-		}
-	}()
-	return func() {
-		stopCtx()
-		<-done
-	}
+	return keepLease(ctx, m.store, c, m.lockTimeout, cancel, m.event, log)
 }
 
 // storable reports whether a handler's status is the key's final outcome.

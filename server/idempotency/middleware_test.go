@@ -73,10 +73,12 @@ func TestMiddlewarePassesOtherMethods(t *testing.T) {
 }
 
 // TestMiddlewareReplayHeaders checks what a replay carries: the stored
-// status, content type, headers and body, not cookies.
+// status, content type, headers (those Options.StoredHeaders lists) and
+// body, not cookies.
 func TestMiddlewareReplayHeaders(t *testing.T) {
 	var calls atomic.Int32
-	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+	opts := Options{StoredHeaders: append(DefaultStoredHeaders(), "X-Multi", "Set-Cookie")}
+	ts := mwServer(t, NewMemoryStore(), opts, func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
 		claim, ok := ClaimFromContext(r.Context())
 		if !ok || claim.ClientID != "c" || claim.Key != "k" || claim.OperationID == "" {
@@ -497,7 +499,7 @@ func TestMiddlewareUnstorableResponse(t *testing.T) {
 	mem := NewMemoryStore()
 	var rows journal
 	var calls atomic.Int32
-	h := testHandler(t, mem, Options{}, func(w http.ResponseWriter, r *http.Request) {
+	h := testHandler(t, mem, Options{StoredHeaders: []string{"Location", "X-Ok"}}, func(w http.ResponseWriter, r *http.Request) {
 		n := calls.Add(1)
 		mem.Stage(r.Context(), func() error { rows.add(fmt.Sprint(n)); return nil })
 		w.Header().Set("Location", "/v1/caf\xe9")

@@ -58,6 +58,10 @@ const (
 
 // problemTitles holds the fixed, human-readable title of each type.
 var problemTitles = map[string]string{
+	// Of the stored responses (seal.go, stored.go).
+	ProblemResponseSealed:   "The stored response cannot be read",
+	ProblemResponseTooLarge: "The response was too large to keep",
+
 	ProblemKeyMissing:           "Idempotency-Key header is missing",
 	ProblemKeyInvalid:           "Idempotency-Key header is invalid",
 	ProblemKeyInUse:             "A request with this Idempotency-Key is in progress",

@@ -57,30 +57,15 @@ func (rec *recorder) result() int {
 	return rec.status
 }
 
-// unreplayed lists the headers a stored response never keeps: framing and
-// connection headers, which the server writes itself, cookies, which a
-// replay must not set again, and the headers the middleware adds.
-var unreplayed = map[string]bool{
-	"Content-Type":        true, // stored on its own
-	"Content-Length":      true,
-	"Connection":          true,
-	"Date":                true,
-	"Keep-Alive":          true,
-	"Set-Cookie":          true,
-	"Trailer":             true,
-	"Transfer-Encoding":   true,
-	"Upgrade":             true,
-	"Idempotent-Replayed": true,
-}
-
-// stored returns the response as it is kept for replays, and the names of
+// stored returns the response as it is kept for replays, with the headers
+// keeps reports true for (see [Options.StoredHeaders]), and the names of
 // the headers it leaves out because a store cannot keep them: a value (or
 // name) that is not valid UTF-8 or holds a NUL ([ValidText]), such as a
 // request header echoed with obs-text bytes, which net/http accepts. The
 // stores refuse such text, and failing the completion over a header would
 // fail the operation on every retry, after its work was done; so the first
 // response carries the header and its replays do not.
-func (rec *recorder) stored(keyHeader string) (resp StoredResponse, dropped []string) {
+func (rec *recorder) stored(keeps func(name string) bool) (resp StoredResponse, dropped []string) {
 	resp = StoredResponse{
 		Status:      rec.status,
 		ContentType: rec.header.Get("Content-Type"),
@@ -91,7 +76,7 @@ func (rec *recorder) stored(keyHeader string) (resp StoredResponse, dropped []st
 		dropped = append(dropped, "Content-Type")
 	}
 	for name, values := range rec.header {
-		if unreplayed[name] || name == keyHeader || len(values) == 0 {
+		if !keeps(name) || len(values) == 0 {
 			continue
 		}
 		value := strings.Join(values, ", ")

@@ -19,6 +19,8 @@ var (
 	upgradeLegacySQL string
 	//go:embed schema/legacy_replicas.sql
 	legacyReplicasSQL string
+	//go:embed schema/open_index.sql
+	openIndexSQL string
 )
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
@@ -45,6 +47,9 @@ var compatibleSteps = []struct {
 		SELECT column_default IS NULL FROM information_schema.columns
 		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
 		legacyReplicasSQL},
+	{"the index of the keys that are not completed", `
+		SELECT to_regclass(quote_ident(current_schema()) || '.idempotency_keys_open_idx') IS NULL`,
+		openIndexSQL},
 }
 
 // columns is the key table of schemaVersion: each column and its type as
@@ -78,8 +83,9 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // Migrate creates the key table of [Store], or brings it up to the version
 // this package writes, in the first schema of the search_path of pool's
 // connections. It touches nothing else: it creates the sequence
-// idempotency_lock_tokens, the table idempotency_keys with its index
-// idempotency_keys_expires_idx, and the table idempotency_migrations, where
+// idempotency_lock_tokens, the table idempotency_keys with its indexes
+// idempotency_keys_expires_idx and idempotency_keys_open_idx, and the
+// table idempotency_migrations, where
 // it records the version it applied. The business tables of the service are
 // the service's to create.
 //

@@ -30,7 +30,7 @@ func relations(t *testing.T, pool *pgxpool.Pool) string {
 }
 
 // ownRelations are the relations Migrate creates, and the only ones.
-const ownRelations = "idempotency_keys (r), idempotency_keys_expires_idx (i), idempotency_keys_pkey (i), " +
+const ownRelations = "idempotency_keys (r), idempotency_keys_expires_idx (i), idempotency_keys_open_idx (i), idempotency_keys_pkey (i), " +
 	"idempotency_lock_tokens (S), idempotency_migrations (r), idempotency_migrations_pkey (i)"
 
 // TestMigrateCreatesOnlyItsOwn: Migrate creates the key table, its

@@ -15,6 +15,10 @@
 //		})
 //	}
 //
+// [ExerciseSealed], given the same function, runs the suite again with the
+// store sealed ([idempotency.Sealed]), and the tests of sealing at rest: a
+// store passes both.
+//
 // The suite waits past short lock timeouts and retention periods with
 // time.Sleep, asserting only the order of events, never how long anything
 // took. A check that needs an event to come before a timeout (a key still

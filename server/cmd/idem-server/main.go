@@ -15,7 +15,28 @@
 // -store-server-errors,
 // -wait-for-completion, -max-body-bytes, -read-timeout, -write-timeout,
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
-// -no-idempotency, -cpuprofile.
+// -no-idempotency, -cpuprofile, -processor-timeout, -sweep-grace,
+// -sweep-interval, -no-sweep, -admin-addr, -admin-token (or
+// IDEM_ADMIN_TOKEN), -seal-key-file.
+//
+// The sweeper settles the payments whose key was abandoned (its request's
+// server crashed, or it failed after the charge) and whose client did not
+// retry within -sweep-grace: every -sweep-interval it asks the processor
+// for each one's charge, records the payment and completes the key with its
+// 201 when there is one, and releases the key when there is none. The grace
+// is at least -processor-timeout (the longer of 1m and it by default; a
+// shorter one given with both flags is refused), so that a charge still in
+// flight is never missed. -admin-addr serves the operators' JSON API (see
+// server.Server.AdminHandler: look a key up, list stuck and released keys,
+// release or expire one with a reason) on a listener of its own, behind
+// -admin-token, without which it refuses to start; give it a private
+// address.
+//
+// -seal-key-file names a file of the keys that seal stored responses at
+// rest, one a line, "id base64-key" (32 bytes: openssl rand -base64 32);
+// the first line seals, every line opens (see server.ParseSealKeys). A
+// file that cannot be read or parsed stops the server at start, naming the
+// line.
 //
 // Slow clients are bounded: a request's headers and body must arrive within
 // -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
@@ -131,6 +152,12 @@ type options struct {
 	fingerprintVersion   int
 	maxBodyBytes         int64
 	metricsAddr          string
+	adminAddr            string
+	adminToken           string
+	processorTimeout     time.Duration
+	sweepGrace           time.Duration
+	sweepInterval        time.Duration
+	noSweep              bool
 	readTimeout          time.Duration
 	writeTimeout         time.Duration
 	idleTimeout          time.Duration
@@ -139,6 +166,7 @@ type options struct {
 	logFormat            string
 	noIdempotency        bool
 	cpuProfile           string
+	sealKeyFile          string
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -199,12 +227,25 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"(set 2 once no idem-server older than this one shares the database: those answer its keys 422)")
 	fs.DurationVar(&o.firstSentSkew, "first-sent-skew", 0,
 		"allowance for a client clock that runs ahead, taken off -retention by the first-sent policy: a retry first sent longer ago than "+
-			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at most 5m; it must be under half of -retention")
+			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at least 1s, at most 5m; it must be under half of -retention "+
+			"(a -retention under 3s turns the policy off)")
 	fs.BoolVar(&o.ignoreFirstSent, "ignore-first-sent", false,
 		"serve keyed requests whatever their Repeatability-First-Sent: a retry that arrives after its key was purged runs its operation again")
 	fs.StringVar(&o.metricsAddr, "metrics-addr", "",
 		"listen `address` of GET /metrics, which then is not served on -addr; empty: /metrics is served on -addr. "+
 			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
+	fs.StringVar(&o.adminAddr, "admin-addr", "",
+		"listen `address` of the operators' JSON API on the keys (GET /admin/keys/{client}/{key}, GET /admin/keys?stuck=30s or ?released=1, "+
+			"POST /admin/keys/{client}/{key}/release and /expire with a reason); empty: off. It needs -admin-token; give it a private address")
+	fs.StringVar(&o.adminToken, "admin-token", getenv("IDEM_ADMIN_TOKEN"),
+		"bearer `token` of the admin API, required with -admin-addr (env IDEM_ADMIN_TOKEN)")
+	fs.DurationVar(&o.processorTimeout, "processor-timeout", 0,
+		"longest time for one payment's calls to the card processor, retries included; 0: 30s, or -sweep-grace when that is shorter")
+	fs.DurationVar(&o.sweepGrace, "sweep-grace", 0,
+		"how long an abandoned payment (its key lapsed, or released after a failure) is left to its client's retries before the sweeper settles it "+
+			"from the processor's charge; at least -processor-timeout. 0: the longer of 1m and -processor-timeout")
+	fs.DurationVar(&o.sweepInterval, "sweep-interval", idempotency.DefaultSweepInterval, "how often the sweeper looks for abandoned payments")
+	fs.BoolVar(&o.noSweep, "no-sweep", false, "run no sweeper: abandoned payments wait for their clients' retries, and expire with their keys")
 	fs.DurationVar(&o.readTimeout, "read-timeout", defaultReadTimeout,
 		"longest time to read a request, headers and body; a client that sends slower is cut off. "+
 			"The headers alone get at most 10s. 0: no limit on the body")
@@ -222,6 +263,11 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"to measure what the layer costs against the same charge and payment insert (the load test's unkeyed scenario)")
 	fs.StringVar(&o.cpuProfile, "cpuprofile", "",
 		"write a CPU profile of the whole run to `file` when the server stops (for go tool pprof; the load test takes -server-args \"-cpuprofile f\")")
+	fs.StringVar(&o.sealKeyFile, "seal-key-file", "",
+		"`file` of the keys that seal stored responses at rest (AES-256-GCM, bound to the client, the key and the status): one key a line, "+
+			"\"id base64-key\" (32 bytes: openssl rand -base64 32), # comments; the first line seals, every line opens. "+
+			"To rotate, put the new key first and keep the old one until -retention has passed; \"id base64-key open-only\" on the first line stops sealing. "+
+			"Turn it on once every replica sharing the database runs this release (an older one replays sealed responses as they are stored); empty: off")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
@@ -238,12 +284,24 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	case !validShare(o.faults.FailAfterWriteRate) || !validShare(o.faults.DropAnswerRate) || !validShare(o.faults.HoldRate):
 		return o, fmt.Errorf("-fail-after-write %v, -drop-answer %v, -hold-rate %v: want shares in [0, 1]",
 			o.faults.FailAfterWriteRate, o.faults.DropAnswerRate, o.faults.HoldRate)
-	case o.firstSentSkew < 0 || (o.firstSentSkew > 0 && o.firstSentSkew >= o.retention/2):
+	case o.firstSentSkew < 0 || (o.firstSentSkew > 0 && o.retention >= idempotency.MinFirstSentRetention && o.firstSentSkew >= o.retention/2):
 		return o, fmt.Errorf("-first-sent-skew %v: want 0 (the default) or a duration under half of -retention %v", o.firstSentSkew, o.retention)
 	case o.faults.HoldAfterWrite < 0:
 		return o, fmt.Errorf("-hold-after-write %v: want 0 (no hold) or more", o.faults.HoldAfterWrite)
 	case o.retention <= 0 || o.lockTimeout <= 0 || o.purgeInterval <= 0:
 		return o, errors.New("-retention, -lock-timeout and -purge-interval must be positive")
+	case o.processorTimeout < 0 || o.sweepGrace < 0 || o.sweepInterval <= 0:
+		return o, fmt.Errorf("-processor-timeout %v and -sweep-grace %v must not be negative, -sweep-interval %v must be positive",
+			o.processorTimeout, o.sweepGrace, o.sweepInterval)
+	case o.noSweep && (given["sweep-grace"] || given["sweep-interval"]):
+		return o, errors.New("-no-sweep and -sweep-grace or -sweep-interval: the sweeper is off, or paced; keep one")
+	case o.sweepGrace > 0 && o.processorTimeout > o.sweepGrace:
+		return o, fmt.Errorf("-sweep-grace %v is shorter than -processor-timeout %v: the sweeper could find no charge for a payment whose charge call is still running, and release its key",
+			o.sweepGrace, o.processorTimeout)
+	case o.adminAddr != "" && o.adminToken == "":
+		return o, errors.New("-admin-addr needs -admin-token (or IDEM_ADMIN_TOKEN): the admin API releases and expires keys, and must not be open")
+	case o.adminAddr != "" && (o.adminAddr == o.addr || o.adminAddr == o.metricsAddr) && !strings.HasSuffix(o.adminAddr, ":0"):
+		return o, fmt.Errorf("-admin-addr %s is the address of the API or the metrics: give the admin API its own", o.adminAddr)
 	case o.processorDelay < 0:
 		return o, fmt.Errorf("-processor-delay %v: want 0 or more", o.processorDelay)
 	case o.waitForCompletion < 0:
@@ -395,6 +453,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log.Info("API keys loaded", "clients", strings.Join(clients, ","))
 	}
 
+	var sealKeys *idempotency.SealKeys
+	if o.sealKeyFile != "" {
+		if sealKeys, err = readSealKeys(o.sealKeyFile, log); err != nil {
+			return fmt.Errorf("-seal-key-file %s: %w", o.sealKeyFile, err)
+		}
+	}
+
 	trips := new(server.DBRoundTrips)
 	storage, pool, err := openStore(ctx, o, log, trips)
 	if err != nil {
@@ -424,9 +489,14 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		ProcessorURL:         o.processorURL,
 		ProcessorDelay:       o.processorDelay,
 		ProcessorFailureRate: o.processorFailureRate,
+		ProcessorTimeout:     o.processorTimeout,
+		SweepGrace:           o.sweepGrace,
+		SweepInterval:        o.sweepInterval,
+		NoSweep:              o.noSweep,
 		Faults:               o.faults,
 		FirstSentSkew:        o.firstSentSkew,
 		IgnoreFirstSent:      o.ignoreFirstSent,
+		SealKeys:             sealKeys,
 		Logger:               log,
 	})
 	if err != nil {
@@ -457,6 +527,14 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 			<-metricsServed
 		}()
 		log.Info("metrics listening", "addr", mln.Addr().String())
+	}
+	if o.adminAddr != "" {
+		stopAdmin, err := serveAdmin(srv, o, log)
+		if err != nil {
+			ln.Close()
+			return err
+		}
+		defer stopAdmin()
 	}
 	log.Info("listening", "addr", ln.Addr().String(),
 		"retention", o.retention, "lock_timeout", o.lockTimeout, "purge_interval", o.purgeInterval,
@@ -498,6 +576,32 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 	<-served
 	log.Info("stopped")
 	return nil
+}
+
+// serveAdmin serves the operators' API of srv on -admin-addr until the
+// returned stop is called. Nothing on it is worth waiting for at shutdown.
+func serveAdmin(srv *server.Server, o options, log *slog.Logger) (stop func(), err error) {
+	h, err := srv.AdminHandler(o.adminToken)
+	if err != nil {
+		return nil, fmt.Errorf("-admin-addr: %w", err)
+	}
+	ln, err := net.Listen("tcp", o.adminAddr)
+	if err != nil {
+		return nil, fmt.Errorf("-admin-addr: %w", err)
+	}
+	hs := httpServer(h, o, log)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if err := hs.Serve(ln); err != nil && !errors.Is(err, http.ErrServerClosed) {
+			log.Error("admin listener failed", "err", err)
+		}
+	}()
+	log.Info("admin listening", "addr", ln.Addr().String())
+	return func() {
+		hs.Close()
+		<-done
+	}, nil
 }
 
 // httpServer returns the http.Server that serves h with the timeouts of o.
@@ -565,6 +669,38 @@ func (w *deadlineWriter) Flush() {
 
 // Unwrap lets http.ResponseController reach the connection.
 func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
+
+// readSealKeys reads the seal key file at path (see
+// server.ParseSealKeys) and logs which key seals and which open. A file
+// that others than its owner may read is logged at Warn.
+func readSealKeys(path string, log *slog.Logger) (*idempotency.SealKeys, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
+		log.Warn("the seal key file may be read by others than its owner; chmod 600 it", "file", path, "mode", fi.Mode().Perm().String())
+	}
+	keys, err := server.ParseSealKeys(f)
+	if err != nil {
+		return nil, err
+	}
+	ks, err := idempotency.NewSealKeys(keys...)
+	if err != nil {
+		return nil, err
+	}
+	ids := make([]string, len(keys))
+	for i, k := range keys {
+		ids[i] = k.ID
+	}
+	sealing := ids[0]
+	if keys[0].OpenOnly {
+		sealing = "none (open-only)"
+	}
+	log.Info("stored responses are sealed at rest", "sealing_key", sealing, "opening_keys", strings.Join(ids, ","))
+	return ks, nil
+}
 
 // validShare reports whether f is a share in [0, 1] (NaN is not).
 func validShare(f float64) bool { return f >= 0 && f <= 1 }

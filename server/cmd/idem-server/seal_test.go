@@ -1,0 +1,103 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/idemkit/idem/internal/pgtest"
+)
+
+// keyFile writes a seal key file of content with mode perm and returns its
+// path.
+func keyFile(t *testing.T, content string, perm os.FileMode) string {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "seal.keys")
+	if err := os.WriteFile(path, []byte(content), perm); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Chmod(path, perm); err != nil { // past the umask
+		t.Fatal(err)
+	}
+	return path
+}
+
+func b64(v byte) string { return base64.StdEncoding.EncodeToString(bytes.Repeat([]byte{v}, 32)) }
+
+// TestRunSealKeyFile starts the server on PostgreSQL with -seal-key-file:
+// it logs the sealing key and the opening ones, seals what it stores,
+// replays it, and after a rotation (a new key first) still replays what
+// the old key sealed.
+func TestRunSealKeyFile(t *testing.T) {
+	dsn := pgtest.SchemaURL(t)
+	url, out, stop := start(t, []string{"-database-url", dsn, "-seal-key-file", keyFile(t, "# keys\n2026-01 "+b64(1)+"\n", 0o600)}, nil)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+	resp, first := post(t, client, url, "sk_test_demo", "k-sealed", body)
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, first)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	logs := out.String()
+	if !strings.Contains(logs, "sealing_key=2026-01") || strings.Contains(logs, "chmod") || strings.Contains(logs, b64(1)) {
+		t.Errorf("log:\n%s\nwant the sealing key named, no warning about the file, no secret", logs)
+	}
+	conn, err := pgx.Connect(context.Background(), dsn) // the server's schema
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var ct string
+	if err := conn.QueryRow(context.Background(),
+		`SELECT response_content_type FROM idempotency_keys WHERE idempotency_key = 'k-sealed'`).Scan(&ct); err != nil {
+		t.Fatal(err)
+	}
+	if ct != "application/vnd.idemkit.sealed; key=2026-01" {
+		t.Errorf("stored content type %q, want sealed with 2026-01", ct)
+	}
+
+	rotated := keyFile(t, "2026-02 "+b64(2)+"\n2026-01 "+b64(1)+"\n", 0o644)
+	url, out, stop = start(t, []string{"-database-url", dsn, "-seal-key-file", rotated}, nil)
+	resp, again := post(t, client, url, "sk_test_demo", "k-sealed", body)
+	if resp.Header.Get("Idempotent-Replayed") != "true" || again != first {
+		t.Errorf("replay after the rotation: %d %s, want %s", resp.StatusCode, again, first)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if logs := out.String(); !strings.Contains(logs, "sealing_key=2026-02 opening_keys=2026-02,2026-01") || !strings.Contains(logs, "chmod 600") {
+		t.Errorf("log:\n%s\nwant the rotated keys and a warning about the readable file", logs)
+	}
+}
+
+// TestRunSealKeyFileRefused: a key file that is missing or malformed stops
+// the server at start, naming the flag and the line.
+func TestRunSealKeyFileRefused(t *testing.T) {
+	for _, tt := range []struct {
+		name, path, want string
+	}{
+		{"missing", filepath.Join(t.TempDir(), "none"), "no such file"},
+		{"empty", keyFile(t, "", 0o600), "no key"},
+		{"short key", keyFile(t, "k1 AAAA\n", 0o600), "line 1"},
+		{"duplicate", keyFile(t, "k1 "+b64(1)+"\n# c\nk1 "+b64(2)+"\n", 0o600), "line 3"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var out bytes.Buffer
+			err := run(context.Background(), []string{"-addr", "127.0.0.1:0", "-seal-key-file", tt.path}, func(string) string { return "" }, &out)
+			if err == nil || !strings.Contains(err.Error(), "-seal-key-file "+tt.path) || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("run = %v, want an error naming -seal-key-file and %q", err, tt.want)
+			}
+		})
+	}
+}

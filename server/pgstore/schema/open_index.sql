@@ -1,0 +1,11 @@
+-- A compatible step of the key table (see Migrate): the index of the keys
+-- that are not completed, by their last claim or renewal. The sweeper's
+-- search for abandoned keys (lapsed, or released after a failure), the
+-- operators' lists of stuck keys and the gauges of /metrics walk it, so
+-- their cost grows with the keys that are running, lapsed or released, not
+-- with the table. It costs each claim and each renewal one more index
+-- entry; completions add none. On a large table, building it scans the
+-- table once while writes wait (Migrate runs in one transaction); create
+-- it beforehand with CREATE INDEX CONCURRENTLY under the same name to
+-- avoid that.
+CREATE INDEX IF NOT EXISTS idempotency_keys_open_idx ON idempotency_keys (locked_at) WHERE status <> 'completed';
