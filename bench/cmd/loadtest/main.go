@@ -91,9 +91,11 @@ type config struct {
 	rounds      int
 	json        bool
 	keepServer  bool
+	handler     string // "": the reference server; orders or payments: the bench server
+	oneTx       bool
 }
 
-var allScenarios = []string{"first", "replay", "unkeyed", "conflict", "retention"}
+var allScenarios = []string{"first", "article", "replay", "unkeyed", "conflict", "retention"}
 
 // defaultScenarios is what runs without -scenario: retention inserts a
 // million rows and is asked for by name.
@@ -121,6 +123,9 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 		"run the scenarios this many times, in turn, and report each ratio's median over the rounds")
 	fs.BoolVar(&c.json, "json", false, "print one JSON object per scenario and line")
 	fs.BoolVar(&c.keepServer, "keep-server", false, "leave the started server's log and binary directory in place")
+	fs.StringVar(&c.handler, "handler", "",
+		"orders or payments: drive the bench server (bench/cmd/benchserver), which serves the handler behind idem, as the seed article by hand, and unkeyed, on one pool; empty: the reference server")
+	fs.BoolVar(&c.oneTx, "one-transaction", false, "with -handler: idem's route in one-transaction mode")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -154,6 +159,15 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 	case c.maxRequests < 1 || c.replayKeys < 1 || c.expiredKeys < 0:
 		return c, errors.New("-max-requests and -replay-keys must be positive, -expired-keys not negative")
 	}
+	switch {
+	case c.handler != "" && c.handler != "orders" && c.handler != "payments":
+		return c, fmt.Errorf("-handler %q: want orders or payments", c.handler)
+	case c.handler != "" && (c.databaseURL == "" || c.serverURL != "" || c.unkeyedURL != ""):
+		return c, errors.New("-handler needs -database-url, and starts its own server (no -server-url, -unkeyed-url)")
+	case c.oneTx && c.handler == "":
+		return c, errors.New("-one-transaction needs -handler")
+	}
+	c.databaseURL = noTLSOnLoopback(c.databaseURL)
 	for _, u := range []string{c.serverURL, c.unkeyedURL} {
 		if u != "" {
 			if err := checkLoopback(u); err != nil {
