@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -111,8 +110,3 @@ func (p *proc) logTail(n int) string {
 	return strings.Join(lines[max(len(lines)-n, 0):], "\n")
 }
 
-// logCount counts the log records of the process whose message is msg.
-func (p *proc) logCount(msg string) int {
-	b, _ := os.ReadFile(p.logPath)
-	return strings.Count(string(b), `"msg":`+strconv.Quote(msg))
-}
