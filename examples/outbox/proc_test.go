@@ -109,4 +109,3 @@ func (p *proc) logTail(n int) string {
 	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
 	return strings.Join(lines[max(len(lines)-n, 0):], "\n")
 }
-

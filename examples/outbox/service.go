@@ -34,7 +34,7 @@ func newService(store *pgstore.Store, jobs *river.Client[pgx.Tx], opts serviceOp
 		// nothing, and the client's retry runs at once.
 		OneTransaction: !opts.twoCommits,
 		LockTimeout:    opts.lockTimeout,
-		BodyFormat:  idempotency.BodyAsJSON,
+		BodyFormat:     idempotency.BodyAsJSON,
 		ClientID: func(r *http.Request) (string, bool) { // your own authentication scopes the keys
 			user, password, ok := r.BasicAuth()
 			return user, ok && password == "secret"
