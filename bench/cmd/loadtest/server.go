@@ -203,6 +203,10 @@ func noTLSOnLoopback(dsn string) string {
 func buildBenchServer(ctx context.Context, dir string) (string, error) {
 	out, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/idemkit/idem/bench").Output()
 	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			err = fmt.Errorf("%w: %s", err, bytes.TrimSpace(ee.Stderr))
+		}
 		return "", fmt.Errorf("finding the bench module (run from bench/): %w", err)
 	}
 	bin := filepath.Join(dir, "benchserver")
