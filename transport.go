@@ -838,38 +838,6 @@ func outcome(resp *http.Response, err error) string {
 	return "no response"
 }
 
-func (t *Transport) maxAnswer() int64 {
-	if t.MaxBufferedResponse == 0 {
-		return DefaultMaxBufferedResponse
-	}
-	return t.MaxBufferedResponse
-}
-
-// readAnswer reads the body of resp, of known length, whole, and makes
-// into, holding it, the body; or, if it cannot, closes the body and
-// returns why.
-func readAnswer(resp *http.Response, into *answerBody) error {
-	buf := make([]byte, resp.ContentLength+1) // +1 to see the end
-	n, err := io.ReadFull(resp.Body, buf)
-	switch {
-	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
-		// It ended where it said it would. (net/http's own short body
-		// ends with io.ErrUnexpectedEOF too, but before its length.)
-	case err == nil:
-		// Longer than it said (a Base, not net/http): handed over as
-		// it came, what was read first.
-		resp.Body = &peekedBody{prefix: buf, rest: resp.Body}
-		return nil
-	default:
-		resp.Body.Close()
-		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
-	}
-	resp.Body.Close()
-	into.b = buf[:n]
-	resp.Body = into
-	return nil
-}
-
 func (t *Transport) maxBuffered() int64 {
 	if t.MaxBufferedBody == 0 {
 		return DefaultMaxBufferedBody
