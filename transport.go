@@ -307,7 +307,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		req:    req,
 		ctx:    req.Context(),
 		policy: t.Retry,
-		start:  time.Since(epoch),
 	}
 	return op.run()
 }
@@ -338,9 +337,11 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
-	filled bool          // whether they are
-	start  time.Duration // when the operation started, as time.Since(epoch)
+	policy RetryPolicy // t.Retry, its defaults filled in by retryPolicy
+	filled bool        // whether they are
+	// start is when the operation started, as time.Since(epoch): just
+	// before its first attempt is prepared.
+	start time.Duration
 	// reached says an attempt may have reached the server: it got a
 	// response, or an error that does not prove otherwise (see notSent).
 	reached bool
@@ -383,8 +384,8 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, refused(err)
 		}
 	}
-	if op.keyed {
-		op.initFirstSent() // firstsent.go
+	if !op.keyed || !op.initFirstSent() { // firstsent.go
+		op.start = time.Since(epoch)
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
