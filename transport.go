@@ -167,6 +167,12 @@ type Transport struct {
 	// unknown length (chunked, which may be a stream that must not be held
 	// up), and the answers to unkeyed requests are handed over unread. If
 	// zero, DefaultMaxBufferedResponse is used; a negative value reads none.
+	//
+	// An answer of up to DefaultMaxBufferedResponse is read into a pooled
+	// buffer, which closing the body gives back: as with net/http's bodies,
+	// a Read after Close returns an error. Close the body of every
+	// response, as always: a body never closed leaves its buffer to the
+	// garbage collector instead.
 	MaxBufferedResponse int64
 
 	// FirstSentHeader names the header in which every attempt of a keyed
