@@ -1,12 +1,15 @@
 package idem
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net/http"
+	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/synctest"
 	"time"
@@ -136,4 +139,140 @@ func TestSynctestAnswerReadWithinAttemptTimeout(t *testing.T) {
 		assert.Equal(t, srv.keys[0], srv.keys[1])
 		assert.GreaterOrEqual(t, time.Since(start), 2*time.Second, "the first attempt timed out")
 	})
+}
+
+// fillBase answers every request 201 with a body of n bytes, all the
+// same letter, a different one for each answer in turn, named in the
+// X-Fill header: a body that shows a byte of another answer's is caught.
+func fillBase(n int) roundTripFunc {
+	var count atomic.Int32
+	return func(req *http.Request) (*http.Response, error) {
+		if req.Body != nil {
+			_, _ = io.Copy(io.Discard, req.Body)
+			req.Body.Close()
+		}
+		fill := 'a' + byte(count.Add(1)%26)
+		return &http.Response{
+			Status: "201 Created", StatusCode: http.StatusCreated,
+			Header:        http.Header{"X-Fill": {string(fill)}},
+			Body:          io.NopCloser(bytes.NewReader(bytes.Repeat([]byte{fill}, n))),
+			ContentLength: int64(n), Request: req,
+		}, nil
+	}
+}
+
+// checkFill reads what body gives in small reads, or through WriteTo,
+// and fails the test on any byte that is not fill. It returns the error
+// that ended the reading.
+func checkFill(t *testing.T, body io.Reader, fill byte, writeTo bool) error {
+	check := func(p []byte) {
+		if i := bytes.IndexFunc(p, func(r rune) bool { return r != rune(fill) }); i >= 0 {
+			t.Errorf("a body of %q shows %q: another answer's bytes", fill, p[i])
+		}
+	}
+	if writeTo {
+		_, err := body.(io.WriterTo).WriteTo(writerFunc(func(p []byte) (int, error) {
+			for i := range p { // slowly, byte by byte, so a Close comes in the middle
+				check(p[i : i+1])
+				runtime.Gosched()
+			}
+			return len(p), nil
+		}))
+		return err
+	}
+	p := make([]byte, 7)
+	for {
+		n, err := body.Read(p)
+		check(p[:n])
+		if err != nil {
+			return err
+		}
+		runtime.Gosched()
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// TestAnswerBufferNeverShared checks that the pooled buffer of an answer
+// read inside its attempt is never seen through another answer's body:
+// many answers of one size class are read at once, in small reads and
+// through WriteTo, and closed from another goroutine in the middle of a
+// read, while more answers take buffers from the pool. A buffer given back
+// while a read of it is running would show its next answer's letter here,
+// and the race detector would see the writes under the read.
+func TestAnswerBufferNeverShared(t *testing.T) {
+	tr := &Transport{Base: fillBase(300)}
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 100 {
+				req, err := http.NewRequest(http.MethodPost, mockURL, strings.NewReader(`{}`))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				resp, err := tr.RoundTrip(req)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if _, ok := resp.Body.(*answerBody); !ok {
+					t.Errorf("the answer was not read inside its attempt: its body is a %T", resp.Body)
+					return
+				}
+				fill := resp.Header.Get("X-Fill")[0]
+				closed := make(chan struct{})
+				go func() { // closes the body in the middle of the read, or after it
+					defer close(closed)
+					for range i % 5 {
+						runtime.Gosched()
+					}
+					resp.Body.Close()
+				}()
+				err = checkFill(t, resp.Body, fill, g%2 == 1)
+				if err != io.EOF && err != errAnswerClosed && err != nil {
+					t.Errorf("the read ended with %v", err)
+				}
+				<-closed
+				// Read after Close: an error, never bytes, whoever has the buffer now.
+				if n, err := resp.Body.Read(make([]byte, 8)); n != 0 || err != errAnswerClosed {
+					t.Errorf("a Read after Close got %d bytes, %v; want none and errAnswerClosed", n, err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// TestAnswerReadAfterClose checks that a body closed halfway returns an
+// error to a later Read, also once its buffer serves the next answer: the
+// buffer is given back on Close, and the next answer of its size class may
+// get it, but the closed body does not show it.
+func TestAnswerReadAfterClose(t *testing.T) {
+	tr := &Transport{Base: fillBase(100)}
+	get := func() (*http.Response, byte) {
+		req, err := http.NewRequest(http.MethodPost, mockURL, strings.NewReader(`{}`))
+		require.NoError(t, err)
+		resp, err := tr.RoundTrip(req)
+		require.NoError(t, err)
+		return resp, resp.Header.Get("X-Fill")[0]
+	}
+	for range 20 {
+		first, fill := get()
+		p := make([]byte, 40)
+		n, err := first.Body.Read(p)
+		require.NoError(t, err)
+		assert.Equal(t, bytes.Repeat([]byte{fill}, n), p[:n])
+		require.NoError(t, first.Body.Close())
+		require.NoError(t, first.Body.Close(), "a second Close")
+		second, fill2 := get() // likely on the first one's buffer
+		n, err = first.Body.Read(p)
+		assert.Equal(t, 0, n)
+		assert.ErrorIs(t, err, errAnswerClosed)
+		_, err = first.Body.(io.WriterTo).WriteTo(io.Discard)
+		assert.ErrorIs(t, err, errAnswerClosed)
+		assert.Equal(t, strings.Repeat(string(fill2), 100), readAll(t, second))
+	}
 }

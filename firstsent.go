@@ -111,24 +111,28 @@ func (t *Transport) firstSentValue(at time.Time, cache *atomic.Pointer[sentStamp
 
 // initFirstSent sets the first-sent header of a keyed operation, unless
 // the Transport sends none or the request carries one already (which is
-// sent as it is).
-func (op *operation) initFirstSent() {
+// sent as it is). When it reads the clock for the first-sent time, it
+// sets the operation's start from the same reading, and reports true.
+func (op *operation) initFirstSent() (started bool) {
 	name := op.t.firstSentHeader()
 	if name == "" {
-		return
+		return false
 	}
 	if _, ok := op.req.Header[name]; ok {
 		op.sentAt, _ = http.ParseTime(strings.TrimSpace(op.req.Header.Get(name)))
-		return
+		return false
 	}
 	op.sentHeader = name
 	if at, ok := FirstSentFromContext(op.ctx); ok {
 		op.sentAt = at
 		op.sentValue = op.t.firstSentValue(at, nil)
-		return
+		return false
 	}
-	op.sentAt = time.Now()
-	op.sentValue = op.t.firstSentValue(op.sentAt, &op.t.sentCache)
+	now := time.Now()
+	op.start = now.Sub(epoch) // on the monotonic clock, as time.Since
+	op.sentAt = now
+	op.sentValue = op.t.firstSentValue(now, &op.t.sentCache)
+	return true
 }
 
 // expired returns the KeyExpiredError of a keyed operation's 410 that

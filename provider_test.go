@@ -540,31 +540,22 @@ func TestProviderReadsNo5xxNor2xx(t *testing.T) {
 }
 
 // TestProviderFirstTryAllocs checks that a Provider costs a first-try
-// success no allocation: its bodies are not read, its rules not run.
+// success no allocation: its bodies are not read, its rules not run. (Half
+// an allocation apart is the same: see allocsPerRun.)
 func TestProviderFirstTryAllocs(t *testing.T) {
-	allocs := func(tr *Transport) float64 {
-		return testing.AllocsPerRun(200, func() {
-			req, _ := http.NewRequest(http.MethodPost, "https://api.example.com/v1/payments", bytes.NewReader(benchBody))
-			resp, err := tr.RoundTrip(req)
-			if err != nil {
-				t.Fatal(err)
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-		})
-	}
+	allocs := func(tr *Transport) float64 { return firstTryAllocs(t, tr, false) } // firsttry_test.go
 	without := allocs(&Transport{Base: roundTripFunc(benchBase)})
 	for _, d := range dialects {
 		if d.p.KeyBodyField != "" {
 			continue // a body field costs its own allocations, Provider or not
 		}
 		with := allocs(&Transport{Base: roundTripFunc(benchBase), Provider: d.p})
-		assert.LessOrEqual(t, with, without+headerRenameAllocs(d.p), d.name)
+		assert.Less(t, with, without+headerRenameAllocs(d.p)+0.5, d.name)
 	}
 	field := allocs(&Transport{Base: roundTripFunc(benchBase), KeyBodyField: "idempotency_key"})
-	assert.Equal(t, field, allocs(&Transport{Base: roundTripFunc(benchBase), Provider: Square}), "Square")
+	assert.InDelta(t, field, allocs(&Transport{Base: roundTripFunc(benchBase), Provider: Square}), 0.5, "Square")
 	field = allocs(&Transport{Base: roundTripFunc(benchBase), KeyBodyField: "ClientToken"})
-	assert.Equal(t, field, allocs(&Transport{Base: roundTripFunc(benchBase), Provider: AWS}), "AWS")
+	assert.InDelta(t, field, allocs(&Transport{Base: roundTripFunc(benchBase), Provider: AWS}), 0.5, "AWS")
 }
 
 // headerRenameAllocs is what a key header other than the default costs,

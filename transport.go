@@ -167,6 +167,12 @@ type Transport struct {
 	// unknown length (chunked, which may be a stream that must not be held
 	// up), and the answers to unkeyed requests are handed over unread. If
 	// zero, DefaultMaxBufferedResponse is used; a negative value reads none.
+	//
+	// An answer of up to DefaultMaxBufferedResponse is read into a pooled
+	// buffer, which closing the body gives back: as with net/http's bodies,
+	// a Read after Close returns an error. Close the body of every
+	// response, as always: a body never closed leaves its buffer to the
+	// garbage collector instead.
 	MaxBufferedResponse int64
 
 	// FirstSentHeader names the header in which every attempt of a keyed
@@ -307,7 +313,6 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		req:    req,
 		ctx:    req.Context(),
 		policy: t.Retry,
-		start:  time.Since(epoch),
 	}
 	return op.run()
 }
@@ -338,9 +343,11 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy   // t.Retry, its defaults filled in by retryPolicy
-	filled bool          // whether they are
-	start  time.Duration // when the operation started, as time.Since(epoch)
+	policy RetryPolicy // t.Retry, its defaults filled in by retryPolicy
+	filled bool        // whether they are
+	// start is when the operation started, as time.Since(epoch): just
+	// before its first attempt is prepared.
+	start time.Duration
 	// reached says an attempt may have reached the server: it got a
 	// response, or an error that does not prove otherwise (see notSent).
 	reached bool
@@ -383,8 +390,8 @@ func (op *operation) run() (*http.Response, error) {
 			return nil, refused(err)
 		}
 	}
-	if op.keyed {
-		op.initFirstSent() // firstsent.go
+	if !op.keyed || !op.initFirstSent() { // firstsent.go
+		op.start = time.Since(epoch)
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
@@ -836,38 +843,6 @@ func outcome(resp *http.Response, err error) string {
 		return resp.Status
 	}
 	return "no response"
-}
-
-func (t *Transport) maxAnswer() int64 {
-	if t.MaxBufferedResponse == 0 {
-		return DefaultMaxBufferedResponse
-	}
-	return t.MaxBufferedResponse
-}
-
-// readAnswer reads the body of resp, of known length, whole, and makes
-// into, holding it, the body; or, if it cannot, closes the body and
-// returns why.
-func readAnswer(resp *http.Response, into *answerBody) error {
-	buf := make([]byte, resp.ContentLength+1) // +1 to see the end
-	n, err := io.ReadFull(resp.Body, buf)
-	switch {
-	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
-		// It ended where it said it would. (net/http's own short body
-		// ends with io.ErrUnexpectedEOF too, but before its length.)
-	case err == nil:
-		// Longer than it said (a Base, not net/http): handed over as
-		// it came, what was read first.
-		resp.Body = &peekedBody{prefix: buf, rest: resp.Body}
-		return nil
-	default:
-		resp.Body.Close()
-		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
-	}
-	resp.Body.Close()
-	into.b = buf[:n]
-	resp.Body = into
-	return nil
 }
 
 func (t *Transport) maxBuffered() int64 {

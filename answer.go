@@ -1,0 +1,174 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math/bits"
+	"net/http"
+	"sync"
+	"sync/atomic"
+)
+
+// The buffers of answers read inside their attempts come from pools, one
+// per size class, so that a first-try success allocates none: 256 bytes,
+// and each power of two above it up to DefaultMaxBufferedResponse. (A
+// buffer holds the answer and one byte more, to see where it ends.) A
+// buffer goes back to its pool only when the caller closes the body and no
+// Read or WriteTo of it is running. A larger answer (MaxBufferedResponse
+// above the default) gets a buffer of its own.
+const (
+	minAnswerShift = 8 // 256 bytes
+	minAnswerClass = 1 << minAnswerShift
+	answerClasses  = 9 // 256 bytes to 64 KiB
+)
+
+var answerPools [answerClasses]sync.Pool
+
+// answerBuf holds a pooled buffer; the pool holds the pointer, which an
+// interface carries without allocating.
+type answerBuf struct{ b []byte }
+
+// answerClass returns the index in answerPools of the class that holds n
+// bytes, len(answerPools) or more if none does.
+func answerClass(n int64) int {
+	if n <= minAnswerClass {
+		return 0
+	}
+	return bits.Len64(uint64(n-1)) - minAnswerShift
+}
+
+// getAnswerBuf returns a buffer of n bytes, from its class's pool if it
+// has one.
+func getAnswerBuf(n int64) *answerBuf {
+	c := answerClass(n)
+	if c >= len(answerPools) {
+		return &answerBuf{b: make([]byte, n)}
+	}
+	if a, ok := answerPools[c].Get().(*answerBuf); ok {
+		a.b = a.b[:n]
+		return a
+	}
+	return &answerBuf{b: make([]byte, n, minAnswerClass<<c)}
+}
+
+// putAnswerBuf gives a buffer back to its class's pool; one of its own is
+// left to the garbage collector. Nothing may read or write a buffer once
+// it is given back.
+func putAnswerBuf(a *answerBuf) {
+	if c := answerClass(int64(cap(a.b))); c < len(answerPools) && cap(a.b) == minAnswerClass<<c {
+		answerPools[c].Put(a)
+	}
+}
+
+// answerBody is the body of an answer read inside its attempt. Its buffer
+// is pooled: Close gives it back, once no Read or WriteTo is running (a
+// Close from another goroutine, as net/http allows, waits for nothing and
+// lets the last of them give it back), and a Read after Close returns an
+// error, never the bytes of the answer that took the buffer over. Three
+// words keep attemptRequest in the 384-byte size class.
+type answerBody struct {
+	buf *answerBuf // the answer, whole
+	off int        // how much of it has been read
+	// state is 1 while the body is open, plus 2 for each Read or WriteTo
+	// running; the buffer is given back when it falls to 0.
+	state atomic.Int32
+}
+
+// errAnswerClosed is the error of a Read after Close, as net/http's.
+var errAnswerClosed = errors.New("idem: read on closed response body")
+
+// open makes a the body of the answer in buf.
+func (a *answerBody) open(buf *answerBuf) {
+	a.buf, a.off = buf, 0
+	a.state.Store(1)
+}
+
+// hold counts a Read or WriteTo in, if the body is still open.
+func (a *answerBody) hold() bool {
+	for {
+		s := a.state.Load()
+		if s&1 == 0 {
+			return false
+		}
+		if a.state.CompareAndSwap(s, s+2) {
+			return true
+		}
+	}
+}
+
+// release counts a Read or WriteTo out, and gives the buffer back if the
+// body was closed meanwhile.
+func (a *answerBody) release() {
+	if a.state.Add(-2) == 0 {
+		putAnswerBuf(a.buf)
+	}
+}
+
+func (a *answerBody) Read(p []byte) (int, error) {
+	if !a.hold() {
+		return 0, errAnswerClosed
+	}
+	n := copy(p, a.buf.b[a.off:])
+	a.off += n
+	a.release()
+	if n == 0 && len(p) > 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+// WriteTo writes what is left to w, for io.Copy.
+func (a *answerBody) WriteTo(w io.Writer) (int64, error) {
+	if !a.hold() {
+		return 0, errAnswerClosed
+	}
+	n, err := w.Write(a.buf.b[a.off:])
+	a.off += n
+	a.release()
+	return int64(n), err
+}
+
+// Close gives the buffer back, or leaves that to the last Read or WriteTo
+// still running.
+func (a *answerBody) Close() error {
+	if a.state.And(^1) == 1 {
+		putAnswerBuf(a.buf)
+	}
+	return nil
+}
+
+func (t *Transport) maxAnswer() int64 {
+	if t.MaxBufferedResponse == 0 {
+		return DefaultMaxBufferedResponse
+	}
+	return t.MaxBufferedResponse
+}
+
+// readAnswer reads the body of resp, of known length, whole, and makes
+// into, holding it, the body; or, if it cannot, closes the body and
+// returns why.
+func readAnswer(resp *http.Response, into *answerBody) error {
+	a := getAnswerBuf(plusOne(resp.ContentLength)) // +1 to see the end
+	n, err := io.ReadFull(resp.Body, a.b)
+	switch {
+	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
+		// It ended where it said it would. (net/http's own short body
+		// ends with io.ErrUnexpectedEOF too, but before its length.)
+	case err == nil:
+		// Longer than it said (a Base, not net/http): handed over as it
+		// came, what was read first. The buffer is the caller's now, and
+		// never goes back to its pool.
+		resp.Body = &peekedBody{prefix: a.b, rest: resp.Body}
+		return nil
+	default:
+		resp.Body.Close()
+		putAnswerBuf(a)
+		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
+	}
+	resp.Body.Close()
+	a.b = a.b[:n]
+	into.open(a)
+	resp.Body = into
+	return nil
+}
