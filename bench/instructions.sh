@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Counts the instructions per operation of the four peers over loopback with
+# Counts the instructions per operation of the peers over loopback with
 # valgrind's callgrind, which, unlike time, does not move with the load of
 # a shared machine.
 #
@@ -25,6 +25,10 @@
 # runs only those peers. Each run at OPS=4000 takes a minute or two;
 # callgrind is some 50 to 100 times slower than native.
 #
+# bare-firstsent is bare sending the bytes idem sends (the key and
+# Repeatability-First-Sent), so that idem over it is idem's own cost on
+# equal wire bytes; the table ends with that ratio.
+#
 # OUTDIR gets the callgrind.out files of the last round (for
 # callgrind_annotate, e.g. on callgrind.idem.4000) and instructions.txt,
 # the table.
@@ -43,7 +47,7 @@ mkdir -p "$out"
 bin=$(mktemp -d)/bench.test
 trap 'rm -rf "$(dirname "$bin")"' EXIT
 CGO_ENABLED=0 go test -c -o "$bin" .
-read -r -a peers <<< "${PEERS:-bare idem retryablehttp failsafe}"
+read -r -a peers <<< "${PEERS:-bare bare-firstsent idem idem-nofirstsent retryablehttp failsafe}"
 
 # total PEER N runs TestOps with N ops under callgrind and prints the
 # instruction total.
@@ -77,4 +81,12 @@ median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 		paired=$(paste <(printf '%s' "${per[$p]}") <(printf '%s' "${per[bare]}") | awk '{ printf "%.6f\n", $1 / $2 }' | median)
 		printf '%-14s %14d %8.3f %8.3f   %s\n' "$p" "$m" "$(echo "$m / $base" | bc -l)" "$paired" "$(printf '%s' "${per[$p]}" | tr '\n' ' ')"
 	done
+	# Equal wire bytes: idem sends the key and Repeatability-First-Sent,
+	# which bare-firstsent sends too (and idem-nofirstsent does not).
+	if [[ -n "${per[idem]:-}" && -n "${per[bare-firstsent]:-}" ]]; then
+		m=$(printf '%s' "${per[idem]}" | median)
+		b=$(printf '%s' "${per[bare-firstsent]}" | median)
+		paired=$(paste <(printf '%s' "${per[idem]}") <(printf '%s' "${per[bare-firstsent]}") | awk '{ printf "%.6f\n", $1 / $2 }' | median)
+		printf 'idem over bare-firstsent (the same request bytes): %.3f, paired %.3f\n' "$(echo "$m / $b" | bc -l)" "$paired"
+	fi
 } | tee "$out/instructions.txt"

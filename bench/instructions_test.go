@@ -39,7 +39,7 @@ func TestOps(t *testing.T) {
 			ctx := context.Background()
 			n := warmupOps + *opsFlag
 			for range n {
-				if err := send(ctx, rt, url, !p.setsKey); err != nil {
+				if err := send(ctx, rt, url, p); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -102,12 +102,26 @@ type peer struct {
 	// those that do not, the benchmark sets a new UUIDv4 on each request,
 	// as a user of that peer would (with the same generator, idem.NewKey).
 	setsKey bool
+	// firstSent says whether the benchmark sets Repeatability-First-Sent
+	// on each request, as idem's Transport does on every keyed attempt:
+	// with it, bare sends the bytes idem sends.
+	firstSent bool
 	// make returns the RoundTripper of the peer on base.
 	make func(base *http.Transport) http.RoundTripper
 }
 
 var peers = []peer{
 	{name: "bare", make: func(base *http.Transport) http.RoundTripper { return base }},
+	// bare-firstsent is bare with the request idem writes: the key and the
+	// time the operation was first sent (issue 20's Repeatability-First-Sent),
+	// which the server parses too. idem against it is idem's own cost on
+	// equal wire bytes.
+	{name: "bare-firstsent", firstSent: true, make: func(base *http.Transport) http.RoundTripper { return base }},
+	// idem-nofirstsent is idem without the header (Transport.NoFirstSent):
+	// its cost against bare on equal wire bytes, the other way round.
+	{name: "idem-nofirstsent", setsKey: true, make: func(base *http.Transport) http.RoundTripper {
+		return &idem.Transport{Base: base, DisableBudget: true, NoFirstSent: true}
+	}},
 	{name: "idem", setsKey: true, make: func(base *http.Transport) http.RoundTripper {
 		// The peers have no retry budget; without it, idem's default
 		// budget (100 tokens, 0.1 earned per success) would run dry
@@ -192,7 +206,7 @@ func runPeer(b *testing.B, p peer, failEvery int64) {
 	ctx := context.Background()
 
 	// Warm up the connection, outside the measurement.
-	if err := send(ctx, rt, url, !p.setsKey); err != nil {
+	if err := send(ctx, rt, url, p); err != nil {
 		b.Fatal(err)
 	}
 	srv.attempts.Store(0)
@@ -205,14 +219,14 @@ func runPeer(b *testing.B, p peer, failEvery int64) {
 	for b.Loop() {
 		ops++
 		if failEvery == 0 {
-			if err := send(ctx, rt, url, !p.setsKey); err != nil {
+			if err := send(ctx, rt, url, p); err != nil {
 				b.Fatal(err)
 			}
 			continue
 		}
 		before := srv.attempts.Load()
 		start := time.Now()
-		if err := send(ctx, rt, url, !p.setsKey); err != nil {
+		if err := send(ctx, rt, url, p); err != nil {
 			failed++
 		}
 		if srv.attempts.Load()-before > 1 {
@@ -241,14 +255,17 @@ func runPeer(b *testing.B, p peer, failEvery int64) {
 // send makes one operation: a new request from the same body source
 // (a bytes.Reader, so http.NewRequest sets GetBody), sent through rt, its
 // answer read to the end and closed.
-func send(ctx context.Context, rt http.RoundTripper, url string, setKey bool) error {
+func send(ctx context.Context, rt http.RoundTripper, url string, p peer) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(payload))
 	if err != nil {
 		return err
 	}
 	req.Header["Content-Type"] = []string{"application/json"}
-	if setKey {
+	if !p.setsKey {
 		req.Header["Idempotency-Key"] = []string{idem.NewKey()}
+	}
+	if p.firstSent {
+		req.Header["Repeatability-First-Sent"] = []string{time.Now().UTC().Format(http.TimeFormat)}
 	}
 	resp, err := rt.RoundTrip(req)
 	if err != nil {
@@ -275,7 +292,7 @@ func BenchmarkRoundTripStub(b *testing.B) {
 			base := &stubTransport{}
 			rt := p.make(base.asHTTP())
 			ctx := context.Background()
-			if err := send(ctx, rt, "http://stub.invalid/v1/payments", !p.setsKey); err != nil {
+			if err := send(ctx, rt, "http://stub.invalid/v1/payments", p); err != nil {
 				b.Fatal(err)
 			}
 			base.attempts = 0
@@ -283,7 +300,7 @@ func BenchmarkRoundTripStub(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
 				ops++
-				if err := send(ctx, rt, "http://stub.invalid/v1/payments", !p.setsKey); err != nil {
+				if err := send(ctx, rt, "http://stub.invalid/v1/payments", p); err != nil {
 					b.Fatal(err)
 				}
 			}
