@@ -414,13 +414,7 @@ func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string
 			return err
 		}))
 	}
-	if err != nil {
-		return err
-	}
-	if !done {
-		return idempotency.ErrFenced
-	}
-	return nil
+	return keysql.Fenced(done, err)
 }
 
 // Purge implements [idempotency.Store.Purge]. One call is one short

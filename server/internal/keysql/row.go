@@ -72,6 +72,16 @@ func CheckText(fields ...string) error {
 	return nil
 }
 
+// Fenced is the answer of a statement that updates a key under its
+// claim's token (a renewal, a release, a completion): err if it failed,
+// else [idempotency.ErrFenced] unless it updated the key (done).
+func Fenced(done bool, err error) error {
+	if err == nil && !done {
+		return idempotency.ErrFenced
+	}
+	return err
+}
+
 // ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimTxSQL.
 type ClaimRow struct {
 	Code               int32 // the outcome: an idempotency.Outcome

@@ -1,0 +1,114 @@
+// Package sqlstoretest holds the tests of sqlstore that run once per
+// database/sql driver: server/sqlstore runs them on pgx's stdlib, and the
+// module in internal/pqtest on lib/pq, so that the root module needs no
+// lib/pq. Each test opens its own pool on a schema of its own.
+package sqlstoretest
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/sqlstore"
+	"github.com/idemkit/idem/server/storetest"
+)
+
+// Run runs every test on driver ("pgx" or "postgres"), which the caller
+// has registered.
+func Run(t *testing.T, driver string) {
+	for _, tt := range []struct {
+		name string
+		run  func(t *testing.T, driver string)
+	}{
+		{"Conformance", testConformance},
+		{"HandlerRowsFollowOutcome", testHandlerRows},
+		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
+		{"ResponseByteForByte", testResponseFidelity},
+		{"RefusesEndOfTransaction", testRefusesEnd},
+		{"LateUseAfterRequest", testLateUse},
+		{"QueryRowLeavesNothingPending", testQueryRowUnscanned},
+		{"CancelMidStatement", testCancelMidStatement},
+		{"ConnectionLostUnderClaim", testConnLost},
+		{"SideBySideWithPgstore", testSideBySide},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			tt.run(t, driver)
+		})
+	}
+}
+
+// writesSQL creates the business table of the tests: one row per write,
+// named; a second write of a name is a unique violation.
+const writesSQL = `CREATE TABLE writes (name text PRIMARY KEY)`
+
+// Open returns a pool of driver on a fresh schema, dropped when the test
+// ends, holding the key table and the writes table.
+func Open(t testing.TB, driver string) *sql.DB {
+	t.Helper()
+	db, _ := OpenURL(t, driver)
+	return db
+}
+
+// OpenURL is Open, and returns the connection string of the pool too.
+func OpenURL(t testing.TB, driver string) (*sql.DB, string) {
+	t.Helper()
+	url := pgtest.SchemaURL(t)
+	db := open(t, driver, url)
+	ctx := context.Background()
+	if err := sqlstore.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, writesSQL); err != nil {
+		t.Fatal(err)
+	}
+	return db, url
+}
+
+// open opens a pool of driver on url, closed when the test ends.
+func open(t testing.TB, driver, url string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open(driver, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// write inserts the row name through the request's transaction, as a
+// handler behind the middleware does.
+func write(ctx context.Context, name string) error {
+	tx, ok := sqlstore.TxFromContext(ctx)
+	if !ok {
+		return errNoTx
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
+	return err
+}
+
+// written reports whether the row name is committed.
+func written(ctx context.Context, db *sql.DB, name string) (bool, error) {
+	var ok bool
+	err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM writes WHERE name = $1)`, name).Scan(&ok)
+	return ok, err
+}
+
+// testConformance runs the conformance suite of idempotency.Store. The
+// store claims every key in a commit of its own, also when a claim asks
+// for one transaction, and says so (NoOneTransaction): the suite checks
+// that instead of its subtests of claims in one transaction.
+func testConformance(t *testing.T, driver string) {
+	storetest.Exercise(t, func(t *testing.T) storetest.Backend {
+		db := Open(t, driver)
+		return storetest.Backend{
+			Store: sqlstore.New(db),
+			Write: write,
+			Written: func(ctx context.Context, name string) (bool, error) {
+				return written(ctx, db, name)
+			},
+			NoOneTransaction: true,
+		}
+	})
+}
