@@ -3,7 +3,6 @@ package pgstore
 import (
 	"context"
 	"errors"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -42,10 +41,11 @@ func (s *Store) Lookup(ctx context.Context, clientID, key string, body bool) (id
 
 // List implements [idempotency.Inspector.List] in one statement.
 func (s *Store) List(ctx context.Context, f idempotency.ListFilter) ([]idempotency.KeyInfo, error) {
-	if (f.Status != idempotency.StatusStarted && f.Status != idempotency.StatusReleased) || keysql.CheckText(f.ClientID) != nil {
+	args, ok := keysql.ListArgs(f)
+	if !ok {
 		return nil, nil
 	}
-	rows, _ := s.pool.Query(ctx, keysql.ListSQL, string(f.Status), f.ClientID, keysql.Micros(max(f.OlderThan, 0)), f.EffectiveLimit())
+	rows, _ := s.pool.Query(ctx, keysql.ListSQL, args...)
 	ks, err := pgx.CollectRows(rows, scanInfo)
 	return ks, interpretError(err)
 }
@@ -53,29 +53,18 @@ func (s *Store) List(ctx context.Context, f idempotency.ListFilter) ([]idempoten
 // ForceRelease implements [idempotency.Inspector.ForceRelease]: in one
 // transaction, it locks the key's row, reads it and releases it.
 func (s *Store) ForceRelease(ctx context.Context, clientID, key string, running bool) (idempotency.KeyInfo, error) {
-	return s.act(ctx, clientID, key, running, func(k idempotency.KeyInfo) (string, error) {
-		switch k.Status {
-		case idempotency.StatusCompleted:
-			return "", idempotency.ErrKeyCompleted
-		case idempotency.StatusStarted:
-			return keysql.ForceReleaseSQL, nil
-		}
-		return "", nil // released already
-	})
+	return s.act(ctx, clientID, key, running, keysql.ForceRelease)
 }
 
 // Expire implements [idempotency.Inspector.Expire]: in one transaction, it
 // locks the key's row, reads it and expires it.
 func (s *Store) Expire(ctx context.Context, clientID, key string, running bool) (idempotency.KeyInfo, error) {
-	return s.act(ctx, clientID, key, running, func(idempotency.KeyInfo) (string, error) {
-		return keysql.ExpireSQL, nil
-	})
+	return s.act(ctx, clientID, key, running, keysql.Expire)
 }
 
-// act locks and reads the live key of clientID and, unless it is running
-// and running is false, runs the statement that change returns for it (""
-// for none), all in one transaction. It returns the key as it was.
-func (s *Store) act(ctx context.Context, clientID, key string, running bool, change func(idempotency.KeyInfo) (string, error)) (idempotency.KeyInfo, error) {
+// act locks and reads the key of clientID and runs what a plans for it,
+// all in one transaction. It returns the key as it was.
+func (s *Store) act(ctx context.Context, clientID, key string, running bool, a keysql.Action) (idempotency.KeyInfo, error) {
 	var was idempotency.KeyInfo
 	if keysql.CheckText(clientID, key) != nil {
 		return was, idempotency.ErrKeyNotFound
@@ -83,37 +72,25 @@ func (s *Store) act(ctx context.Context, clientID, key string, running bool, cha
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		rows, _ := tx.Query(ctx, keysql.ActSQL, clientID, key)
 		var err error
-		switch was, err = pgx.CollectExactlyOneRow(rows, scanInfo); {
-		case errors.Is(err, pgx.ErrNoRows) || (err == nil && was.Expired):
-			return idempotency.ErrKeyNotFound
-		case err != nil:
+		was, err = pgx.CollectExactlyOneRow(rows, scanInfo)
+		if err != nil && !errors.Is(err, pgx.ErrNoRows) {
 			return err
-		case was.Running() && !running:
-			return idempotency.ErrKeyRunning
 		}
-		sql, err := change(was)
+		sql, err := a.Plan(was, err == nil, running)
 		if err != nil || sql == "" {
 			return err
 		}
 		_, err = tx.Exec(ctx, sql, clientID, key)
 		return err
 	})
-	switch {
-	case errors.Is(err, idempotency.ErrKeyNotFound):
-		return idempotency.KeyInfo{}, err
-	case errors.Is(err, idempotency.ErrKeyRunning), errors.Is(err, idempotency.ErrKeyCompleted):
-		return was, err
-	}
-	return was, interpretError(err)
+	return keysql.Outcome(was, err, interpretError)
 }
 
 // Stats implements [idempotency.Inspector.Stats] in one statement, whose
 // cost grows with the keys that are not completed (running, lapsed or
 // released), not with the table.
 func (s *Store) Stats(ctx context.Context) (idempotency.KeyStats, error) {
-	var st idempotency.KeyStats
-	var oldest int64
-	err := s.pool.QueryRow(ctx, keysql.StatsSQL).Scan(&st.Running, &oldest, &st.Lapsed, &st.ReleasedFailed)
-	st.OldestRunning = time.Duration(oldest) * time.Microsecond
-	return st, interpretError(err)
+	var r keysql.StatsRow
+	err := s.pool.QueryRow(ctx, keysql.StatsSQL).Scan(r.Dests()...)
+	return r.KeyStats(), interpretError(err)
 }

@@ -27,8 +27,7 @@ func (s *Store) Abandoned(ctx context.Context, grace time.Duration, limit int) (
 // found again once that lease ran out and the grace passed.
 func (s *Store) Adopt(ctx context.Context, k idempotency.KeyInfo, grace, lease time.Duration) (idempotency.Claim, error) {
 	c := idempotency.Claim{ClientID: k.ClientID, Key: k.Key}
-	err := s.pool.QueryRow(ctx, keysql.AdoptKeySQL, keysql.Micros(max(grace, 0)), k.ClientID, k.Key, k.Token, keysql.Micros(lease), string(k.Status)).
-		Scan(&c.Token, &c.OperationID)
+	err := s.pool.QueryRow(ctx, keysql.AdoptKeySQL, keysql.AdoptArgs(k, grace, lease)...).Scan(&c.Token, &c.OperationID)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return idempotency.Claim{}, idempotency.ErrFenced
 	}

@@ -21,9 +21,10 @@ import (
 var rowDB = sql.OpenDB(rowConnector{})
 
 // readRow is the first row of a statement of QueryRowContext, read, or its
-// error.
+// error (also the error of a statement of the store's that could not be
+// prepared).
 type readRow struct {
-	u       *unit
+	u       *unit // nil for an error of the store's
 	err     error
 	columns []string
 	values  []driver.Value
@@ -76,7 +77,7 @@ func (r *readRow) Columns() []string { return r.columns }
 func (r *readRow) Close() error { return nil }
 
 func (r *readRow) Next(dest []driver.Value) error {
-	if r.u.done.Load() {
+	if r.u != nil && r.u.done.Load() {
 		return errTxDone
 	}
 	if !r.has || r.scanned {

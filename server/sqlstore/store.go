@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -43,7 +44,8 @@ import (
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
 type Store struct {
-	db *sql.DB
+	db    *sql.DB
+	stmts sync.Map // query text → *sql.Stmt: the store's statements, prepared on first use
 }
 
 // New returns a store on db, a pool of a PostgreSQL driver (pgx's stdlib,
@@ -53,10 +55,62 @@ func New(db *sql.DB) *Store {
 	return &Store{db: db}
 }
 
-// querier runs statements: the *sql.DB, or one *sql.Conn of it.
+// stmt returns query prepared on the pool, preparing it on first use.
+// database/sql prepares it again on each connection that runs it, once:
+// PostgreSQL then parses and plans it once per connection, not on every
+// run (lib/pq prepares nothing itself; pgx's stdlib caches the statements
+// it is given, and a prepared one costs it no more).
+func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
+	if v, ok := s.stmts.Load(query); ok {
+		return v.(*sql.Stmt), nil
+	}
+	st, err := s.db.PrepareContext(ctx, query)
+	if err != nil {
+		return nil, err
+	}
+	if v, loaded := s.stmts.LoadOrStore(query, st); loaded {
+		st.Close()
+		return v.(*sql.Stmt), nil
+	}
+	return st, nil
+}
+
+// pool is the querier of the store's pool: on prepared statements for the
+// statements of a first execution (prepared), which run on every request;
+// the others run as they are, since a statement prepared costs a round
+// trip more on each connection that runs it for the first time, which
+// the rare ones would pay more often than they gain (the claims of a
+// takeover race, say, each on a new connection).
+type pool struct{ s *Store }
+
+// prepared are the statements that pool runs prepared.
+var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxSQL: true}
+
+func (p pool) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	if !prepared[query] {
+		return p.s.db.ExecContext(ctx, query, args...)
+	}
+	st, err := p.s.stmt(ctx, query)
+	if err != nil {
+		return nil, err
+	}
+	return st.ExecContext(ctx, args...)
+}
+
+func (p pool) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	if !prepared[query] {
+		return p.s.db.QueryRowContext(ctx, query, args...)
+	}
+	st, err := p.s.stmt(ctx, query)
+	if err != nil {
+		return (&readRow{err: err}).row()
+	}
+	return st.QueryRowContext(ctx, args...)
+}
+
+// querier runs statements: the store's pool, or one *sql.Conn of it.
 type querier interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
-	QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error)
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
@@ -140,7 +194,7 @@ func claimOnce(ctx context.Context, q querier, query string, req idempotency.Cla
 func (s *Store) run(ctx context.Context, f func(q querier) error) error {
 	var err error
 	for range keysql.MaxRaces {
-		err = interpretError(f(s.db))
+		err = interpretError(f(pool{s}))
 		if errors.Is(err, errConnLost) && ctx.Err() == nil {
 			err = interpretError(s.onLiveConn(ctx, f))
 		}
@@ -226,7 +280,7 @@ func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, nil
 	}
-	res, err := s.db.ExecContext(ctx, keysql.PurgeSQL, limit)
+	res, err := pool{s}.ExecContext(ctx, keysql.PurgeSQL, limit)
 	if err != nil {
 		return 0, interpretError(err)
 	}

@@ -233,7 +233,10 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 // stores it. The caller holds u.mu.
 func (u *unit) commitLocked(ctx context.Context, status int, args []any) (done bool, _ error) {
 	tx := u.tx
-	_, err := tx.ExecContext(ctx, keysql.CompleteInTxSQL, args...)
+	st, err := u.store.stmt(ctx, keysql.CompleteInTxSQL)
+	if err == nil {
+		_, err = tx.StmtContext(ctx, st).ExecContext(ctx, args...)
+	}
 	switch c := code(err); {
 	case err == nil:
 	case c == keysql.DivisionByZero:

@@ -22,6 +22,9 @@ func Run(t *testing.T, driver string) {
 		run  func(t *testing.T, driver string)
 	}{
 		{"Conformance", testConformance},
+		{"Sealed", func(t *testing.T, driver string) { storetest.ExerciseSealed(t, backend(driver)) }},
+		{"Inspector", func(t *testing.T, driver string) { storetest.ExerciseInspector(t, backend(driver)) }},
+		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, backend(driver)) }},
 		{"HandlerRowsFollowOutcome", testHandlerRows},
 		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
 		{"ResponseByteForByte", testResponseFidelity},
@@ -100,7 +103,13 @@ func written(ctx context.Context, db *sql.DB, name string) (bool, error) {
 // for one transaction, and says so (NoOneTransaction): the suite checks
 // that instead of its subtests of claims in one transaction.
 func testConformance(t *testing.T, driver string) {
-	storetest.Exercise(t, func(t *testing.T) storetest.Backend {
+	storetest.Exercise(t, backend(driver))
+}
+
+// backend returns the storetest backend of a store on driver, on a fresh
+// schema.
+func backend(driver string) func(t *testing.T) storetest.Backend {
+	return func(t *testing.T) storetest.Backend {
 		db := Open(t, driver)
 		return storetest.Backend{
 			Store: sqlstore.New(db),
@@ -110,5 +119,5 @@ func testConformance(t *testing.T, driver string) {
 			},
 			NoOneTransaction: true,
 		}
-	})
+	}
 }
