@@ -72,7 +72,9 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (confi
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:8080", "the service's listen address")
 	fs.StringVar(&c.databaseURL, "database-url", getenv("DATABASE_URL"), "PostgreSQL (pgx connection string); default $DATABASE_URL")
 	fs.StringVar(&c.shippingURL, "shipping-url", "", "base URL of the shipping API; empty: a fake one in this process")
-	fs.DurationVar(&c.service.lockTimeout, "lock-timeout", 0, "how long a key whose service died stays locked (idempotency.Options.LockTimeout); 0: the library's default")
+	fs.BoolVar(&c.service.twoCommits, "two-commits", false,
+		"claim each key in a commit of its own before the handler runs, as for a handler that calls other systems; default: the key, the order and its job in one transaction (idempotency.Options.OneTransaction)")
+	fs.DurationVar(&c.service.lockTimeout, "lock-timeout", 0, "with -two-commits: how long a key whose service died stays locked (idempotency.Options.LockTimeout); 0: the library's default")
 	fs.DurationVar(&c.service.delay, "order-delay", 0, "how long each order waits after its writes before it answers (demos and tests)")
 	fs.IntVar(&c.worker.maxWorkers, "workers", 10, "shipping jobs run at once")
 	fs.DurationVar(&c.worker.jobTimeout, "job-timeout", 0, "how long one run of a job may take (river.Config.JobTimeout); 0: River's default, 1m")

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"os"
 	"os/exec"
-	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -109,10 +108,4 @@ func (p *proc) logTail(n int) string {
 	b, _ := os.ReadFile(p.logPath)
 	lines := strings.Split(strings.TrimRight(string(b), "\n"), "\n")
 	return strings.Join(lines[max(len(lines)-n, 0):], "\n")
-}
-
-// logCount counts the log records of the process whose message is msg.
-func (p *proc) logCount(msg string) int {
-	b, _ := os.ReadFile(p.logPath)
-	return strings.Count(string(b), `"msg":`+strconv.Quote(msg))
 }

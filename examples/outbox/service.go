@@ -15,7 +15,8 @@ import (
 
 // serviceOptions configures the order service.
 type serviceOptions struct {
-	lockTimeout time.Duration // idempotency.Options.LockTimeout; 0: the library's default
+	twoCommits  bool          // claim each key in a commit of its own (the default for handlers that call other systems)
+	lockTimeout time.Duration // idempotency.Options.LockTimeout, with twoCommits; 0: the library's default
 	delay       time.Duration // how long an order waits after its writes before it answers
 	log         *slog.Logger
 }
@@ -23,12 +24,17 @@ type serviceOptions struct {
 // newService returns the order service: POST /orders behind the
 // idempotency middleware on store, which keeps its keys in the database of
 // the orders and of River's jobs. The handler writes nothing anywhere else:
-// its order, its job and the key's outcome commit together. jobs only
+// its order, its job and the key's outcome commit together, in one
+// transaction with the key's claim (idempotency.Options.OneTransaction). jobs only
 // enqueues; the workers may run in other processes.
 func newService(store *pgstore.Store, jobs *river.Client[pgx.Tx], opts serviceOptions) http.Handler {
 	keyed := idempotency.Middleware(store, idempotency.Options{
-		LockTimeout: opts.lockTimeout,
-		BodyFormat:  idempotency.BodyAsJSON,
+		// The handler writes only to this database, so its key, its order
+		// and its job commit in one transaction: a killed service leaves
+		// nothing, and the client's retry runs at once.
+		OneTransaction: !opts.twoCommits,
+		LockTimeout:    opts.lockTimeout,
+		BodyFormat:     idempotency.BodyAsJSON,
 		ClientID: func(r *http.Request) (string, bool) { // your own authentication scopes the keys
 			user, password, ok := r.BasicAuth()
 			return user, ok && password == "secret"

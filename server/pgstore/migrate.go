@@ -51,7 +51,8 @@ import (
 // retention_us, plus lease_us while started). expires_at is a bound below
 // that time (the claim's time plus the retention; NULL: never), kept as it
 // is when a key is renewed, completed or released, so that these updates
-// touch no indexed column. The purge ([Store.Purge]) deletes the rows that
+// leave the primary key's and expires_at's indexes unchanged. The purge
+// ([Store.Purge]) deletes the rows that
 // count as absent, through idempotency_keys_expires_idx, in bounded
 // batches; it never deletes a row whose lease is being renewed.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {

@@ -69,6 +69,7 @@ func (t *tally) merge(o *tally) {
 type client struct {
 	http   *http.Client
 	base   string // server URL
+	path   string // the route
 	bearer string
 }
 
@@ -80,6 +81,7 @@ func newClient(base, apiKey string, conns int) *client {
 	return &client{
 		http:   &http.Client{Transport: tr, Timeout: 30 * time.Second},
 		base:   base,
+		path:   "/v1/payments",
 		bearer: "Bearer " + apiKey,
 	}
 }
@@ -97,10 +99,10 @@ func paymentBody(n int64) []byte {
 	return append(b, `"}`...)
 }
 
-// post sends POST /v1/payments with key ("" for none) and reads the answer
+// post sends POST to the route (/v1/payments) with key ("" for none) and reads the answer
 // to the end.
 func (c *client) post(ctx context.Context, key string, body []byte) outcome {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+"/v1/payments", bytes.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+c.path, bytes.NewReader(body))
 	if err != nil {
 		return outcome{err: err}
 	}

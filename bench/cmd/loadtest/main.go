@@ -19,6 +19,29 @@
 //	conflict  rounds of concurrent duplicates of one key: one request of a
 //	          round executes, the others get 409 (or the replay)
 //	retention 1,000,000 expired keys purged while "first" runs (see -expired-keys)
+//	article   with -handler: first executions of the seed article's Steps 2
+//	          and 3 written by hand (bench/cmd/benchserver/article.go)
+//
+// With -handler orders or -handler payments it drives the bench server
+// (bench/cmd/benchserver) instead of the reference server: one process that
+// serves the handler behind idem (first, replay, conflict), as the seed
+// article by hand (article) and unkeyed in BEGIN/INSERT/COMMIT (unkeyed),
+// on one pool and one database, so that the three differ only in how they
+// keep the key. orders writes one row and nothing else, the handler for
+// -one-transaction; payments calls a fake card processor first. The ratios
+// printed are then issue 21's: idem/article (at least 1.0 for payments,
+// 1.2 for orders in one transaction), replay/first (4) and the CPU per
+// request of first less unkeyed (at most 0.3 ms in one transaction). CPU
+// per request ("cpu ms", cpu_ms_per_req) is the server's, the database's
+// backends' and the load test's own: what the whole machine spends on a
+// request when nothing else runs on it, and still measurable when
+// something does.
+//
+//	cd bench && go run ./cmd/loadtest -database-url postgres://postgres@127.0.0.1:5432/idem_bench \
+//	    -handler orders -one-transaction -scenario first,article,unkeyed,replay -rounds 6 -json
+//
+// A database URL on loopback that sets no sslmode gets sslmode=disable, for
+// every server and the load test alike.
 //
 // It prints a table of req/s and p50/p99/p999 latency, or with -json one
 // JSON object per scenario and line, then the ratios first/unkeyed and
@@ -91,9 +114,11 @@ type config struct {
 	rounds      int
 	json        bool
 	keepServer  bool
+	handler     string // "": the reference server; orders or payments: the bench server
+	oneTx       bool
 }
 
-var allScenarios = []string{"first", "replay", "unkeyed", "conflict", "retention"}
+var allScenarios = []string{"first", "article", "replay", "unkeyed", "conflict", "retention"}
 
 // defaultScenarios is what runs without -scenario: retention inserts a
 // million rows and is asked for by name.
@@ -121,6 +146,9 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 		"run the scenarios this many times, in turn, and report each ratio's median over the rounds")
 	fs.BoolVar(&c.json, "json", false, "print one JSON object per scenario and line")
 	fs.BoolVar(&c.keepServer, "keep-server", false, "leave the started server's log and binary directory in place")
+	fs.StringVar(&c.handler, "handler", "",
+		"orders or payments: drive the bench server (bench/cmd/benchserver), which serves the handler behind idem, as the seed article by hand, and unkeyed, on one pool; empty: the reference server")
+	fs.BoolVar(&c.oneTx, "one-transaction", false, "with -handler: idem's route in one-transaction mode")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -154,6 +182,15 @@ func parseFlags(args []string, getenv func(string) string, stderr io.Writer) (co
 	case c.maxRequests < 1 || c.replayKeys < 1 || c.expiredKeys < 0:
 		return c, errors.New("-max-requests and -replay-keys must be positive, -expired-keys not negative")
 	}
+	switch {
+	case c.handler != "" && c.handler != "orders" && c.handler != "payments":
+		return c, fmt.Errorf("-handler %q: want orders or payments", c.handler)
+	case c.handler != "" && (c.databaseURL == "" || c.serverURL != "" || c.unkeyedURL != ""):
+		return c, errors.New("-handler needs -database-url, and starts its own server (no -server-url, -unkeyed-url)")
+	case c.oneTx && c.handler == "":
+		return c, errors.New("-one-transaction needs -handler")
+	}
+	c.databaseURL = noTLSOnLoopback(c.databaseURL)
 	for _, u := range []string{c.serverURL, c.unkeyedURL} {
 		if u != "" {
 			if err := checkLoopback(u); err != nil {

@@ -159,3 +159,60 @@ func TestPrintRatiosConcurrency(t *testing.T) {
 		}
 	}
 }
+
+func TestParseFlagsHandler(t *testing.T) {
+	getenv := func(string) string { return "" }
+	c, err := parseFlags([]string{"-handler", "orders", "-one-transaction", "-database-url", "postgres://postgres@127.0.0.1/idem_bench",
+		"-scenario", "first,article,unkeyed,replay"}, getenv, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.handler != "orders" || !c.oneTx || len(c.scenarios) != 4 || c.scenarios[1] != "article" {
+		t.Errorf("parsed %+v", c)
+	}
+	if !strings.Contains(c.databaseURL, "sslmode=disable") {
+		t.Errorf("database URL %q: want TLS off on loopback", c.databaseURL)
+	}
+	for _, args := range [][]string{
+		{"-handler", "nope", "-database-url", "postgres://127.0.0.1/x"},
+		{"-handler", "orders"}, // no database
+		{"-handler", "orders", "-database-url", "postgres://127.0.0.1/x", "-server-url", "http://127.0.0.1:1"},
+		{"-one-transaction"}, // without -handler
+	} {
+		if _, err := parseFlags(args, getenv, io.Discard); err == nil {
+			t.Errorf("parseFlags(%q): no error", args)
+		}
+	}
+}
+
+func TestNoTLSOnLoopback(t *testing.T) {
+	t.Setenv("PGSSLMODE", "")
+	for in, want := range map[string]string{
+		"postgres://postgres@127.0.0.1:5432/b":               "postgres://postgres@127.0.0.1:5432/b?sslmode=disable",
+		"postgres://postgres@localhost/b?application_name=x": "postgres://postgres@localhost/b?application_name=x&sslmode=disable",
+		"postgres://postgres@127.0.0.1/b?sslmode=require":    "postgres://postgres@127.0.0.1/b?sslmode=require",
+		"host=127.0.0.1 user=postgres dbname=b":              "host=127.0.0.1 user=postgres dbname=b sslmode=disable",
+		"postgres://postgres@db.example.com/b":               "postgres://postgres@db.example.com/b",
+		"":                                                   "",
+	} {
+		if got := noTLSOnLoopback(in); got != want {
+			t.Errorf("noTLSOnLoopback(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func TestCPUDeltaLine(t *testing.T) {
+	f := func(v float64) *float64 { return &v }
+	rounds := []map[string]result{
+		{"first": {CPU: f(0.9)}, "unkeyed": {CPU: f(0.5)}},
+		{"first": {CPU: f(0.8)}, "unkeyed": {CPU: f(0.6)}},
+		{"first": {CPU: f(1.0)}, "unkeyed": {CPU: f(0.5)}},
+	}
+	got := cpuDeltaLine(rounds, "first", "unkeyed", 0.3)
+	if !strings.HasPrefix(got, "0.400 ms per request, median of 3 rounds") || !strings.Contains(got, "MISSED") {
+		t.Errorf("cpuDeltaLine = %q", got)
+	}
+	if got := cpuDeltaLine(rounds, "first", "unkeyed", 0.5); !strings.Contains(got, "met") {
+		t.Errorf("cpuDeltaLine = %q", got)
+	}
+}

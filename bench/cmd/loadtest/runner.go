@@ -32,7 +32,9 @@ type runner struct {
 	bin  string // the built server; "" with -server-url
 	help string // its -h text
 	srv  *proc  // the started server; nil with -server-url
-	url  string // base URL of the server under test
+	url  string // base URL of the server under test (with -handler, of idem's routes)
+	root string // with -handler: the bench server's URL, whose three ways are under it
+	path string // the route: /v1/payments, or /v1/orders with -handler orders
 	db   *pgxpool.Pool
 	logs int // server logs written, to name the next
 
@@ -71,6 +73,9 @@ func (r *runner) setup(ctx context.Context) error {
 		return err
 	}
 	r.dir = dir
+	if r.cfg.handler != "" {
+		return r.setupBench(ctx)
+	}
 	r.logf("building the server into %s", dir)
 	if r.bin, r.help, err = buildServer(ctx, dir); err != nil {
 		return err
@@ -82,6 +87,39 @@ func (r *runner) setup(ctx context.Context) error {
 	r.url = r.srv.url
 	r.logf("server %s started (log %s)", r.url, r.srv.logPath)
 	return nil
+}
+
+// setupBench builds and starts the bench server (bench/cmd/benchserver),
+// which serves -handler three ways on one pool: behind idem, as the seed
+// article by hand, and unkeyed.
+func (r *runner) setupBench(ctx context.Context) error {
+	r.logf("building the bench server into %s", r.dir)
+	bin, err := buildBenchServer(ctx, r.dir)
+	if err != nil {
+		return err
+	}
+	args := []string{"-database-url", r.cfg.databaseURL, "-handler", r.cfg.handler, "-reset"}
+	if r.cfg.oneTx {
+		args = append(args, "-one-transaction")
+	}
+	args = append(args, r.cfg.serverArgs...)
+	r.logs++
+	r.srv, err = startServer(ctx, bin, args, filepath.Join(r.dir, fmt.Sprintf("server-%d.log", r.logs)))
+	if err != nil {
+		return err
+	}
+	r.root, r.url, r.path = r.srv.url, r.srv.url+"/idem", "/v1/"+r.cfg.handler
+	r.logf("bench server %s started, handler %s, one transaction %t (log %s)", r.root, r.cfg.handler, r.cfg.oneTx, r.srv.logPath)
+	return nil
+}
+
+// client returns a client of the scenario's route at base.
+func (r *runner) client(base string) *client {
+	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
+	if r.path != "" {
+		c.path = r.path
+	}
+	return c
 }
 
 // start starts the built server with the common flags and extra.
@@ -133,6 +171,8 @@ type result struct {
 	ServerCPU   *float64       `json:"server_cpu_ms_per_req,omitempty"`  // CPU time of the server process per request
 	DBCPU       *float64       `json:"db_cpu_ms_per_req,omitempty"`      // CPU time of the database's backends per request (local PostgreSQL only)
 	MachineBusy *float64       `json:"machine_cpu_busy,omitempty"`       // share of the machine's CPU time not idle, in [0, 1]
+	MachineCPU  *float64       `json:"machine_cpu_ms_per_req,omitempty"` // the whole machine's busy CPU time per request, the load test's and any other process's included
+	CPU         *float64       `json:"cpu_ms_per_req,omitempty"`         // the CPU time per request of the server, the database's backends and the load test: the whole system under test, whatever else runs on the machine
 	Purge       *purgeResult   `json:"purge,omitempty"`                  // retention only
 	Note        string         `json:"note,omitempty"`                   // what the figures mean, when it is not obvious
 	FirstError  string         `json:"first_error,omitempty"`
@@ -153,6 +193,11 @@ func (r *runner) scenario(ctx context.Context, name string) (result, error) {
 	switch name {
 	case "first":
 		return r.first(ctx, r.url, "first")
+	case "article":
+		if r.root == "" {
+			return result{}, fmt.Errorf("%w: article needs -handler (the bench server serves the seed article by hand)", errSkipped)
+		}
+		return r.first(ctx, r.root+"/article", "article")
 	case "replay":
 		return r.replay(ctx)
 	case "unkeyed":
@@ -172,7 +217,7 @@ func (r *runner) measure() window {
 
 // first measures first executions: every request has a new key.
 func (r *runner) first(ctx context.Context, base, name string) (result, error) {
-	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
+	c := r.client(base)
 	defer c.close()
 	w := r.measure()
 	var t *tally
@@ -189,7 +234,7 @@ func (r *runner) first(ctx context.Context, base, name string) (result, error) {
 
 // replay creates replayKeys payments, then measures retries of them.
 func (r *runner) replay(ctx context.Context) (result, error) {
-	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	c := r.client(r.url)
 	defer c.close()
 	n := r.cfg.replayKeys
 	keys := make([]string, n)
@@ -242,6 +287,9 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 func (r *runner) unkeyed(ctx context.Context) (result, error) {
 	base := r.cfg.unkeyedURL
 	var driven *proc // the server measured, when the load test started it
+	if r.root != "" {
+		base, driven = r.root+"/unkeyed", r.srv
+	}
 	if base == "" {
 		if r.bin == "" {
 			return result{}, fmt.Errorf("%w: with -server-url, pass -unkeyed-url: the URL of a server started with -no-idempotency", errSkipped)
@@ -268,7 +316,7 @@ func (r *runner) unkeyed(ctx context.Context) (result, error) {
 		}()
 		base, driven = p.url, p
 	}
-	c := newClient(base, r.cfg.apiKey, r.cfg.concurrency)
+	c := r.client(base)
 	defer c.close()
 	w := r.measure()
 	var t *tally
@@ -287,7 +335,7 @@ func (r *runner) unkeyed(ctx context.Context) (result, error) {
 // once: one request executes (201), the others find it started (409) or
 // completed (a replayed 201). A round starts when the last one has ended.
 func (r *runner) conflict(ctx context.Context) (result, error) {
-	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	c := r.client(r.url)
 	defer c.close()
 	w := r.measure()
 	n := r.cfg.concurrency
@@ -342,7 +390,7 @@ func (r *runner) conflict(ctx context.Context) (result, error) {
 // its purge job deletes from its start on.
 func (r *runner) retention(ctx context.Context) (result, error) {
 	if r.bin == "" || r.db == nil {
-		return result{}, fmt.Errorf("%w: retention needs -database-url and a server the load test starts (no -server-url)", errSkipped)
+		return result{}, fmt.Errorf("%w: retention needs -database-url and a reference server the load test starts (no -server-url, no -handler)", errSkipped)
 	}
 	restart := func() error {
 		if err := r.srv.stop(); err != nil {
@@ -416,7 +464,7 @@ func (r *runner) retention(ctx context.Context) (result, error) {
 	}()
 	// Run until the purge is done, within 10 minutes; the load goes on
 	// for the usual duration at least.
-	c := newClient(r.url, r.cfg.apiKey, r.cfg.concurrency)
+	c := r.client(r.url)
 	defer c.close()
 	w := r.measure()
 	w.to = w.from.Add(10 * time.Minute)
@@ -550,6 +598,7 @@ type counters struct {
 	roundTrips float64 // idem_db_round_trips_total of the server
 	hasRT      bool
 	srvTicks   int64         // utime+stime of the server, in clock ticks
+	selfTicks  int64         // utime+stime of the load test itself
 	dbTicks    map[int]int64 // utime+stime of each backend on the database, by PID
 	busy, all  int64         // the machine's busy and total CPU ticks
 	hasSrv     bool
@@ -575,6 +624,7 @@ func (r *runner) counters(ctx context.Context, pid int, base string) (counters, 
 	if pid > 0 {
 		c.srvTicks, c.hasSrv = cpuTicks(pid)
 	}
+	c.selfTicks, _ = cpuTicks(os.Getpid())
 	if r.db != nil {
 		// The backends of the database under test (the server's pool, and
 		// this one connection of the load test's), when PostgreSQL runs on
@@ -687,10 +737,16 @@ func (r *runner) summarize(name string, t *tally, w window, cc *commitCount) res
 			}
 			v := float64(ticks) * 1000 / clockTicksPerSecond / float64(len(lat))
 			res.DBCPU = &v
+			if res.ServerCPU != nil {
+				all := *res.ServerCPU + v + float64(cc.to.selfTicks-cc.from.selfTicks)*1000/clockTicksPerSecond/float64(len(lat))
+				res.CPU = &all
+			}
 		}
 		if cc.from.hasMachine && cc.to.hasMachine && cc.to.all > cc.from.all {
 			v := float64(cc.to.busy-cc.from.busy) / float64(cc.to.all-cc.from.all)
 			res.MachineBusy = &v
+			m := float64(cc.to.busy-cc.from.busy) * 1000 / clockTicksPerSecond / float64(len(lat))
+			res.MachineCPU = &m
 		}
 	}
 	if t.firstErr != nil {
@@ -731,8 +787,8 @@ func (r *runner) printJSON(res result) {
 }
 
 func printTable(w io.Writer, results []result) {
-	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s %6s %8s %7s %5s  %s\n",
-		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "db rt", "srv ms", "db ms", "busy", "statuses")
+	fmt.Fprintf(w, "%-16s %5s %9s %10s %9s %9s %9s %7s %8s %6s %8s %7s %7s %5s  %s\n",
+		"scenario", "conc", "requests", "req/s", "p50 ms", "p99 ms", "p999 ms", "errors", "commits", "db rt", "srv ms", "db ms", "cpu ms", "busy", "statuses")
 	for _, r := range results {
 		commits, rt := "-", "-"
 		if r.Commits != nil {
@@ -741,7 +797,10 @@ func printTable(w io.Writer, results []result) {
 		if r.RoundTrips != nil {
 			rt = fmt.Sprintf("%.2f", *r.RoundTrips)
 		}
-		srv, db, busy := "-", "-", "-"
+		srv, db, mach, busy := "-", "-", "-", "-"
+		if r.CPU != nil {
+			mach = fmt.Sprintf("%.3f", *r.CPU)
+		}
 		if r.ServerCPU != nil {
 			srv = fmt.Sprintf("%.3f", *r.ServerCPU)
 		}
@@ -755,8 +814,8 @@ func printTable(w io.Writer, results []result) {
 		if r.Round > 0 {
 			name = fmt.Sprintf("%s #%d", name, r.Round)
 		}
-		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s %6s %8s %7s %5s  %s\n",
-			name, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, rt, srv, db, busy, statusText(r))
+		fmt.Fprintf(w, "%-16s %5d %9d %10.1f %9.2f %9.2f %9.2f %7d %8s %6s %8s %7s %7s %5s  %s\n",
+			name, r.Concurrency, r.Requests, r.ReqPerS, r.P50, r.P99, r.P999, r.Errors, commits, rt, srv, db, mach, busy, statusText(r))
 		if r.Purge != nil {
 			p := r.Purge
 			fmt.Fprintf(w, "%-16s purged %d keys in %.1fs (%.0f rows/s, finished %t); p99 before %.2f ms, during %.2f ms (%.2fx)\n",
@@ -805,6 +864,31 @@ func (r *runner) printRatios(rounds []map[string]result) {
 		}
 		fmt.Fprintf(out, "ratio %s: %s%s\n", name, ratioLine(rounds, num, den, target), note)
 	}
+	if r.cfg.handler != "" {
+		// Issue 21's targets: against the seed article by hand, 1.0 for
+		// payments on two commits and 1.2 for orders in one transaction;
+		// replays at 4 times first executions; and in one transaction a
+		// keyed first execution at most 0.3 ms of the machine's CPU over
+		// the same handler unkeyed.
+		target := 1.0
+		if r.cfg.oneTx {
+			target = 1.2
+		}
+		ratio("idem/article", "first", "article", target, "")
+		ratio("first/unkeyed", "first", "unkeyed", 0, " (no target: the key row costs what the handler's row costs)")
+		ratio("replay/first", "replay", "first", 4, "")
+		if slices.Contains(r.cfg.scenarios, "first") && slices.Contains(r.cfg.scenarios, "unkeyed") {
+			limit := 0.0
+			if r.cfg.oneTx {
+				limit = 0.3
+			}
+			fmt.Fprintf(out, "CPU first - unkeyed: %s\n", cpuDeltaLine(rounds, "first", "unkeyed", limit))
+		}
+		if slices.Contains(r.cfg.scenarios, "first") && slices.Contains(r.cfg.scenarios, "article") {
+			fmt.Fprintf(out, "CPU article - first: %s\n", cpuDeltaLine(rounds, "article", "first", 0))
+		}
+		return
+	}
 	note := ""
 	if r.cfg.concurrency != targetConcurrency {
 		note = fmt.Sprintf("; issue 11 sets this target at concurrency %d, not %d", targetConcurrency, r.cfg.concurrency)
@@ -832,18 +916,59 @@ func ratioLine(rounds []map[string]result, num, den string, target float64) stri
 	for i, v := range vs {
 		each[i] = fmt.Sprintf("%.2f", v)
 	}
-	slices.Sort(vs)
-	med := vs[len(vs)/2]
-	if len(vs)%2 == 0 {
-		med = (vs[len(vs)/2-1] + vs[len(vs)/2]) / 2
-	}
-	verdict := "met"
-	if med < target {
-		verdict = "MISSED"
+	med := median(vs)
+	verdict := ""
+	switch {
+	case target == 0:
+	case med < target:
+		verdict = fmt.Sprintf(" (target >= %g: MISSED)", target)
+	default:
+		verdict = fmt.Sprintf(" (target >= %g: met)", target)
 	}
 	if len(vs) == 1 {
-		return fmt.Sprintf("%s/%s req/s = %.2f (target >= %g: %s)", num, den, med, target, verdict)
+		return fmt.Sprintf("%s/%s req/s = %.2f%s", num, den, med, verdict)
 	}
-	return fmt.Sprintf("%s/%s req/s = %.2f, median of %d rounds [%s] (target >= %g: %s)",
-		num, den, med, len(vs), strings.Join(each, " "), target, verdict)
+	return fmt.Sprintf("%s/%s req/s = %.2f, median of %d rounds [%s]%s",
+		num, den, med, len(vs), strings.Join(each, " "), verdict)
+}
+
+// cpuDeltaLine tells num's CPU per request less den's (the server's, the
+// database's and the load test's: the whole machine's on a machine that
+// runs nothing else, and measurable on one that does), in ms, per round,
+// against limit (0: none): the median and each round's.
+func cpuDeltaLine(rounds []map[string]result, num, den string, limit float64) string {
+	var vs []float64
+	for _, res := range rounds {
+		a, okA := res[num]
+		b, okB := res[den]
+		if okA && okB && a.CPU != nil && b.CPU != nil {
+			vs = append(vs, *a.CPU-*b.CPU)
+		}
+	}
+	if len(vs) == 0 {
+		return "not measured"
+	}
+	each := make([]string, len(vs))
+	for i, v := range vs {
+		each[i] = fmt.Sprintf("%.3f", v)
+	}
+	med := median(vs)
+	verdict := ""
+	switch {
+	case limit == 0:
+	case med > limit:
+		verdict = fmt.Sprintf(" (target <= %g ms: MISSED)", limit)
+	default:
+		verdict = fmt.Sprintf(" (target <= %g ms: met)", limit)
+	}
+	return fmt.Sprintf("%.3f ms per request, median of %d rounds [%s]%s", med, len(vs), strings.Join(each, " "), verdict)
+}
+
+// median returns the median of vs, which it sorts.
+func median(vs []float64) float64 {
+	slices.Sort(vs)
+	if len(vs)%2 == 0 {
+		return (vs[len(vs)/2-1] + vs[len(vs)/2]) / 2
+	}
+	return vs[len(vs)/2]
 }

@@ -14,6 +14,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // checkLoopback refuses a URL whose host is not a loopback address: the
@@ -164,4 +166,50 @@ func (p *proc) stop() error {
 		return fmt.Errorf("the server exited with %v (log: %s)", p.err, p.logPath)
 	}
 	return nil
+}
+
+// noTLSOnLoopback returns dsn with sslmode=disable when it sets no sslmode
+// (nor PGSSLMODE does) and its host is on loopback or a Unix socket. Every
+// server of a run and the load test's own counting connection then talk to
+// PostgreSQL in the clear alike: libpq's default, prefer, would negotiate
+// TLS wherever the server offers it, and add the cost of encryption to the
+// figures of whichever connections did.
+func noTLSOnLoopback(dsn string) string {
+	if dsn == "" || strings.Contains(dsn, "sslmode") || os.Getenv("PGSSLMODE") != "" {
+		return dsn
+	}
+	cfg, err := pgconn.ParseConfig(dsn)
+	if err != nil {
+		return dsn // the servers report it
+	}
+	if ip := net.ParseIP(cfg.Host); cfg.Host != "localhost" && !strings.HasPrefix(cfg.Host, "/") && (ip == nil || !ip.IsLoopback()) {
+		return dsn
+	}
+	if strings.HasPrefix(dsn, "postgres://") || strings.HasPrefix(dsn, "postgresql://") {
+		u, err := url.Parse(dsn)
+		if err != nil {
+			return dsn
+		}
+		q := u.Query()
+		q.Set("sslmode", "disable")
+		u.RawQuery = q.Encode()
+		return u.String()
+	}
+	return dsn + " sslmode=disable"
+}
+
+// buildBenchServer builds bench/cmd/benchserver into dir and returns the
+// binary's path.
+func buildBenchServer(ctx context.Context, dir string) (string, error) {
+	out, err := exec.CommandContext(ctx, "go", "list", "-m", "-f", "{{.Dir}}", "github.com/idemkit/idem/bench").Output()
+	if err != nil {
+		return "", fmt.Errorf("finding the bench module (run from bench/): %w", err)
+	}
+	bin := filepath.Join(dir, "benchserver")
+	cmd := exec.CommandContext(ctx, "go", "build", "-o", bin, "./cmd/benchserver")
+	cmd.Dir = strings.TrimSpace(string(out))
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("go build ./cmd/benchserver in %s: %w\n%s", cmd.Dir, err, out)
+	}
+	return bin, nil
 }

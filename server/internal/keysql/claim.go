@@ -14,9 +14,12 @@ const (
 	// purge walks in its index: this package writes the claim's time plus
 	// the retention (NULL while started without a lease, or without a
 	// retention), which is never after the expiry, and leaves it alone
-	// afterwards, so that a renewal, a completion and a release update no
-	// indexed column and PostgreSQL can make them HOT updates, which add
-	// nothing to the indexes (a completion lowers it to the expiry of a key
+	// afterwards, so that a renewal, a completion and a release change no
+	// column of the primary key's index or of expires_at's (PostgreSQL
+	// then deletes those indexes' stale entries bottom-up; the updates
+	// would be HOT, adding nothing to any index, but for
+	// idempotency_keys_open_idx, which reads status and locked_at: see
+	// pgstore's TestFinishIsHOT) (a completion lowers it to the expiry of a key
 	// whose expires_at is later, or sets it on one whose expires_at is
 	// NULL: a key claimed without a lease, or by a replica of the previous
 	// release, which wrote the expiry itself, as finishedExpiryExpr did).
@@ -27,8 +30,13 @@ const (
 	// schema/legacy_replicas.sql), while they serve beside this one during
 	// a rolling upgrade; their rows and this package's read the same.
 	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
-        AND greatest(k.expires_at, k.locked_at + (k.retention_us
-            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond') < statement_timestamp())`
+        AND ` + expiryTimeExpr + ` < statement_timestamp())`
+	// expiryTimeExpr is when k starts counting as absent, for a key that
+	// expires at all (see expiredExpr); expiryExpr is that or NULL (never).
+	expiryTimeExpr = `greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond')`
+	expiryExpr = `(CASE WHEN k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        THEN ` + expiryTimeExpr + ` END)`
 	// refusedExpr: k is expired and the claim's first-sent check ($9
 	// stale, $10 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
@@ -214,8 +222,8 @@ const AsyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
 
 // RenewSQL renews the lease of a key its claim still owns ($1 client, $2
 // key, $3 token), by the lease stored with it: the lease, and the key's
-// expiry with it, run from locked_at (see expiredExpr). It changes no
-// indexed column, so it can be a HOT update.
+// expiry with it, run from locked_at (see expiredExpr). It leaves
+// expires_at as it is.
 const RenewSQL = `
 UPDATE idempotency_keys SET locked_at = statement_timestamp()
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`

@@ -7,9 +7,8 @@ const ShowIsolationSQL = `SHOW transaction_isolation`
 // CompleteSQL completes a key its claim still owns ($1 client, $2 key, $3
 // token) with the response ($4 status, $5 content type, $6 headers, $7
 // body); the key expires its retention from now (see finishedSetExpr). It
-// changes no indexed column of a key this package claimed with a lease,
-// so it can be a HOT update (one that adds no index entry, when the row's
-// page has room). It updates no row when the claim was fenced.
+// leaves expires_at as it is for a key this package claimed with a lease
+// (see expiredExpr). It updates no row when the claim was fenced.
 const CompleteSQL = `
 UPDATE idempotency_keys SET
     status = 'completed',

@@ -32,7 +32,7 @@ CREATE TABLE idempotency_keys (
     -- A bound below the time the key counts as absent, for the purge's
     -- index: greatest(expires_at, locked_at + retention, plus the lease
     -- while started); NULL: never. Written at the claim, so that a
-    -- renewal, a completion and a release change no indexed column.
+    -- renewal, a completion and a release leave its index unchanged.
     expires_at            timestamptz,
     CONSTRAINT idempotency_keys_pkey PRIMARY KEY (client_id, idempotency_key),
     CONSTRAINT idempotency_keys_key_check CHECK (octet_length(idempotency_key) BETWEEN 1 AND 255),
