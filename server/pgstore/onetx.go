@@ -29,8 +29,7 @@ type inTxKey struct {
 
 // args returns the parameters of keysql.CompleteNewSQL from $8 on.
 func (k *inTxKey) args() []any {
-	return []any{k.req.Method, k.req.Path, k.req.Fingerprint, k.req.FingerprintVersion, k.opID, k.created,
-		keysql.Micros(k.req.LockTimeout), keysql.Micros(k.req.Retention)}
+	return keysql.CompleteNewArgs(k.req, k.created, k.opID)
 }
 
 // claimInTx claims req's key in one transaction (keysql.ClaimTxSQL, sent with the
@@ -82,7 +81,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 		u := &unit{store: s, conn: conn, tx: br.Tx(), inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
-		s.register(u)
+		s.units.Add(u.claim, u, false)
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: u.claim}, true, nil
 	}
 	if pc := conn.Conn().PgConn(); !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() != 'I' {
@@ -102,17 +101,6 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	return row.Result(req), true, nil
 }
 
-// register adds u to the units of work that Renew, Release and Begin look
-// up by token.
-func (s *Store) register(u *unit) {
-	s.unitsMu.Lock()
-	if s.units == nil {
-		s.units = make(map[int64]*unit)
-	}
-	s.units[u.claim.Token] = u
-	s.unitsMu.Unlock()
-}
-
 // errInTxOver is the error of every statement of a unit of work begun for a
 // claim in one transaction whose transaction has ended.
 var errInTxOver = fmt.Errorf("pgstore: the claim's transaction is over: %w", idempotency.ErrFenced)
@@ -122,39 +110,10 @@ var errInTxOver = fmt.Errorf("pgstore: the claim's transaction is over: %w", ide
 // ended, one that owns nothing, whose statements fail and whose Complete
 // returns ErrFenced.
 func (s *Store) beginInTx(c idempotency.Claim) *unit {
-	s.unitsMu.Lock()
-	defer s.unitsMu.Unlock()
-	if u := s.units[c.Token]; u != nil && u.claim == c && !u.opened {
-		u.opened = true
+	if u, ok := s.units.Open(c); ok {
 		return u
 	}
 	return &unit{store: s, claim: c, inTx: &inTxKey{}, err: errInTxOver}
-}
-
-// inTxOpen implements Renew for a claim made in one transaction, which has
-// no lease: nil while its transaction is open, ErrFenced after.
-func (s *Store) inTxOpen(ctx context.Context, c idempotency.Claim) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if s.unitOf(c) == nil {
-		return idempotency.ErrFenced
-	}
-	return nil
-}
-
-// releaseInTx implements Release for a claim made in one transaction: it
-// rolls back the claim's transaction, key and all, or returns ErrFenced
-// once that has ended.
-func (s *Store) releaseInTx(ctx context.Context, c idempotency.Claim) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	u := s.unitOf(c)
-	if u == nil {
-		return idempotency.ErrFenced
-	}
-	return u.Rollback(ctx)
 }
 
 // completeInTx completes the unit of a claim made in one transaction: it

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sync"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -97,8 +96,7 @@ type Store struct {
 
 	claims batcher[*pendingClaim]
 
-	unitsMu sync.Mutex
-	units   map[int64]*unit // the units of work of this process, by lock token (see Renew)
+	units keysql.Units[*unit] // the units of work of this process (see Renew)
 }
 
 // New returns a store on pool, whose search_path must reach the table
@@ -311,29 +309,9 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if c.OneTransaction {
 		return s.beginInTx(c), nil
 	}
-	u := &unit{store: s, claim: c, opened: true}
-	s.register(u)
+	u := &unit{store: s, claim: c}
+	s.units.Add(c, u, true)
 	return u, nil
-}
-
-// forget drops u, which is over, from the units that Renew looks up.
-func (s *Store) forget(u *unit) {
-	s.unitsMu.Lock()
-	if s.units[u.claim.Token] == u {
-		delete(s.units, u.claim.Token)
-	}
-	s.unitsMu.Unlock()
-}
-
-// unitOf returns the unit of work of c begun by this Store and not over,
-// or nil.
-func (s *Store) unitOf(c idempotency.Claim) *unit {
-	s.unitsMu.Lock()
-	defer s.unitsMu.Unlock()
-	if u := s.units[c.Token]; u != nil && u.claim == c {
-		return u
-	}
-	return nil
 }
 
 // Renew implements [idempotency.Store.Renew] in one statement. When the
@@ -348,9 +326,9 @@ func (s *Store) unitOf(c idempotency.Claim) *unit {
 // snapshot. The lease then runs out a lock timeout after the last renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
 	if c.OneTransaction {
-		return s.inTxOpen(ctx, c)
+		return s.units.Renew(ctx, c)
 	}
-	if u := s.unitOf(c); u != nil {
+	if u, ok := s.units.Of(c); ok {
 		return u.renew(ctx)
 	}
 	return s.ownedUpdate(ctx, c, keysql.RenewSQL, nil, "")
@@ -384,7 +362,7 @@ func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
 // [idempotency.ErrFenced], as without the retry.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
 	if c.OneTransaction {
-		return s.releaseInTx(ctx, c)
+		return s.units.Release(ctx, c)
 	}
 	return s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
 }

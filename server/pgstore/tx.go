@@ -137,8 +137,7 @@ type unit struct {
 	// inTx is the key of a claim made in one transaction, which the
 	// completion writes (see keysql.ClaimTxSQL); nil otherwise. Such a unit's
 	// transaction is begun by the claim.
-	inTx   *inTxKey
-	opened bool // Begin returned it (a unit of a claim in one transaction is opened by the claim)
+	inTx *inTxKey
 
 	mu     sync.Mutex
 	done   bool
@@ -479,7 +478,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return errTxDone
 	}
 	u.done = true
-	u.store.forget(u)
+	u.store.units.Remove(u.claim, u)
 	if err := ctx.Err(); err != nil {
 		u.rollbackLocked(ctx)
 		return err
@@ -601,7 +600,7 @@ func (u *unit) Rollback(ctx context.Context) error {
 	defer u.mu.Unlock()
 	if !u.done {
 		u.done = true
-		u.store.forget(u)
+		u.store.units.Remove(u.claim, u)
 	}
 	u.rollbackLocked(ctx)
 	return nil

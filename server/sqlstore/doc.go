@@ -46,6 +46,12 @@
 //
 // # Where it differs from pgstore
 //
+// The statements the store prepares are those of a first execution (the
+// claims and the completions in the handler's transaction): database/sql
+// prepares them once on each connection, and PostgreSQL plans them once
+// (lib/pq prepares nothing of its own; pgx's stdlib caches what it is
+// given either way). The other statements run as they are.
+//
 // database/sql cannot send two statements in one round trip, nor hand out
 // anything but its own types, so:
 //
@@ -54,12 +60,13 @@
 //     the COMMIT (pgstore sends the BEGIN with the first statement and the
 //     completion with the COMMIT). See BENCHMARKS.md for what that costs.
 //   - Claims in one transaction ([idempotency.Options.OneTransaction]) are
-//     not offered: a claim that asks for one is made in a commit of its
-//     own, and says so ([idempotency.Claim.OneTransaction] is false), as
-//     the idempotency documentation allows; the route works as without the
-//     option. Nor are pgstore's AsyncClaims and BatchClaims, and the store
-//     is not an [idempotency.Inspector] or an [idempotency.Sweepable]: an
-//     operator runs those on a pgstore.Store over the same table.
+//     pgstore's (an advisory lock taken without waiting, the key inserted,
+//     completed, by the completion in the handler's commit; see pgstore's
+//     package documentation), but for the round trips: the BEGIN and the
+//     claim take one each, the completion and the COMMIT one each. Nor are
+//     pgstore's AsyncClaims and BatchClaims offered. The store is an
+//     [idempotency.Inspector] and an [idempotency.Sweepable], on pgstore's
+//     statements, for the operators' API and the sweeper.
 //   - [TxFromContext] lists how the handler's transaction keeps pgstore's
 //     rules (refused COMMIT and ROLLBACK, QueryRowContext that reads its
 //     row at once, statements that stop working when the request ends)

@@ -46,6 +46,8 @@ import (
 type Store struct {
 	db    *sql.DB
 	stmts sync.Map // query text → *sql.Stmt: the store's statements, prepared on first use
+
+	units keysql.Units[*unit] // the units of work of claims in one transaction
 }
 
 // New returns a store on db, a pool of a PostgreSQL driver (pgx's stdlib,
@@ -84,7 +86,8 @@ func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
 type pool struct{ s *Store }
 
 // prepared are the statements that pool runs prepared.
-var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxSQL: true}
+var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxSQL: true,
+	keysql.ClaimTxSQL: true, keysql.CompleteNewInTxSQL: true}
 
 func (p pool) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
 	if !prepared[query] {
@@ -118,12 +121,20 @@ type querier interface {
 // new key, keysql.ClaimReadSQL to read a key that has a row, and
 // keysql.ClaimSQL after it for a key to resume, replace or take over. A
 // request whose first-sent check is stale starts with the read, and never
-// inserts. It claims every key in a commit of its own, also when req asks
-// for one transaction ([idempotency.ClaimRequest.OneTransaction]): the
-// claim says so (its OneTransaction is false).
+// inserts. A claim in one transaction
+// ([idempotency.ClaimRequest.OneTransaction]) is keysql.ClaimTxSQL, the
+// first statement of the request's transaction after its BEGIN, and
+// keysql.ClaimSQL for a key to renew.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
+	}
+	if req.OneTransaction {
+		// A key that has a row to renew is claimed by keysql.ClaimSQL.
+		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+			return res, err
+		}
+		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	if !req.FirstSent.Stale { // a stale request must not insert the key
 		c, claimed, err := s.insertClaim(ctx, req)
@@ -134,7 +145,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 			return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
 		}
 	}
-	return s.claimLoop(ctx, req)
+	return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 }
 
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is
@@ -153,11 +164,10 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 	return c, claimed, err
 }
 
-// claimLoop reads req's key with keysql.ClaimReadSQL, then runs
+// claimLoop runs query (keysql.ClaimReadSQL or keysql.ClaimSQL), then runs
 // keysql.ClaimSQL while the key is to renew or a race was lost, and
 // returns the outcome.
-func (s *Store) claimLoop(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
-	query := keysql.ClaimReadSQL
+func (s *Store) claimLoop(ctx context.Context, query string, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	for range keysql.MaxRaces {
 		var row keysql.ClaimRow
 		found := false
@@ -213,6 +223,9 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if c.OneTransaction {
+		return s.beginInTx(c), nil
+	}
 	return &unit{store: s, claim: c}, nil
 }
 
@@ -220,6 +233,9 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 // keysql.RenewSQL. When the connection broke under it, it runs once more
 // on a live connection: a renewal done twice is one renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
+	if c.OneTransaction {
+		return s.units.Renew(ctx, c)
+	}
 	return s.ownedUpdate(ctx, c, keysql.RenewSQL, nil, "")
 }
 
@@ -229,6 +245,9 @@ func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
 // more, and a key then found released under this claim's token was
 // released by the lost statement.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
+	if c.OneTransaction {
+		return s.units.Release(ctx, c)
+	}
 	return s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
 }
 

@@ -117,6 +117,11 @@ type unit struct {
 	store *Store
 	claim idempotency.Claim
 
+	// inTx are the parameters of keysql.CompleteNewSQL from $8 on, for a
+	// claim made in one transaction, whose completion inserts the key;
+	// nil otherwise. Such a unit's transaction is begun by the claim.
+	inTx []any
+
 	mu   sync.Mutex
 	done atomic.Bool // set under mu; read by the rows of QueryRowContext without it
 	conn *sql.Conn   // nil until the handler's first statement
@@ -184,10 +189,14 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return errTxDone
 	}
 	u.done.Store(true)
+	u.store.units.Remove(u.claim, u)
 	args, err := completeArgs(ctx, u.claim, resp)
 	if err != nil {
 		u.rollbackLocked()
 		return err
+	}
+	if u.inTx != nil {
+		return u.completeInTx(ctx, resp.Status, args)
 	}
 	if u.tx == nil && u.err != nil && resp.Status < 400 {
 		// The handler's first statement failed before its transaction
@@ -195,7 +204,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return fmt.Errorf("sqlstore: the handler answered %d but its transaction failed to begin (%w); nothing was committed", resp.Status, u.err)
 	}
 	if u.tx != nil {
-		done, err := u.commitLocked(ctx, resp.Status, args)
+		done, err := u.commitLocked(ctx, keysql.CompleteInTxSQL, resp.Status, args)
 		if done {
 			return err
 		}
@@ -227,13 +236,13 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 	return []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}, nil
 }
 
-// commitLocked completes the key in the handler's transaction and commits
-// it. done is false when the handler's transaction failed (a write of its
+// commitLocked completes the key in the handler's transaction with query
+// (keysql.CompleteInTxSQL, or keysql.CompleteNewInTxSQL) and commits it. done is false when the handler's transaction failed (a write of its
 // aborted it) and the outcome, a 4xx, is to be stored alone, as pgstore
 // stores it. The caller holds u.mu.
-func (u *unit) commitLocked(ctx context.Context, status int, args []any) (done bool, _ error) {
+func (u *unit) commitLocked(ctx context.Context, query string, status int, args []any) (done bool, _ error) {
 	tx := u.tx
-	st, err := u.store.stmt(ctx, keysql.CompleteInTxSQL)
+	st, err := u.store.stmt(ctx, query)
 	if err == nil {
 		_, err = tx.StmtContext(ctx, st).ExecContext(ctx, args...)
 	}
@@ -278,6 +287,7 @@ func (u *unit) Rollback(context.Context) error {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	u.done.Store(true)
+	u.store.units.Remove(u.claim, u)
 	u.rollbackLocked()
 	return nil
 }

@@ -1,5 +1,19 @@
 package keysql
 
+import (
+	"time"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// CompleteNewArgs returns the parameters of CompleteNewSQL from $8 on: the
+// request of a claim made in one transaction at created, with operation
+// opID.
+func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID string) []any {
+	return []any{req.Method, req.Path, req.Fingerprint, req.FingerprintVersion, opID, created,
+		Micros(req.LockTimeout), Micros(req.Retention)}
+}
+
 // ShowIsolationSQL reads the transaction's isolation level. SHOW takes no
 // snapshot, so it changes nothing of the transaction.
 const ShowIsolationSQL = `SHOW transaction_isolation`
