@@ -44,11 +44,8 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	if u.begin(ctx); u.err != nil {
 		return none, false, u.err
 	}
-	st, err := s.stmt(ctx, keysql.ClaimTxSQL)
 	var row keysql.ClaimRow
-	if err == nil {
-		err = u.tx.StmtContext(ctx, st).QueryRowContext(ctx, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
-	}
+	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
 	if err == nil && row.Outcome() == idempotency.Claimed {
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}

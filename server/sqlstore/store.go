@@ -9,6 +9,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"reflect"
+	"strings"
 	"sync"
 
 	"github.com/idemkit/idem/server/idempotency"
@@ -44,8 +46,9 @@ import (
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
 type Store struct {
-	db    *sql.DB
-	stmts sync.Map // query text → *sql.Stmt: the store's statements, prepared on first use
+	db      *sql.DB
+	stmts   sync.Map // query text → *sql.Stmt: the store's statements, prepared on first use
+	prepare bool     // the driver does not cache statements: prepare those of a first execution
 
 	units keysql.Units[*unit] // the units of work of claims in one transaction
 }
@@ -54,14 +57,11 @@ type Store struct {
 // "pgx", or lib/pq, "postgres"), whose search_path must reach the table
 // created by [Migrate].
 func New(db *sql.DB) *Store {
-	return &Store{db: db}
+	return &Store{db: db, prepare: !caches(db.Driver())}
 }
 
-// stmt returns query prepared on the pool, preparing it on first use.
-// database/sql prepares it again on each connection that runs it, once:
-// PostgreSQL then parses and plans it once per connection, not on every
-// run (lib/pq prepares nothing itself; pgx's stdlib caches the statements
-// it is given, and a prepared one costs it no more).
+// stmt returns query prepared on the pool, preparing it on first use;
+// database/sql prepares it again on each connection that runs it, once.
 func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
 	if v, ok := s.stmts.Load(query); ok {
 		return v.(*sql.Stmt), nil
@@ -77,38 +77,75 @@ func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
 	return st, nil
 }
 
-// pool is the querier of the store's pool: on prepared statements for the
-// statements of a first execution (prepared), which run on every request;
-// the others run as they are, since a statement prepared costs a round
-// trip more on each connection that runs it for the first time, which
-// the rare ones would pay more often than they gain (the claims of a
-// takeover race, say, each on a new connection).
-type pool struct{ s *Store }
-
-// prepared are the statements that pool runs prepared.
+// prepared are the statements of a first execution, which run on every
+// request, and which the store prepares on a driver that does not cache
+// statements itself (see caches): PostgreSQL then parses and plans each
+// once per connection, not on every run. The others run as they are: a
+// statement prepared costs a round trip more on each connection that runs
+// it for the first time, which the rare ones would pay more often than
+// they gain (the claims of a takeover race, say, each on a new
+// connection).
 var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxSQL: true,
 	keysql.ClaimTxSQL: true, keysql.CompleteNewInTxSQL: true}
 
-func (p pool) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
-	if !prepared[query] {
-		return p.s.db.ExecContext(ctx, query, args...)
+// caches reports whether driver caches the statements it runs as prepared
+// statements of its own: pgx's stdlib does (pgx's default
+// QueryExecModeCacheStatement), and database/sql's prepared statements
+// change nothing measurable on it (bench/cmd/sqlcost), but for the round
+// trips that prepare them on each new connection; lib/pq does not, and
+// makes PostgreSQL parse and plan every statement on every run without
+// them (a first execution then costs 1.78 times pgstore's CPU, 1.40 with
+// them; see BENCHMARKS.md). The driver is known by its package, so that
+// this package imports neither.
+func caches(driver driver.Driver) bool {
+	t := reflect.TypeOf(driver)
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
 	}
-	st, err := p.s.stmt(ctx, query)
-	if err != nil {
-		return nil, err
-	}
-	return st.ExecContext(ctx, args...)
+	return strings.HasPrefix(t.PkgPath(), "github.com/jackc/pgx/")
 }
 
-func (p pool) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
-	if !prepared[query] {
-		return p.s.db.QueryRowContext(ctx, query, args...)
+// on runs the store's statements on the pool, or on tx when it is not
+// nil, prepared when the store prepares them.
+type on struct {
+	s  *Store
+	tx *sql.Tx
+}
+
+// stmt returns query prepared for o, or nil when it runs as it is.
+func (o on) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
+	if !o.s.prepare || !prepared[query] {
+		return nil, nil
 	}
-	st, err := p.s.stmt(ctx, query)
-	if err != nil {
+	st, err := o.s.stmt(ctx, query)
+	if err != nil || o.tx == nil {
+		return st, err
+	}
+	return o.tx.StmtContext(ctx, st), nil
+}
+
+func (o on) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
+	switch st, err := o.stmt(ctx, query); {
+	case err != nil:
+		return nil, err
+	case st != nil:
+		return st.ExecContext(ctx, args...)
+	case o.tx != nil:
+		return o.tx.ExecContext(ctx, query, args...)
+	}
+	return o.s.db.ExecContext(ctx, query, args...)
+}
+
+func (o on) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
+	switch st, err := o.stmt(ctx, query); {
+	case err != nil:
 		return (&readRow{err: err}).row()
+	case st != nil:
+		return st.QueryRowContext(ctx, args...)
+	case o.tx != nil:
+		return o.tx.QueryRowContext(ctx, query, args...)
 	}
-	return st.QueryRowContext(ctx, args...)
+	return o.s.db.QueryRowContext(ctx, query, args...)
 }
 
 // querier runs statements: the store's pool, or one *sql.Conn of it.
@@ -204,7 +241,7 @@ func claimOnce(ctx context.Context, q querier, query string, req idempotency.Cla
 func (s *Store) run(ctx context.Context, f func(q querier) error) error {
 	var err error
 	for range keysql.MaxRaces {
-		err = interpretError(f(pool{s}))
+		err = interpretError(f(on{s: s}))
 		if errors.Is(err, errConnLost) && ctx.Err() == nil {
 			err = interpretError(s.onLiveConn(ctx, f))
 		}
@@ -299,7 +336,7 @@ func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, nil
 	}
-	res, err := pool{s}.ExecContext(ctx, keysql.PurgeSQL, limit)
+	res, err := on{s: s}.ExecContext(ctx, keysql.PurgeSQL, limit)
 	if err != nil {
 		return 0, interpretError(err)
 	}

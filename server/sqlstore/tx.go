@@ -242,10 +242,7 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 // stores it. The caller holds u.mu.
 func (u *unit) commitLocked(ctx context.Context, query string, status int, args []any) (done bool, _ error) {
 	tx := u.tx
-	st, err := u.store.stmt(ctx, query)
-	if err == nil {
-		_, err = tx.StmtContext(ctx, st).ExecContext(ctx, args...)
-	}
+	_, err := on{u.store, tx}.ExecContext(ctx, query, args...)
 	switch c := code(err); {
 	case err == nil:
 	case c == keysql.DivisionByZero:
