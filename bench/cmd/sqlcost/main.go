@@ -82,17 +82,8 @@ var stores = []store{
 // openUnkeyedPgx is the handler alone on pgx, without the middleware:
 // BEGIN, the INSERT, COMMIT, what the handler costs without a key.
 func openUnkeyedPgx(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
-	cfg, err := pgxpool.ParseConfig(url)
+	pool, err := newPool(ctx, url, conns, nil)
 	if err != nil {
-		return nil, nil, err
-	}
-	cfg.MinConns, cfg.MaxConns = int32(conns), int32(conns)
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, nil, err
-	}
-	if _, err := pool.Exec(ctx, ordersSQL); err != nil {
-		pool.Close()
 		return nil, nil, err
 	}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -111,14 +102,8 @@ func openUnkeyedPgx(ctx context.Context, url string, conns int) (http.Handler, f
 
 // openUnkeyedSQL is the handler alone on database/sql.
 func openUnkeyedSQL(ctx context.Context, driver, url string, conns int) (http.Handler, func(), error) {
-	db, err := sql.Open(driver, url)
+	db, err := newDB(ctx, driver, url, conns, nil)
 	if err != nil {
-		return nil, nil, err
-	}
-	db.SetMaxOpenConns(conns)
-	db.SetMaxIdleConns(conns)
-	if _, err := db.ExecContext(ctx, ordersSQL); err != nil {
-		db.Close()
 		return nil, nil, err
 	}
 	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -151,21 +136,8 @@ func created(w http.ResponseWriter) {
 }
 
 func openPgstore(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
-	cfg, err := pgxpool.ParseConfig(url)
+	pool, err := newPool(ctx, url, conns, pgstore.Migrate)
 	if err != nil {
-		return nil, nil, err
-	}
-	cfg.MinConns, cfg.MaxConns = int32(conns), int32(conns)
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, nil, err
-	}
-	if err := pgstore.Migrate(ctx, pool); err != nil {
-		pool.Close()
-		return nil, nil, err
-	}
-	if _, err := pool.Exec(ctx, ordersSQL); err != nil {
-		pool.Close()
 		return nil, nil, err
 	}
 	h := idempotency.Middleware(pgstore.New(pool), idempotency.Options{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -180,18 +152,8 @@ func openPgstore(ctx context.Context, url string, conns int) (http.Handler, func
 }
 
 func openSQLStore(ctx context.Context, driver, url string, conns int) (http.Handler, func(), error) {
-	db, err := sql.Open(driver, url)
+	db, err := newDB(ctx, driver, url, conns, sqlstore.Migrate)
 	if err != nil {
-		return nil, nil, err
-	}
-	db.SetMaxOpenConns(conns)
-	db.SetMaxIdleConns(conns)
-	if err := sqlstore.Migrate(ctx, db); err != nil {
-		db.Close()
-		return nil, nil, err
-	}
-	if _, err := db.ExecContext(ctx, ordersSQL); err != nil {
-		db.Close()
 		return nil, nil, err
 	}
 	h := idempotency.Middleware(sqlstore.New(db), idempotency.Options{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -203,6 +165,53 @@ func openSQLStore(ctx context.Context, driver, url string, conns int) (http.Hand
 		created(w)
 	}))
 	return h, func() { db.Close() }, nil
+}
+
+// newPool opens a pgx pool of conns connections on url, migrates it with
+// migrate if not nil, and creates the orders table.
+func newPool(ctx context.Context, url string, conns int, migrate func(context.Context, *pgxpool.Pool) error) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MinConns, cfg.MaxConns = int32(conns), int32(conns)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if migrate != nil {
+		err = migrate(ctx, pool)
+	}
+	if err == nil {
+		_, err = pool.Exec(ctx, ordersSQL)
+	}
+	if err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}
+
+// newDB opens a database/sql pool of driver with conns connections on url,
+// migrates it with migrate if not nil, and creates the orders table.
+func newDB(ctx context.Context, driver, url string, conns int, migrate func(context.Context, *sql.DB) error) (*sql.DB, error) {
+	db, err := sql.Open(driver, url)
+	if err != nil {
+		return nil, err
+	}
+	db.SetMaxOpenConns(conns)
+	db.SetMaxIdleConns(conns)
+	if migrate != nil {
+		err = migrate(ctx, db)
+	}
+	if err == nil {
+		_, err = db.ExecContext(ctx, ordersSQL)
+	}
+	if err != nil {
+		db.Close()
+		return nil, err
+	}
+	return db, nil
 }
 
 func run() error {
