@@ -456,3 +456,27 @@ func testConnLost(t *testing.T, driver string) {
 	require.NoError(t, <-done, "a release whose connection ended under it")
 	assert.Equal(t, "released", keyStatus(t, db, "key-2"))
 }
+
+// testSerializableRenewal pins the limit that TxFromContext documents:
+// under SERIALIZABLE, a lease renewal committed while the handler's
+// transaction is open (after its snapshot) makes the completion fail with
+// a serialization failure; nothing of the handler's is committed, and the
+// key stays started, for the middleware to release. (pgstore stops
+// renewing such a transaction instead.)
+func testSerializableRenewal(t *testing.T, driver string) {
+	db, _ := openURL(t, driver, "default_transaction_isolation=serializable")
+	s := sqlstore.New(db)
+	ctx := context.Background()
+	u, hctx := unit(t, s, "key-1")
+	require.NoError(t, write(hctx, "key-1/1")) // the snapshot is taken
+	c, _ := idempotency.ClaimFromContext(hctx)
+	require.NoError(t, s.Renew(ctx, c))
+	err := u.Complete(ctx, idempotency.StoredResponse{Status: 201})
+	require.Error(t, err, "a completion after a renewal under SERIALIZABLE")
+	assert.NotErrorIs(t, err, idempotency.ErrFenced)
+	ok, err := written(ctx, db, "key-1/1")
+	require.NoError(t, err)
+	assert.False(t, ok, "the handler's row committed")
+	assert.Equal(t, "started", keyStatus(t, db, "key-1"))
+	require.NoError(t, s.Release(ctx, c, idempotency.ReleaseFailed))
+}

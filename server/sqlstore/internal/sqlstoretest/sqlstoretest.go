@@ -22,6 +22,8 @@ func Run(t *testing.T, driver string) {
 		run  func(t *testing.T, driver string)
 	}{
 		{"Conformance", testConformance},
+		{"ConformanceSerializable", testSerializable},
+		{"SerializableRenewalFailsCompletion", testSerializableRenewal},
 		{"Sealed", func(t *testing.T, driver string) { storetest.ExerciseSealed(t, backend(driver)) }},
 		{"Inspector", func(t *testing.T, driver string) { storetest.ExerciseInspector(t, backend(driver)) }},
 		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, backend(driver)) }},
@@ -57,7 +59,16 @@ func Open(t testing.TB, driver string) *sql.DB {
 // OpenURL is Open, and returns the connection string of the pool too.
 func OpenURL(t testing.TB, driver string) (*sql.DB, string) {
 	t.Helper()
+	return openURL(t, driver, "")
+}
+
+// openURL is OpenURL with more connection parameters (key=value&...).
+func openURL(t testing.TB, driver, params string) (*sql.DB, string) {
+	t.Helper()
 	url := pgtest.SchemaURL(t)
+	if params != "" {
+		url += "&" + params
+	}
 	db := open(t, driver, url)
 	ctx := context.Background()
 	if err := sqlstore.Migrate(ctx, db); err != nil {
@@ -127,11 +138,29 @@ func testConformance(t *testing.T, driver string) {
 	storetest.Exercise(t, backend(driver))
 }
 
+// testSerializable runs the conformance suite on a database whose
+// default_transaction_isolation is serializable, where the store's own
+// statements and the handlers' transactions run under SERIALIZABLE.
+func testSerializable(t *testing.T, driver string) {
+	const params = "default_transaction_isolation=serializable"
+	db, _ := openURL(t, driver, params)
+	var level string
+	if err := db.QueryRowContext(context.Background(), `SHOW transaction_isolation`).Scan(&level); err != nil || level != "serializable" {
+		t.Fatalf("transaction_isolation %q (%v) with %s, want serializable", level, err, params)
+	}
+	storetest.Exercise(t, backendWith(driver, params))
+}
+
 // backend returns the storetest backend of a store on driver, on a fresh
 // schema.
 func backend(driver string) func(t *testing.T) storetest.Backend {
+	return backendWith(driver, "")
+}
+
+// backendWith is backend with more connection parameters.
+func backendWith(driver, params string) func(t *testing.T) storetest.Backend {
 	return func(t *testing.T) storetest.Backend {
-		db := Open(t, driver)
+		db, _ := openURL(t, driver, params)
 		return storetest.Backend{
 			Store: sqlstore.New(db),
 			Write: write,
