@@ -14,11 +14,12 @@ import (
 	"testing"
 )
 
-var update = flag.Bool("update", false, "rewrite pgbench/*.sql from the SQL of ../server and ../server/pgstore")
+var update = flag.Bool("update", false, "rewrite pgbench/*.sql from the SQL of ../server and of the key store (../server/internal/keysql)")
 
 // sqlSources are the Go files whose SQL the scripts run: the key store's
-// statements, and the reference server's payment and charge.
-var sqlSources = []string{"../server/postgres.go", "../server/pgstore/*.go"}
+// statements (keysql, the one source of pgstore's and sqlstore's), and the
+// reference server's payment and charge.
+var sqlSources = []string{"../server/postgres.go", "../server/internal/keysql/*.go"}
 
 // TestPgbenchScripts checks that pgbench/first.sql and
 // pgbench/first-async.sql still run the statements of one first execution
@@ -97,7 +98,7 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 func pgbenchScript(src map[string]string, async bool) (string, error) {
 	// claimInsertSQL: what pgstore's Claim runs first, and all that a new
 	// key needs (claimReadSQL follows only for a key that has a row).
-	claim, err := goConst(src, "claimInsertSQL")
+	claim, err := goConst(src, "ClaimInsertSQL")
 	if err != nil {
 		return "", err
 	}
@@ -109,11 +110,11 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	complete, err := goConst(src, "completeInTxSQL")
+	complete, err := goConst(src, "CompleteInTxSQL")
 	if err != nil {
 		return "", err
 	}
-	show, err := goConst(src, "showIsolationSQL")
+	show, err := goConst(src, "ShowIsolationSQL")
 	if err != nil {
 		return "", err
 	}
@@ -149,7 +150,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
 	if async {
-		async, err := goConst(src, "asyncCommitSQL")
+		async, err := goConst(src, "AsyncCommitSQL")
 		if err != nil {
 			return "", err
 		}

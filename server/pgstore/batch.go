@@ -8,28 +8,8 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 )
-
-// batchClaimSQL claims new keys, many in one statement: it inserts a
-// started row for each key that has none, as claimSQL's inserted branch
-// does for one, and returns the rows it inserted. A key that has a row, or
-// that stands twice in the batch (the second time), is skipped; its caller
-// runs claimSQL. Parameters: parallel arrays of $1 client, $2 key,
-// $3 method, $4 path, $5 fingerprint, $6 fingerprint version, $7 lease and
-// $8 retention in microseconds.
-const batchClaimSQL = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
-    lease_us, retention_us, expires_at)
-SELECT r.client, r.key, r.method, r.path, r.hash, r.version, 'started',
-    gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
-    r.lease, r.retention, CASE WHEN r.lease > 0 AND r.retention > 0
-        THEN statement_timestamp() + r.retention * interval '1 microsecond' END
-FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[], $6::integer[],
-        $7::bigint[], $8::bigint[])
-    AS r(client, key, method, path, hash, version, lease, retention)
-ON CONFLICT (client_id, idempotency_key) DO NOTHING
-RETURNING client_id, idempotency_key, lock_token, operation_id::text`
 
 // batcher gathers the items that arrive while one batch of them is
 // running into the next, so that under load one statement and one commit
@@ -89,7 +69,7 @@ type pendingClaim struct {
 
 // batchClaim tries req in a batch. It returns claimed when the batch inserted
 // the key's row; otherwise (the key has a row, or the batch failed) the
-// caller claims it the usual way, with claimSQL, which also reports a
+// caller claims it the usual way, with keysql.ClaimSQL, which also reports a
 // database error. A caller whose ctx ends while it waits leaves at once
 // with ctx's error; a key the batch then claims for it is released as
 // rejected (nothing was done under it), so it does not stay started until
@@ -115,11 +95,11 @@ func (s *Store) batchClaim(ctx context.Context, req idempotency.ClaimRequest) (i
 	}
 }
 
-// runClaimBatch runs batchClaimSQL for batch and hands every pending
+// runClaimBatch runs keysql.BatchClaimSQL for batch and hands every pending
 // claim its result; it releases the keys it claimed for callers that have
 // left. On an error every claim is left unclaimed, and each caller claims
-// its key with claimSQL, which sees whatever the batch did: a row a lost
-// batch did commit is found started, as after a lost claimSQL (see
+// its key with keysql.ClaimSQL, which sees whatever the batch did: a row a lost
+// batch did commit is found started, as after a lost keysql.ClaimSQL (see
 // [Store.Claim]).
 func (s *Store) runClaimBatch(ctx context.Context, batch []*pendingClaim) {
 	defer func() {
@@ -137,13 +117,13 @@ func (s *Store) runClaimBatch(ctx context.Context, batch []*pendingClaim) {
 	for i, p := range batch {
 		clients[i], keys[i], methods[i], paths[i] = p.req.ClientID, p.req.Key, p.req.Method, p.req.Path
 		hashes[i], versions[i] = p.req.Fingerprint, int64(p.req.FingerprintVersion)
-		leases[i], retentions[i] = micros(p.req.LockTimeout), micros(p.req.Retention)
+		leases[i], retentions[i] = keysql.Micros(p.req.LockTimeout), keysql.Micros(p.req.Retention)
 	}
 	b := &pgx.Batch{}
 	if s.AsyncClaims {
-		b.Queue(asyncCommitSQL)
+		b.Queue(keysql.AsyncCommitSQL)
 	}
-	b.Queue(batchClaimSQL, clients, keys, methods, paths, hashes, versions, leases, retentions)
+	b.Queue(keysql.BatchClaimSQL, clients, keys, methods, paths, hashes, versions, leases, retentions)
 	br := s.pool.SendBatch(ctx, b)
 	closed := false
 	defer func() {
@@ -180,7 +160,7 @@ func (s *Store) runClaimBatch(ctx context.Context, batch []*pendingClaim) {
 	}
 	rows.Close()
 	if rows.Err() != nil {
-		return // not committed, or not known to be: claimSQL decides
+		return // not committed, or not known to be: keysql.ClaimSQL decides
 	}
 	// The batch's implicit transaction commits at its end, after the rows:
 	// only the end of the batch says it did. A commit that failed (the

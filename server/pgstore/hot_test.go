@@ -129,7 +129,7 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // entry (there is room on the pages of a small table). A completion that
 // set expires_at, as before, was not. It drops idempotency_keys_open_idx
 // first: that index (the sweeper's and the operators', see
-// schema/open_index.sql) is on locked_at for the keys whose status is not
+// server/internal/keysql/schema/open_index.sql) is on locked_at for the keys whose status is not
 // completed, and PostgreSQL makes no update HOT that changes a column an
 // index reads, in its key or its predicate, which a renewal, a completion
 // and a release all do. With it, these updates add index entries whatever

@@ -2,83 +2,13 @@ package pgstore
 
 import (
 	"context"
-	_ "embed"
 	"fmt"
-	"maps"
-	"slices"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/idemkit/idem/server/internal/keysql"
 )
-
-var (
-	//go:embed schema/keys.sql
-	keysSQL string
-	//go:embed schema/upgrade_legacy.sql
-	upgradeLegacySQL string
-	//go:embed schema/legacy_replicas.sql
-	legacyReplicasSQL string
-	//go:embed schema/open_index.sql
-	openIndexSQL string
-)
-
-// migrateLockClass is the first key of the advisory lock Migrate holds; the
-// second is a hash of the schema being migrated, so migrations of different
-// schemas (one per test, say) do not wait for each other.
-const migrateLockClass = 0x1de4
-
-// schemaVersion is the format of the key table this package writes, the
-// version recorded in idempotency_migrations. Replicas refuse to start on a
-// table of a newer format, so it changes only with a change that replicas
-// of the previous format cannot serve beside; changes they can serve
-// beside are compatible steps.
-const schemaVersion = 1
-
-// compatibleSteps are the changes to the key table of schemaVersion that
-// replicas of the same format (and of the idem-server before this package)
-// keep working with, so they do not change the recorded version: Migrate
-// applies each one the table lacks, as the query needed finds out, at
-// every start. needed returns one boolean.
-var compatibleSteps = []struct {
-	name, needed, sql string
-}{
-	{"defaults for earlier replicas", `
-		SELECT column_default IS NULL FROM information_schema.columns
-		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
-		legacyReplicasSQL},
-	{"the index of the keys that are not completed", `
-		SELECT to_regclass(quote_ident(current_schema()) || '.idempotency_keys_open_idx') IS NULL`,
-		openIndexSQL},
-}
-
-// columns is the key table of schemaVersion: each column and its type as
-// information_schema.columns.data_type names it.
-var columns = map[string]string{
-	"client_id":             "text",
-	"idempotency_key":       "text",
-	"request_method":        "text",
-	"request_path":          "text",
-	"request_hash":          "bytea",
-	"fingerprint_version":   "integer",
-	"status":                "text",
-	"operation_id":          "uuid",
-	"lock_token":            "bigint",
-	"release_rejected":      "boolean",
-	"response_status":       "integer",
-	"response_content_type": "text",
-	"response_headers":      "jsonb",
-	"response_body":         "bytea",
-	"created_at":            "timestamp with time zone",
-	"locked_at":             "timestamp with time zone",
-	"lease_us":              "bigint",
-	"retention_us":          "bigint",
-	"expires_at":            "timestamp with time zone",
-}
-
-// legacyAdded are the columns that the upgrade of a key table of the
-// reference server before this package (upgrade_legacy.sql) adds.
-var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expires_at"}
 
 // Migrate creates the key table of [Store], or brings it up to the version
 // this package writes, in the first schema of the search_path of pool's
@@ -87,7 +17,8 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // idempotency_keys_expires_idx and idempotency_keys_open_idx, and the
 // table idempotency_migrations, where
 // it records the version it applied. The business tables of the service are
-// the service's to create.
+// the service's to create. The migrations are those of sqlstore.Migrate:
+// the two packages serve one key table, side by side.
 //
 // It runs in one transaction under a transaction-level advisory lock, so it
 // is safe to call at every start, twice, and from many processes at once:
@@ -95,11 +26,11 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // do. A table named idempotency_keys that it did not create is an error
 // naming the columns that differ, never silently used, unless it is the key
 // table of an idem-server from before this package, which it upgrades in
-// place (see schema/upgrade_legacy.sql). Replicas of that server may keep
+// place. Replicas of that server may keep
 // serving beside the new ones on the upgraded table during a rolling
 // upgrade: the columns they do not know have defaults for their inserts,
 // and a key they claim, complete or release without the expiry is given
-// one from its lease and retention (see schema/legacy_replicas.sql).
+// one from its lease and retention.
 //
 // The version recorded is the table's format; a replica refuses to start
 // on a newer one. Changes that replicas of the same format keep working
@@ -120,48 +51,13 @@ var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expi
 // retention_us, plus lease_us while started). expires_at is a bound below
 // that time (the claim's time plus the retention; NULL: never), kept as it
 // is when a key is renewed, completed or released, so that these updates
-// leave the primary key's and expires_at's indexes unchanged. The purge ([Store.Purge]) deletes the rows that
+// leave the primary key's and expires_at's indexes unchanged. The purge
+// ([Store.Purge]) deletes the rows that
 // count as absent, through idempotency_keys_expires_idx, in bounded
 // batches; it never deletes a row whose lease is being renewed.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {
-			return err
-		}
-		if _, err := tx.Exec(ctx, `CREATE TABLE IF NOT EXISTS idempotency_migrations (
-			version    integer     PRIMARY KEY,
-			applied_at timestamptz NOT NULL DEFAULT now()
-		)`); err != nil {
-			return err
-		}
-		var applied int
-		if err := tx.QueryRow(ctx, `SELECT coalesce(max(version), 0) FROM idempotency_migrations`).Scan(&applied); err != nil {
-			return err
-		}
-		switch {
-		case applied > schemaVersion:
-			return fmt.Errorf("the key table is at version %d, newer than this package's %d: upgrade the binary", applied, schemaVersion)
-		case applied < schemaVersion:
-			if err := createTable(ctx, tx); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `INSERT INTO idempotency_migrations (version) VALUES ($1)`, schemaVersion); err != nil {
-				return err
-			}
-		}
-		for _, step := range compatibleSteps {
-			var needed bool
-			if err := tx.QueryRow(ctx, step.needed).Scan(&needed); err != nil {
-				return fmt.Errorf("checking the key table for %s: %w", step.name, err)
-			}
-			if !needed {
-				continue
-			}
-			if _, err := tx.Exec(ctx, step.sql); err != nil {
-				return fmt.Errorf("adding %s to the key table: %w", step.name, err)
-			}
-		}
-		return nil
+		return keysql.Migrate(ctx, migrateConn{tx})
 	})
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
@@ -169,135 +65,14 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	return nil
 }
 
-// createTable creates the key table of schemaVersion, upgrades the one of
-// an idem-server from before this package, or adopts one of this version's
-// shape; anything else in the way is an error.
-func createTable(ctx context.Context, tx pgx.Tx) error {
-	found, err := tableColumns(ctx, tx)
-	if err != nil {
-		return err
-	}
-	switch {
-	case len(found) == 0:
-		if _, err := tx.Exec(ctx, keysSQL); err != nil {
-			return fmt.Errorf("creating the key table: %w", err)
-		}
-	case isLegacy(found):
-		if diff, err := primaryKeyDiff(ctx, tx); err != nil || diff != "" {
-			return cmpErr(err, fmt.Errorf("the key table of an earlier idem-server has %s: rename it, or migrate into another schema", diff))
-		}
-		if _, err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
-			return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
-		}
-	default:
-		diff := shapeDiff(found)
-		if diff == "" {
-			diff, err = primaryKeyDiff(ctx, tx)
-			if err != nil {
-				return err
-			}
-		}
-		if diff != "" {
-			return fmt.Errorf("a table idempotency_keys that this package did not create is in the way (%s): rename it, or migrate into another schema", diff)
-		}
-		// The shape of this version, without its record (a restored
-		// dump, say): adopted, with its sequence and index.
-		if _, err := tx.Exec(ctx, adoptSQL); err != nil {
-			return fmt.Errorf("adopting the key table: %w", err)
-		}
-	}
-	return nil
+// migrateConn runs keysql's migrations on a pgx.Tx.
+type migrateConn struct{ tx pgx.Tx }
+
+func (c migrateConn) Exec(ctx context.Context, sql string, args ...any) error {
+	_, err := c.tx.Exec(ctx, sql, args...)
+	return err
 }
 
-// tableColumns returns the columns of idempotency_keys in the current
-// schema and their types; none when there is no such table.
-func tableColumns(ctx context.Context, tx pgx.Tx) (map[string]string, error) {
-	rows, _ := tx.Query(ctx, `
-		SELECT column_name::text, data_type::text FROM information_schema.columns
-		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys'`)
-	found := make(map[string]string)
-	var name, typ string
-	_, err := pgx.ForEachRow(rows, []any{&name, &typ}, func() error {
-		found[name] = typ
-		return nil
-	})
-	return found, err
-}
-
-// isLegacy reports whether found is the key table of an idem-server from
-// before this package: this version's columns but those the upgrade adds
-// (release_rejected may be there already, from its schema version 3).
-func isLegacy(found map[string]string) bool {
-	if _, ok := found["lease_us"]; ok {
-		return false
-	}
-	want, found := maps.Clone(columns), maps.Clone(found)
-	for _, c := range legacyAdded {
-		delete(want, c)
-	}
-	delete(found, "release_rejected")
-	for c, typ := range want {
-		if found[c] != typ {
-			return false
-		}
-	}
-	return len(found) == len(want)
-}
-
-// adoptSQL creates what a key table of this version's columns may lack
-// when it is adopted without its migration record.
-const adoptSQL = `
-CREATE SEQUENCE IF NOT EXISTS idempotency_lock_tokens AS bigint;
-CREATE INDEX IF NOT EXISTS idempotency_keys_expires_idx ON idempotency_keys (expires_at) WHERE expires_at IS NOT NULL`
-
-// primaryKeyDiff says what is wrong with the primary key of the
-// idempotency_keys table of the current schema, or returns "" when it is
-// (client_id, idempotency_key), which every claim's ON CONFLICT needs.
-func primaryKeyDiff(ctx context.Context, tx pgx.Tx) (string, error) {
-	var cols []string
-	err := tx.QueryRow(ctx, `
-		SELECT coalesce(array_agg(a.attname::text ORDER BY k.n), '{}')
-		FROM pg_constraint c
-		CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, n)
-		JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
-		WHERE c.conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND c.contype = 'p'`).Scan(&cols)
-	switch {
-	case err != nil:
-		return "", err
-	case len(cols) == 0:
-		return "no primary key", nil
-	case !slices.Equal(cols, []string{"client_id", "idempotency_key"}):
-		return fmt.Sprintf("primary key (%s), not (client_id, idempotency_key)", strings.Join(cols, ", ")), nil
-	}
-	return "", nil
-}
-
-// shapeDiff describes how found differs from this version's columns, or
-// returns "" when it does not.
-func shapeDiff(found map[string]string) string {
-	var missing, other, extra []string
-	for _, c := range slices.Sorted(maps.Keys(columns)) {
-		switch typ, ok := found[c]; {
-		case !ok:
-			missing = append(missing, c)
-		case typ != columns[c]:
-			other = append(other, fmt.Sprintf("%s is %s, not %s", c, typ, columns[c]))
-		}
-	}
-	for _, c := range slices.Sorted(maps.Keys(found)) {
-		if _, ok := columns[c]; !ok {
-			extra = append(extra, c)
-		}
-	}
-	var parts []string
-	if len(missing) > 0 {
-		parts = append(parts, "missing columns: "+strings.Join(missing, ", "))
-	}
-	if len(other) > 0 {
-		parts = append(parts, strings.Join(other, "; "))
-	}
-	if len(extra) > 0 {
-		parts = append(parts, "unknown columns: "+strings.Join(extra, ", "))
-	}
-	return strings.Join(parts, "; ")
+func (c migrateConn) QueryRow(ctx context.Context, sql string, args []any, dest ...any) error {
+	return c.tx.QueryRow(ctx, sql, args...).Scan(dest...)
 }

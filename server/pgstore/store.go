@@ -6,15 +6,13 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"strings"
-	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 )
 
 // Store is the PostgreSQL [idempotency.Store], on the key table created by
@@ -28,9 +26,9 @@ import (
 //
 // Each operation on a key is one SQL statement in one round trip, but for
 // the claims of keys that have a row: a claim inserts a new key in one
-// (claimInsertSQL), reads the row of a key it could not insert (a replay, a
+// (keysql.ClaimInsertSQL), reads the row of a key it could not insert (a replay, a
 // duplicate) in two, and resumes, replaces or takes over a key in three (see
-// claimReadSQL), or more in the rare case it lost a race to another
+// keysql.ClaimReadSQL), or more in the rare case it lost a race to another
 // writer of the key; a renewal, a release and a completion
 // each update the row under the claim's fencing token. A completion whose
 // handler wrote through [TxFromContext] is the last statement of the
@@ -88,18 +86,17 @@ type Store struct {
 	// BatchClaims gathers the claims that arrive while another batch of
 	// claims is running into one statement and one commit, which under
 	// concurrent load claims many new keys for the price of one (see
-	// batchClaimSQL). It changes nothing else: a key that has a row, and
-	// every key of a batch that fails, is claimed by claimSQL as without
+	// keysql.BatchClaimSQL). It changes nothing else: a key that has a row, and
+	// every key of a batch that fails, is claimed by keysql.ClaimSQL as without
 	// it, and a claim waits for no timer, only for the batch before it.
 	// The price: a key that has a row (a replay, a duplicate, a retry
-	// after a release) costs two round trips, the batch's and claimSQL's,
+	// after a release) costs two round trips, the batch's and keysql.ClaimSQL's,
 	// instead of one. Defaults to false. Set it before first use.
 	BatchClaims bool
 
 	claims batcher[*pendingClaim]
 
-	unitsMu sync.Mutex
-	units   map[int64]*unit // the units of work of this process, by lock token (see Renew)
+	units keysql.Units[*unit] // the units of work of this process (see Renew)
 }
 
 // New returns a store on pool, whose search_path must reach the table
@@ -108,275 +105,13 @@ func New(pool *pgxpool.Pool) *Store {
 	return &Store{pool: pool}
 }
 
-// maxRaces bounds how often one call re-runs a statement that lost a race
-// (see claimSQL); each re-run means another caller made progress.
-const maxRaces = 10
-
-// Expressions over a key row k shared by the statements below. A lease or
-// retention of 0 microseconds means "never".
-const (
-	// staleExpr: k is started and its owner stopped renewing its lease.
-	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
-	// expiredExpr: k counts as absent. Its expiry is computed from
-	// locked_at, which is the last claim or renewal of a started key and
-	// the time a finished one finished: a started key expires retention
-	// after its lease runs out, a finished one retention after it
-	// finished; never without a retention, nor while started without a
-	// lease. expires_at is not the expiry but a bound below it, which the
-	// purge walks in its index: this package writes the claim's time plus
-	// the retention (NULL while started without a lease, or without a
-	// retention), which is never after the expiry, and leaves it alone
-	// afterwards, so that a renewal, a completion and a release change no
-	// column of the primary key's index or of expires_at's (PostgreSQL
-	// then deletes those indexes' stale entries bottom-up; the updates
-	// would be HOT, adding nothing to any index, but for
-	// idempotency_keys_open_idx, which reads status and locked_at: see
-	// TestFinishIsHOT) (a completion lowers it to the expiry of a key
-	// whose expires_at is later, or sets it on one whose expires_at is
-	// NULL: a key claimed without a lease, or by a replica of the previous
-	// release, which wrote the expiry itself, as finishedExpiryExpr did).
-	// The greatest() covers every other writer: replicas of the previous
-	// release, which write the expiry itself, and those of an idem-server
-	// from before this package, which claim, take over, resume, complete
-	// and release keys without touching expires_at (see
-	// schema/legacy_replicas.sql), while they serve beside this one during
-	// a rolling upgrade; their rows and this package's read the same.
-	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
-        AND ` + expiryTimeExpr + ` < statement_timestamp())`
-	// expiryTimeExpr is when k starts counting as absent, for a key that
-	// expires at all (see expiredExpr); expiryExpr is that or NULL (never).
-	expiryTimeExpr = `greatest(k.expires_at, k.locked_at + (k.retention_us
-            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond')`
-	expiryExpr = `(CASE WHEN k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
-        THEN ` + expiryTimeExpr + ` END)`
-	// refusedExpr: k is expired and the claim's first-sent check ($9
-	// stale, $10 earliest begin, NULL for none) says the request may belong
-	// to its operation (see idempotency.FirstSentCheck).
-	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
-	// claimedExpiryExpr is the expires_at of a key claimed now with the
-	// lease $7 and the retention $8: now plus the retention, a bound below
-	// the key's expiry (see expiredExpr), or NULL for a key that never
-	// expires while started.
-	claimedExpiryExpr = `CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN statement_timestamp() + $8::bigint * interval '1 microsecond' END`
-	// finishedSetExpr sets the columns of a key that finishes now: locked_at
-	// to now, and expires_at to the key's expiry if that is earlier, or if
-	// expires_at is NULL; for a key this package claimed with a lease it
-	// is not, and expires_at stays as it was (see expiredExpr).
-	finishedSetExpr = `locked_at = statement_timestamp(),
-    expires_at = CASE WHEN retention_us > 0
-        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END`
-)
-
-// claimSQL claims, resumes or takes over a key, or returns it as it is (see
-// [idempotency.Store.Claim] for the cases).
-//
-// Parameters: $1 client, $2 key, $3 method, $4 path, $5 fingerprint,
-// $6 fingerprint version, $7 lease and $8 retention in microseconds
-// (0: never), stored with the key. It returns one row: outcome 1 (Claimed)
-// or 2 (TookOver) with the new token and the operation ID, or 3 (Exists)
-// with the row as the statement's snapshot saw it.
-//
-// existing reads the row without locking it, so a duplicate of a live key
-// costs a read and no write (no transaction ID, no WAL, no flush), and does
-// not queue behind the owner's completion. renewed updates the row in
-// place when it is
-//
-//   - expired (expires_at passed: it counts as absent, whatever its state
-//     and fingerprint): a new operation ID and creation time;
-//   - released under the same fingerprint version: with the same
-//     fingerprint it is resumed (same operation ID and creation time), with
-//     another it is replaced (new operation ID, creation time, request) if
-//     it was released as rejected (release_rejected), and left as it is,
-//     for an Exists row, if it was released as failed;
-//   - started, its lease run out (by the lease stored with it, not the
-//     caller's), and with the same fingerprint: taken over (same
-//     operation ID).
-//
-// Every case gets a new token, a fresh lease and the caller's lease and
-// retention. Its WHERE is re-checked by PostgreSQL on the newest row
-// version when another transaction changed the row first, so of many
-// concurrent claimers of an expired, released or stale row exactly one
-// wins; the re-check also requires the status the snapshot saw, so the
-// outcome reported (Claimed for a new, expired or released row, TookOver
-// for a stale started one) is the one that happened. inserted creates the
-// row when the snapshot had none.
-//
-// The snapshot is taken when the statement starts, so it can miss a row
-// another transaction has just inserted, or show one it has just renewed
-// or released: the statement then returns no row, or an Exists row flagged
-// lost, and the caller runs it again with a fresh snapshot.
-const claimSQL = `
-WITH ` + existingCTE + `, renewed AS (
-    UPDATE idempotency_keys k SET
-        request_method = $3,
-        request_path = $4,
-        request_hash = $5,
-        fingerprint_version = $6,
-        status = 'started',
-        operation_id = CASE
-            WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN gen_random_uuid() ELSE k.operation_id END,
-        lock_token = nextval('idempotency_lock_tokens'),
-        created_at = CASE
-            WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN statement_timestamp() ELSE k.created_at END,
-        locked_at = statement_timestamp(),
-        lease_us = $7,
-        retention_us = $8,
-        expires_at = ` + claimedExpiryExpr + `,
-        release_rejected = false,
-        response_status = NULL,
-        response_content_type = NULL,
-        response_headers = NULL,
-        response_body = NULL
-    WHERE k.client_id = $1 AND k.idempotency_key = $2
-        AND k.status = (SELECT status FROM existing)
-        AND NOT ` + refusedExpr + `
-        AND (` + expiredExpr + `
-            OR (k.status = 'released' AND k.fingerprint_version = $6
-                AND (k.release_rejected OR k.request_hash = $5))
-            OR (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5))
-    RETURNING k.lock_token, k.operation_id,
-        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
-), ` + insertedCTE + `
-SELECT 1, lock_token, operation_id::text,
-    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
-FROM inserted
-UNION ALL
-SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
-FROM renewed
-UNION ALL
-` + existingRow + `
-WHERE NOT EXISTS (SELECT FROM renewed)
-UNION ALL
-` + refusedAbsentRow
-
-// claimInsertSQL is the claim that Claim runs first (without BatchClaims,
-// and for a request whose first-sent check is not stale, which must not
-// insert the key): a plain insert of the key's row, started, which inserts
-// nothing when the key has a row. A new key, the common case, costs
-// PostgreSQL the insert alone: no read of the row first, no subquery, no
-// CTE to set up (a sixth less CPU than a statement that reads the row and
-// inserts it when it is absent; see bench/pgcost). It returns the new token
-// and operation ID, or no row, and then Claim reads the row with
-// claimReadSQL. Parameters $1 to $8 as claimSQL's.
-const claimInsertSQL = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
-    lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
-    statement_timestamp(), statement_timestamp(), $7, $8, ` + claimedExpiryExpr + `)
-ON CONFLICT (client_id, idempotency_key) DO NOTHING
-RETURNING lock_token, operation_id::text`
-
-// claimReadSQL reads the row of a key that claimInsertSQL could not insert,
-// or that a stale request claims: outcome 3 (Exists), or 4 (Refused),
-// flagged (lost) when claimSQL would renew it (expired, free or stale), in
-// which case the caller runs claimSQL; outcome 4 for a stale request whose
-// key is absent; no row for any other absent key (deleted since the insert
-// failed), which claimSQL then inserts. So a replay and a duplicate of a
-// live key cost two statements, the failed insert and this read, and only a
-// key that is taken over, resumed or replaced costs three. Same parameters
-// and rows as claimSQL.
-const claimReadSQL = `
-WITH ` + existingCTE + `, typed AS (
-    SELECT $3::text, $4::text, $7::bigint, $8::bigint -- unused: typed for the prepared statement
-)
-` + existingRow + `
-UNION ALL
-` + refusedAbsentRow
-
-// The parts that claimSQL, claimReadSQL and claimTxSQL share. existingCTE reads the
-// key's row without locking it, with what claimSQL may do with it:
-// expired, stale or free. insertedCTE creates the row when the snapshot
-// had none; ON CONFLICT DO NOTHING covers a row inserted since. existingRow
-// is the outcome 3 row, flagged (lost) when the row can be renewed.
-const (
-	existingCTE = `existing AS (
-    SELECT k.*,
-        ` + expiredExpr + ` IS TRUE AS expired,
-        ` + refusedExpr + ` AS refused,
-        (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
-        (k.status = 'released' AND k.fingerprint_version = $6
-            AND (k.release_rejected OR k.request_hash = $5)) AS free
-    FROM idempotency_keys k
-    WHERE k.client_id = $1 AND k.idempotency_key = $2
-)`
-	insertedCTE = `inserted AS (
-    INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
-        lease_us, retention_us, expires_at)
-    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
-        $7, $8, ` + claimedExpiryExpr + `
-    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
-    ON CONFLICT (client_id, idempotency_key) DO NOTHING
-    RETURNING lock_token, operation_id
-)`
-	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
-    request_method, request_path, request_hash, fingerprint_version, status,
-    response_status, response_content_type, response_headers, response_body, created_at, locked_at,
-    (expired OR stale OR free) AND NOT refused
-FROM existing`
-	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
-	// did not have, for a stale first-sent check ($9), which inserted
-	// nothing.
-	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
-WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
-)
-
-// asyncCommitSQL turns synchronous_commit off for the current transaction
-// only; sent in one batch with the claim, it covers the claim's implicit
-// transaction (see [Store.AsyncClaims]).
-const asyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
-
-// claimRow is one row of claimSQL.
-type claimRow struct {
-	outcome            idempotency.Outcome
-	token              *int64
-	operationID        *string
-	method, path       *string
-	fingerprint        []byte
-	fingerprintVersion *int32
-	status             *string
-	respStatus         *int32
-	respContentType    *string
-	respHeader         map[string]string
-	respBody           []byte
-	createdAt          *time.Time
-	lockedAt           *time.Time
-	lost               bool // outcome 3 of a row that claimSQL may renew: run claimSQL (again)
-}
-
-// micros returns d in microseconds for a lease or retention column: 0
-// (never) for zero or less, at least 1 otherwise.
-func micros(d time.Duration) int64 {
-	if d <= 0 {
-		return 0
-	}
-	return max(d.Microseconds(), 1)
-}
-
-// checkText refuses, before it reaches PostgreSQL, text that a text column
-// would refuse (SQLSTATE 22021), so the store answers as the memory store.
-func checkText(fields ...string) error {
-	for _, f := range fields {
-		if !idempotency.ValidText(f) {
-			return fmt.Errorf("%w: %q", idempotency.ErrInvalidText, f)
-		}
-	}
-	return nil
-}
-
 // Claim implements [idempotency.Store.Claim] in one statement for a new
-// key (claimInsertSQL), a second to read a key that has a row
-// (claimReadSQL), and claimSQL after it for a key to resume, replace or
-// take over; claimSQL is re-run when it lost a race to a concurrent writer
+// key (keysql.ClaimInsertSQL), a second to read a key that has a row
+// (keysql.ClaimReadSQL), and keysql.ClaimSQL after it for a key to resume, replace or
+// take over; keysql.ClaimSQL is re-run when it lost a race to a concurrent writer
 // of the same key. A claim in one transaction
-// ([idempotency.ClaimRequest.OneTransaction]) is claimTxSQL, sent with
-// the BEGIN of the request's transaction, and claimSQL for a key to renew.
+// ([idempotency.ClaimRequest.OneTransaction]) is keysql.ClaimTxSQL, sent with
+// the BEGIN of the request's transaction, and keysql.ClaimSQL for a key to renew.
 //
 // When the connection broke under the statement, ended by PostgreSQL or
 // failed without a word from it (see errConnLost), and ctx is not done,
@@ -388,18 +123,18 @@ func checkText(fields ...string) error {
 // client back after Retry-After, and the key is taken over once its lease
 // runs out. Either way the key has one owner at most.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
-	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
+	if err := keysql.CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
 	if req.OneTransaction {
-		// A key that has a row to renew is claimed by claimSQL below.
+		// A key that has a row to renew is claimed by keysql.ClaimSQL below.
 		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
 			return res, err
 		}
-		return s.claimLoop(ctx, claimSQL, req)
+		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	if req.FirstSent.Stale { // a stale request must not insert the key
-		return s.claimLoop(ctx, claimReadSQL, req)
+		return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 	}
 	claim := s.insertClaim
 	if s.BatchClaims {
@@ -411,23 +146,23 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	case claimed:
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
 	}
-	sql := claimReadSQL
+	sql := keysql.ClaimReadSQL
 	if s.BatchClaims {
-		// What the batch leaves needs claimSQL as often as not (a retry
+		// What the batch leaves needs keysql.ClaimSQL as often as not (a retry
 		// after a release), so no read first.
-		sql = claimSQL
+		sql = keysql.ClaimSQL
 	}
 	return s.claimLoop(ctx, sql, req)
 }
 
-// insertClaim claims req's key with claimInsertSQL; claimed is false when
+// insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is false when
 // the key has a row. When the connection broke under the insert, it runs it
 // once more on a connection that answers (see Claim).
 func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
 	insert := func(q querier) error {
 		var rows pgx.Rows
-		rows, err = s.query(ctx, q, claimInsertSQL, claimArgs(req)[:8])
+		rows, err = s.query(ctx, q, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8])
 		if err != nil {
 			return err
 		}
@@ -439,7 +174,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 		rows.Close()
 		return cmpErr(err, rows.Err())
 	}
-	for range maxRaces {
+	for range keysql.MaxRaces {
 		claimed = false
 		err = interpretError(insert(s.pool))
 		if errors.Is(err, errConnLost) && ctx.Err() == nil {
@@ -452,11 +187,11 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 	return c, claimed, err
 }
 
-// claimLoop runs sql (claimReadSQL or claimSQL), then claimSQL while the
+// claimLoop runs sql (keysql.ClaimReadSQL or keysql.ClaimSQL), then keysql.ClaimSQL while the
 // key is to renew or a race was lost, and returns the outcome.
 func (s *Store) claimLoop(ctx context.Context, sql string, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	retried := false
-	for range maxRaces {
+	for range keysql.MaxRaces {
 		row, found, err := s.claimOnce(ctx, s.pool, sql, req)
 		if err = interpretError(err); errors.Is(err, errConnLost) && !retried && ctx.Err() == nil {
 			retried = true
@@ -471,53 +206,13 @@ func (s *Store) claimLoop(ctx context.Context, sql string, req idempotency.Claim
 		if err != nil {
 			return idempotency.ClaimResult{}, err
 		}
-		if !found || row.lost {
-			sql = claimSQL
+		if !found || row.Lost {
+			sql = keysql.ClaimSQL
 			continue
 		}
-		return row.result(req), nil
+		return row.Result(req), nil
 	}
-	return idempotency.ClaimResult{}, fmt.Errorf("pgstore: claim of key %q lost %d races in a row", req.Key, maxRaces)
-}
-
-// result is the outcome of a claim of req that returned row, which is not
-// lost.
-func (row *claimRow) result(req idempotency.ClaimRequest) idempotency.ClaimResult {
-	switch row.outcome {
-	case idempotency.Refused, idempotency.Busy:
-		return idempotency.ClaimResult{Outcome: row.outcome}
-	case idempotency.Claimed, idempotency.TookOver:
-		return idempotency.ClaimResult{Outcome: row.outcome, Claim: idempotency.Claim{
-			ClientID:    req.ClientID,
-			Key:         req.Key,
-			Token:       *row.token,
-			OperationID: *row.operationID,
-		}}
-	}
-	rec := &idempotency.Record{
-		ClientID:           req.ClientID,
-		Key:                req.Key,
-		Method:             *row.method,
-		Path:               *row.path,
-		Fingerprint:        row.fingerprint,
-		FingerprintVersion: int(*row.fingerprintVersion),
-		Status:             idempotency.Status(*row.status),
-		CreatedAt:          *row.createdAt,
-	}
-	if row.lockedAt != nil {
-		rec.LockedAt = *row.lockedAt
-	}
-	if rec.Status == idempotency.StatusCompleted {
-		rec.Response = &idempotency.StoredResponse{
-			Status: int(*row.respStatus),
-			Header: row.respHeader,
-			Body:   row.respBody,
-		}
-		if row.respContentType != nil {
-			rec.Response.ContentType = *row.respContentType
-		}
-	}
-	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}
+	return idempotency.ClaimResult{}, fmt.Errorf("pgstore: claim of key %q lost %d races in a row", req.Key, keysql.MaxRaces)
 }
 
 // querier runs statements: a *pgxpool.Pool, or one *pgxpool.Conn of it.
@@ -528,23 +223,23 @@ type querier interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
-// claimOnce runs sql (claimReadSQL or claimSQL) once on q; found is false
+// claimOnce runs sql (keysql.ClaimReadSQL or keysql.ClaimSQL) once on q; found is false
 // when it returned no row.
-func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row claimRow, found bool, err error) {
-	if sql == claimReadSQL { // writes nothing: nothing to commit
-		return scanClaim(q.Query(ctx, sql, claimArgs(req)...))
+func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row keysql.ClaimRow, found bool, err error) {
+	if sql == keysql.ClaimReadSQL { // writes nothing: nothing to commit
+		return scanClaim(q.Query(ctx, sql, keysql.ClaimArgs(req)...))
 	}
-	return scanClaim(s.query(ctx, q, sql, claimArgs(req)))
+	return scanClaim(s.query(ctx, q, sql, keysql.ClaimArgs(req)))
 }
 
-// query runs a claim statement on q, after asyncCommitSQL in the same
+// query runs a claim statement on q, after keysql.AsyncCommitSQL in the same
 // round trip with AsyncClaims. Closing the rows ends the batch.
 func (s *Store) query(ctx context.Context, q querier, sql string, args []any) (pgx.Rows, error) {
 	if !s.AsyncClaims {
 		return q.Query(ctx, sql, args...)
 	}
 	b := &pgx.Batch{}
-	b.Queue(asyncCommitSQL)
+	b.Queue(keysql.AsyncCommitSQL)
 	b.Queue(sql, args...)
 	br := q.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
@@ -582,20 +277,10 @@ func (r *batchRows) Err() error {
 	return r.err
 }
 
-// claimArgs returns the parameters of claimSQL and its kin for req.
-func claimArgs(req idempotency.ClaimRequest) []any {
-	var earliest *time.Time
-	if !req.FirstSent.EarliestBegin.IsZero() {
-		earliest = &req.FirstSent.EarliestBegin
-	}
-	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
-		micros(req.LockTimeout), micros(req.Retention), req.FirstSent.Stale, earliest}
-}
-
 // scanClaim reads the row of a claim statement from rows, as Query
 // returned them with err, and closes them; found is false when there was
 // no row.
-func scanClaim(rows pgx.Rows, err error) (row claimRow, found bool, _ error) {
+func scanClaim(rows pgx.Rows, err error) (row keysql.ClaimRow, found bool, _ error) {
 	if err != nil {
 		if rows != nil {
 			rows.Close()
@@ -606,15 +291,9 @@ func scanClaim(rows pgx.Rows, err error) (row claimRow, found bool, _ error) {
 	if !rows.Next() {
 		return row, false, rows.Err()
 	}
-	var outcome int32
-	err = rows.Scan(&outcome, &row.token, &row.operationID,
-		&row.method, &row.path, &row.fingerprint, &row.fingerprintVersion, &row.status,
-		&row.respStatus, &row.respContentType, &row.respHeader, &row.respBody, &row.createdAt, &row.lockedAt,
-		&row.lost)
-	if err != nil {
+	if err = rows.Scan(row.Dests(&row.RespHeader)...); err != nil {
 		return row, false, err
 	}
-	row.outcome = idempotency.Outcome(outcome)
 	rows.Close()
 	return row, true, rows.Err()
 }
@@ -630,38 +309,10 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if c.OneTransaction {
 		return s.beginInTx(c), nil
 	}
-	u := &unit{store: s, claim: c, opened: true}
-	s.register(u)
+	u := &unit{store: s, claim: c}
+	s.units.Add(c, u, true)
 	return u, nil
 }
-
-// forget drops u, which is over, from the units that Renew looks up.
-func (s *Store) forget(u *unit) {
-	s.unitsMu.Lock()
-	if s.units[u.claim.Token] == u {
-		delete(s.units, u.claim.Token)
-	}
-	s.unitsMu.Unlock()
-}
-
-// unitOf returns the unit of work of c begun by this Store and not over,
-// or nil.
-func (s *Store) unitOf(c idempotency.Claim) *unit {
-	s.unitsMu.Lock()
-	defer s.unitsMu.Unlock()
-	if u := s.units[c.Token]; u != nil && u.claim == c {
-		return u
-	}
-	return nil
-}
-
-// renewSQL renews the lease of a key its claim still owns ($1 client, $2
-// key, $3 token), by the lease stored with it: the lease, and the key's
-// expiry with it, run from locked_at (see expiredExpr). It leaves
-// expires_at as it is.
-const renewSQL = `
-UPDATE idempotency_keys SET locked_at = statement_timestamp()
-WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // Renew implements [idempotency.Store.Renew] in one statement. When the
 // connection broke under it, it runs once more on a live connection: a
@@ -675,25 +326,19 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // snapshot. The lease then runs out a lock timeout after the last renewal.
 func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
 	if c.OneTransaction {
-		return s.inTxOpen(ctx, c)
+		return s.units.Renew(ctx, c)
 	}
-	if u := s.unitOf(c); u != nil {
+	if u, ok := s.units.Of(c); ok {
 		return u.renew(ctx)
 	}
-	return s.ownedUpdate(ctx, c, renewSQL, nil, "")
+	return s.ownedUpdate(ctx, c, keysql.RenewSQL, nil, "")
 }
-
-// ownedSQL tells whether a claim still owns its key ($1 client, $2 key,
-// $3 token).
-const ownedSQL = `
-SELECT EXISTS (SELECT FROM idempotency_keys
-    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started')`
 
 // checkOwned returns ErrFenced unless c still owns its key, reading the
 // row without writing it.
 func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
 	var owned bool
-	if err := s.pool.QueryRow(ctx, ownedSQL, c.ClientID, c.Key, c.Token).Scan(&owned); err != nil {
+	if err := s.pool.QueryRow(ctx, keysql.OwnedSQL, c.ClientID, c.Key, c.Token).Scan(&owned); err != nil {
 		return interpretError(err)
 	}
 	if !owned {
@@ -702,16 +347,9 @@ func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
 	return nil
 }
 
-// releaseSQL releases a key its claim still owns ($1 client, $2 key, $3
-// token), as rejected or not ($4; see [idempotency.ReleaseKind]); the key
-// expires its retention from now (see finishedSetExpr).
-const releaseSQL = `
-UPDATE idempotency_keys SET status = 'released', release_rejected = $4, ` + finishedSetExpr + `
-WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
-
 // Release implements [idempotency.Store.Release] in one statement: the row
 // is marked released, with its kind in release_rejected, and keeps its
-// operation ID, request and creation time (see claimSQL for what a claim
+// operation ID, request and creation time (see keysql.ClaimSQL for what a claim
 // does with it). Its lock token stays too; it no longer owns the key, since
 // renewal, completion and release require a started row.
 //
@@ -724,9 +362,9 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // [idempotency.ErrFenced], as without the retry.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
 	if c.OneTransaction {
-		return s.releaseInTx(ctx, c)
+		return s.units.Release(ctx, c)
 	}
-	return s.ownedUpdate(ctx, c, releaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
+	return s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
 }
 
 // ownedUpdate runs sql, an UPDATE of c's key under c's token ($1 to $3,
@@ -737,7 +375,7 @@ func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempoten
 func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string, more []any, after idempotency.Status) error {
 	args := append([]any{c.ClientID, c.Key, c.Token}, more...)
 	tag, err := s.pool.Exec(ctx, sql, args...)
-	for range maxRaces {
+	for range keysql.MaxRaces {
 		if !serializationFailure(err) || ctx.Err() != nil {
 			break
 		}
@@ -754,18 +392,12 @@ func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string
 			return err
 		}))
 	}
-	if err != nil {
-		return err
-	}
-	if !done {
-		return idempotency.ErrFenced
-	}
-	return nil
+	return keysql.Fenced(done, err)
 }
 
 // Purge implements [idempotency.Store.Purge]. One call is one short
 // statement: it walks the expires_at index, a bound below each key's expiry
-// (see expiredExpr), from the lowest, so about in the order in which the
+// (see keysql.PurgeSQL), from the lowest, so about in the order in which the
 // keys expired (the keys claimed first first), passes over the few keys
 // whose expiry is still to come (those that ran longer than they have
 // been past their bound), locks at most limit expired keys (skipping those
@@ -776,24 +408,12 @@ func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, nil
 	}
-	tag, err := s.pool.Exec(ctx, purgeSQL, limit)
+	tag, err := s.pool.Exec(ctx, keysql.PurgeSQL, limit)
 	if err != nil {
 		return 0, interpretError(err)
 	}
 	return tag.RowsAffected(), nil
 }
-
-// purgeSQL deletes a bounded batch of expired keys: $1 the batch size.
-// ctid = ANY (ARRAY(...)) is planned as a TID scan, never a scan of the
-// whole table.
-const purgeSQL = `
-DELETE FROM idempotency_keys
-WHERE ctid = ANY (ARRAY(
-    SELECT ctid FROM idempotency_keys k
-    WHERE k.expires_at < statement_timestamp() AND ` + expiredExpr + `
-    ORDER BY k.expires_at
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED))`
 
 // hasStatusUnder tells whether c's key has status under c's lock token:
 // after a lost statement of c's owner, whether that statement committed,
@@ -804,19 +424,12 @@ WHERE ctid = ANY (ARRAY(
 // the row as that left it. A key that is gone (purged) has not.
 func hasStatusUnder(ctx context.Context, q querier, c idempotency.Claim, status idempotency.Status) (bool, error) {
 	var ours bool
-	err := q.QueryRow(ctx, statusUnderSQL, c.ClientID, c.Key, c.Token, string(status)).Scan(&ours)
+	err := q.QueryRow(ctx, keysql.StatusUnderSQL, c.ClientID, c.Key, c.Token, string(status)).Scan(&ours)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, nil
 	}
 	return ours, err
 }
-
-// statusUnderSQL tells whether a key has a status under a lock token ($1
-// client, $2 key, $3 token, $4 status).
-const statusUnderSQL = `
-SELECT status = $4 AND lock_token = $3 FROM idempotency_keys
-WHERE client_id = $1 AND idempotency_key = $2
-FOR SHARE`
 
 // onLiveConn runs f on a connection of the pool that answers a ping, for
 // the one retry of a statement whose connection PostgreSQL ended. The
@@ -870,7 +483,7 @@ func interpretError(err error) error {
 		return fmt.Errorf("%w: %w", errConnLost, err)
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == characterNotInRepertoire {
+	if errors.As(err, &pgErr) && pgErr.Code == keysql.CharacterNotInRepertoire {
 		return fmt.Errorf("%w: %w", idempotency.ErrInvalidText, err)
 	}
 	return fmt.Errorf("pgstore: %w", err)
@@ -901,20 +514,11 @@ func connBroken(err error) bool {
 	case errors.As(err, &connectErr):
 		return false
 	case errors.As(err, &pgErr):
-		return pgErr.Code == adminShutdown || strings.HasPrefix(pgErr.Code, connectionException)
+		return keysql.ConnEnded(pgErr.Code)
 	}
 	return pgconn.SafeToRetry(err) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.As(err, &netErr)
 }
-
-// SQLSTATEs that interpretError and serializationFailure know.
-const (
-	characterNotInRepertoire = "22021" // invalid UTF-8 or a NUL byte in text
-	adminShutdown            = "57P01" // admin_shutdown: pg_terminate_backend, a fast shutdown
-	connectionException      = "08"    // the class of connection exceptions
-	serializationFailureCode = "40001" // serialization_failure
-	deadlockDetected         = "40P01" // deadlock_detected
-)
 
 // serializationFailure reports whether err is a serialization failure or
 // a deadlock. The store's own statements each run as a transaction of
@@ -926,7 +530,7 @@ const (
 // statement that lost a race under READ COMMITTED (see [Store.Claim]).
 func serializationFailure(err error) bool {
 	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && (pgErr.Code == serializationFailureCode || pgErr.Code == deadlockDetected)
+	return errors.As(err, &pgErr) && keysql.Retryable(pgErr.Code)
 }
 
 // errConnLost marks an error of a statement whose connection broke under

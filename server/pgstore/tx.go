@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 )
 
 // ErrTxOwned is returned by Commit and Rollback of the transaction that
@@ -134,10 +135,9 @@ type unit struct {
 	store *Store
 	claim idempotency.Claim
 	// inTx is the key of a claim made in one transaction, which the
-	// completion writes (see claimTxSQL); nil otherwise. Such a unit's
+	// completion writes (see keysql.ClaimTxSQL); nil otherwise. Such a unit's
 	// transaction is begun by the claim.
-	inTx   *inTxKey
-	opened bool // Begin returned it (a unit of a claim in one transaction is opened by the claim)
+	inTx *inTxKey
 
 	mu     sync.Mutex
 	done   bool
@@ -234,12 +234,8 @@ type firstStatement struct {
 	read func(br pgx.BatchResults) error // reads its result from the batch
 }
 
-// showIsolationSQL reads the transaction's isolation level. SHOW takes no
-// snapshot, so it changes nothing of the transaction.
-const showIsolationSQL = `SHOW transaction_isolation`
-
 // beginWith begins the transaction on conn: BEGIN, the handler's first
-// statement if first is not nil, and showIsolationSQL, in one round trip
+// statement if first is not nil, and keysql.ShowIsolationSQL, in one round trip
 // (pgx's Batch.BeginTx). It returns the first statement's error, and sent
 // when that statement was run. A first statement that failed without
 // running (pgx could not encode an argument, or PostgreSQL refused to
@@ -257,7 +253,7 @@ func (u *unit) beginWith(ctx context.Context, conn *pgxpool.Conn, first *firstSt
 	if first != nil {
 		b.Queue(first.sql, first.args...)
 	}
-	b.Queue(showIsolationSQL)
+	b.Queue(keysql.ShowIsolationSQL)
 	br := conn.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil { // the BEGIN
 		br.Close()
@@ -326,13 +322,13 @@ func cmpErr(errs ...error) error {
 // The prefix and suffix that beginSimple puts around a first statement.
 const (
 	simpleBegin = "BEGIN;\n"
-	simpleShow  = "\n;" + showIsolationSQL
+	simpleShow  = "\n;" + keysql.ShowIsolationSQL
 )
 
 // beginSimple begins the transaction on conn with sql, a first statement
 // without arguments, as pgx sends any statement without arguments: in
 // PostgreSQL's simple protocol, which takes several statements in one
-// text. BEGIN, sql and showIsolationSQL go in one text, so in one round
+// text. BEGIN, sql and keysql.ShowIsolationSQL go in one text, so in one round
 // trip, and run as they would one after the other: the statements of sql
 // in the transaction, until one fails. Its command tag is the one of the
 // last statement of sql, as pgx's Exec returns; the position of a syntax
@@ -439,7 +435,7 @@ func (u *unit) recheckIsolation(ctx context.Context) {
 		return
 	}
 	var isolation string
-	if err := u.tx.QueryRow(ctx, showIsolationSQL).Scan(&isolation); err == nil {
+	if err := u.tx.QueryRow(ctx, keysql.ShowIsolationSQL).Scan(&isolation); err == nil {
 		u.setIsolation(isolation, nil)
 	}
 }
@@ -455,47 +451,18 @@ func (u *unit) renew(ctx context.Context) error {
 	if u.snapshot {
 		return u.store.checkOwned(ctx, u.claim)
 	}
-	return u.store.ownedUpdate(ctx, u.claim, renewSQL, nil, "")
+	return u.store.ownedUpdate(ctx, u.claim, keysql.RenewSQL, nil, "")
 }
-
-// completeSQL completes a key its claim still owns ($1 client, $2 key, $3
-// token) with the response ($4 status, $5 content type, $6 headers, $7
-// body); the key expires its retention from now (see finishedSetExpr). It
-// leaves expires_at as it is for a key this package claimed with a lease
-// (see expiredExpr). It updates no row when the claim was fenced.
-const completeSQL = `
-UPDATE idempotency_keys SET
-    status = 'completed',
-    response_status = $4,
-    response_content_type = $5,
-    response_headers = $6,
-    response_body = $7,
-    ` + finishedSetExpr + `
-WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
-
-// completeInTxSQL is completeSQL as the last statement of the handler's
-// transaction, sent in one pipeline with its COMMIT. It fails with
-// division_by_zero when it completed nothing (the claim was fenced): the
-// error makes PostgreSQL skip the COMMIT queued behind it, so the
-// handler's writes are never committed without the key's outcome. A
-// fenced completion is the only way this statement divides by zero.
-const completeInTxSQL = `
-WITH done AS (` + completeSQL + `
-    RETURNING 1)
-SELECT 1 / (SELECT count(*)::integer FROM done)`
-
-// divisionByZero is the SQLSTATE of a fenced completeInTxSQL.
-const divisionByZero = "22012"
 
 // Complete implements [idempotency.Tx.Complete].
 //
-// Without a handler transaction it is completeSQL alone. When the
+// Without a handler transaction it is keysql.CompleteSQL alone. When the
 // connection broke under it, it runs once more on a live connection: lost
 // before its commit, the first wrote nothing, and the retry completes the
 // key; lost after, the retry finds the key completed under this claim's
 // token, which only this completion can have done, and Complete succeeds.
 //
-// With one, it is completeInTxSQL and COMMIT in one round trip. When the
+// With one, it is keysql.CompleteInTxSQL and COMMIT in one round trip. When the
 // connection broke under them, whether they committed is learnt from the
 // key: completed under this claim's token means committed, writes and
 // all (PostgreSQL commits both or neither); otherwise nothing was, and
@@ -511,7 +478,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return errTxDone
 	}
 	u.done = true
-	u.store.forget(u)
+	u.store.units.Remove(u.claim, u)
 	if err := ctx.Err(); err != nil {
 		u.rollbackLocked(ctx)
 		return err
@@ -520,12 +487,12 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		u.rollbackLocked(ctx)
 		return fmt.Errorf("pgstore: %w: %d", idempotency.ErrInvalidStatus, resp.Status)
 	}
-	if err := checkText(resp.ContentType); err != nil {
+	if err := keysql.CheckText(resp.ContentType); err != nil {
 		u.rollbackLocked(ctx)
 		return err
 	}
 	for name, v := range resp.Header {
-		if err := checkText(name, v); err != nil {
+		if err := keysql.CheckText(name, v); err != nil {
 			u.rollbackLocked(ctx)
 			return err
 		}
@@ -557,7 +524,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		}
 		switch u.conn.Conn().PgConn().TxStatus() {
 		case 'T': // a transaction in progress: complete and commit it
-			return u.commitLocked(ctx, completeInTxSQL, args)
+			return u.commitLocked(ctx, keysql.CompleteInTxSQL, args)
 		case 'E': // a write failed: nothing of the handler's can commit
 			u.rollbackLocked(ctx)
 			if resp.Status < 400 {
@@ -568,10 +535,10 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 			return fmt.Errorf("pgstore: the handler's transaction is no longer usable (its connection closed); nothing of it was committed")
 		}
 	}
-	return u.store.ownedUpdate(ctx, c, completeSQL, args[3:], idempotency.StatusCompleted)
+	return u.store.ownedUpdate(ctx, c, keysql.CompleteSQL, args[3:], idempotency.StatusCompleted)
 }
 
-// commitLocked sends sql (completeInTxSQL, or completeNewInTxSQL) and
+// commitLocked sends sql (keysql.CompleteInTxSQL, or keysql.CompleteNewInTxSQL) and
 // COMMIT on the handler's transaction in one round trip. The caller holds
 // u.mu.
 func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
@@ -586,7 +553,7 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 		return nil
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == divisionByZero {
+	if errors.As(err, &pgErr) && pgErr.Code == keysql.DivisionByZero {
 		u.rollback(ctx, conn)
 		return idempotency.ErrFenced
 	}
@@ -633,7 +600,7 @@ func (u *unit) Rollback(ctx context.Context) error {
 	defer u.mu.Unlock()
 	if !u.done {
 		u.done = true
-		u.store.forget(u)
+		u.store.units.Remove(u.claim, u)
 	}
 	u.rollbackLocked(ctx)
 	return nil
@@ -666,11 +633,11 @@ func (t *txView) on(ctx context.Context) (pgx.Tx, error) {
 }
 
 // refuse returns ErrTxOwned for SQL that would end the transaction.
-func refuse(f sqlFacts) error {
-	if f.control == "" {
+func refuse(f keysql.Facts) error {
+	if f.Control == "" {
 		return nil
 	}
-	return fmt.Errorf("%w: the handler may not send %s", ErrTxOwned, f.control)
+	return fmt.Errorf("%w: the handler may not send %s", ErrTxOwned, f.Control)
 }
 
 // Begin opens a savepoint, a pseudo nested transaction that the handler
@@ -732,11 +699,11 @@ func (t *txView) CopyFrom(ctx context.Context, table pgx.Identifier, columns []s
 func (t *txView) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	var set bool
 	for _, q := range b.QueuedQueries {
-		f := scanSQL(q.SQL)
+		f := keysql.Scan(q.SQL)
 		if err := refuse(f); err != nil {
 			return pgx.FailedBatchResults(b, err)
 		}
-		set = set || f.set
+		set = set || f.Set
 	}
 	if err := t.u.enter(); err != nil {
 		return pgx.FailedBatchResults(b, err)
@@ -779,7 +746,7 @@ func closedTx() pgx.Tx {
 }
 
 func (t *txView) Prepare(ctx context.Context, name, sql string) (*pgconn.StatementDescription, error) {
-	if err := refuse(scanSQL(sql)); err != nil {
+	if err := refuse(keysql.Scan(sql)); err != nil {
 		return nil, err
 	}
 	return with(ctx, t, func(tx pgx.Tx) (*pgconn.StatementDescription, error) {
@@ -809,7 +776,7 @@ func pipelined(conn *pgxpool.Conn, sql string, args []any) bool {
 // Exec runs sql. The first statement of the transaction travels with its
 // BEGIN, in one round trip.
 func (t *txView) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	f := scanSQL(sql)
+	f := keysql.Scan(sql)
 	if err := refuse(f); err != nil {
 		return pgconn.CommandTag{}, err
 	}
@@ -843,7 +810,7 @@ func (t *txView) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 	if err != nil {
 		return pgconn.CommandTag{}, err
 	}
-	if f.set {
+	if f.Set {
 		u.pauseRenewals()
 		defer u.recheckIsolation(ctx)
 	}
@@ -851,13 +818,13 @@ func (t *txView) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 }
 
 func (t *txView) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
-	f := scanSQL(sql)
+	f := keysql.Scan(sql)
 	if err := refuse(f); err != nil {
 		return nil, err
 	}
 	var rows pgx.Rows
 	_, err := with(ctx, t, func(tx pgx.Tx) (struct{}, error) {
-		if f.set {
+		if f.Set {
 			t.u.pauseRenewals() // read again at the next SET run by Exec or QueryRow
 		}
 		var err error
@@ -874,7 +841,7 @@ func (t *txView) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 // the first statement of the transaction travels with its BEGIN, in one
 // round trip.
 func (t *txView) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	f := scanSQL(sql)
+	f := keysql.Scan(sql)
 	if err := refuse(f); err != nil {
 		return &rowView{err: err}
 	}
@@ -907,7 +874,7 @@ func (t *txView) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row 
 	if err != nil {
 		return &rowView{err: err}
 	}
-	if f.set {
+	if f.Set {
 		u.pauseRenewals()
 		defer u.recheckIsolation(ctx)
 	}

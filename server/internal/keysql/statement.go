@@ -1,20 +1,20 @@
-package pgstore
+package keysql
 
 import (
 	"cmp"
 	"strings"
 )
 
-// sqlFacts is what the unit of work needs to know of a handler's SQL
+// Facts is what a store's unit of work needs to know of a handler's SQL
 // before sending it: whether one of its statements would end the request's
 // transaction, and whether one is a SET (which may change the
 // transaction's isolation level).
-type sqlFacts struct {
-	control string // the first statement that ends or begins a transaction block ("COMMIT", "ROLLBACK", ...); "" if none
-	set     bool   // a statement begins with SET
+type Facts struct {
+	Control string // the first statement that ends a transaction block ("COMMIT", "ROLLBACK", ...); "" if none
+	Set     bool   // a statement begins with SET
 }
 
-// scanSQL splits sql into its top-level statements, as PostgreSQL's lexer
+// Scan splits sql into its top-level statements, as PostgreSQL's lexer
 // does (quoted strings, escape strings, dollar quotes, quoted identifiers,
 // line and nested block comments), and reads the leading keywords of each.
 //
@@ -30,9 +30,10 @@ type sqlFacts struct {
 // begins with CREATE, whose body may hold semicolons outside quotes (BEGIN
 // ATOMIC ... END), so as never to refuse the END of such a body: what
 // follows it is not read. A statement it misses is still caught after it
-// ran (see unit.checkOpen), only too late to stop it.
-func scanSQL(sql string) sqlFacts {
-	var f sqlFacts
+// ran (each store's unit of work checks the connection's transaction
+// status), only too late to stop it.
+func Scan(sql string) Facts {
+	var f Facts
 	for s := sql; s != ""; {
 		var words [3]string
 		var rest string
@@ -41,20 +42,20 @@ func scanSQL(sql string) sqlFacts {
 		case "CREATE":
 			return f
 		case "SET":
-			f.set = true
+			f.Set = true
 		case "COMMIT", "END", "ABORT":
-			f.control = cmp.Or(f.control, words[0])
+			f.Control = cmp.Or(f.Control, words[0])
 		case "ROLLBACK":
 			next := words[1]
 			if next == "WORK" || next == "TRANSACTION" {
 				next = words[2]
 			}
 			if next != "TO" { // ROLLBACK TO SAVEPOINT stays inside the transaction
-				f.control = cmp.Or(f.control, words[0])
+				f.Control = cmp.Or(f.Control, words[0])
 			}
 		case "PREPARE":
 			if words[1] == "TRANSACTION" {
-				f.control = cmp.Or(f.control, "PREPARE TRANSACTION")
+				f.Control = cmp.Or(f.Control, "PREPARE TRANSACTION")
 			}
 		case "BEGIN", "START":
 			// A warning inside a transaction block, as with any pgx.Tx,

@@ -1,8 +1,8 @@
-package pgstore
+package keysql
 
 import "testing"
 
-// scanCases are the statements scanSQL reads, with what it must find; they
+// scanCases are the statements Scan reads, with what it must find; they
 // seed FuzzScanSQL too.
 var scanCases = []struct {
 	sql     string
@@ -75,22 +75,22 @@ var scanCases = []struct {
 
 func TestScanSQL(t *testing.T) {
 	for _, tt := range scanCases {
-		got := scanSQL(tt.sql)
-		if got.control != tt.control || got.set != tt.set {
-			t.Errorf("scanSQL(%q) = %+v, want control %q, set %v", tt.sql, got, tt.control, tt.set)
+		got := Scan(tt.sql)
+		if got.Control != tt.control || got.Set != tt.set {
+			t.Errorf("Scan(%q) = %+v, want control %q, set %v", tt.sql, got, tt.control, tt.set)
 		}
 	}
 }
 
-// FuzzScanSQL checks that scanSQL ends on any text, and that what follows
+// FuzzScanSQL checks that Scan ends on any text, and that what follows
 // a statement that ends the transaction cannot hide it.
 func FuzzScanSQL(f *testing.F) {
 	for _, tt := range scanCases {
 		f.Add(tt.sql, "SELECT 1")
 	}
 	f.Fuzz(func(t *testing.T, sql, more string) {
-		if scanSQL(sql).control != "" && scanSQL(sql+"\n;"+more).control == "" {
-			t.Errorf("scanSQL(%q) finds a transaction control statement, but not once followed by %q", sql, more)
+		if Scan(sql).Control != "" && Scan(sql+"\n;"+more).Control == "" {
+			t.Errorf("Scan(%q) finds a transaction control statement, but not once followed by %q", sql, more)
 		}
 	})
 }

@@ -1,0 +1,261 @@
+package keysql
+
+// Expressions over a key row k shared by the statements below. A lease or
+// retention of 0 microseconds means "never".
+const (
+	// staleExpr: k is started and its owner stopped renewing its lease.
+	staleExpr = `(k.status = 'started' AND k.lease_us > 0 AND k.locked_at < statement_timestamp() - k.lease_us * interval '1 microsecond')`
+	// expiredExpr: k counts as absent. Its expiry is computed from
+	// locked_at, which is the last claim or renewal of a started key and
+	// the time a finished one finished: a started key expires retention
+	// after its lease runs out, a finished one retention after it
+	// finished; never without a retention, nor while started without a
+	// lease. expires_at is not the expiry but a bound below it, which the
+	// purge walks in its index: this package writes the claim's time plus
+	// the retention (NULL while started without a lease, or without a
+	// retention), which is never after the expiry, and leaves it alone
+	// afterwards, so that a renewal, a completion and a release change no
+	// column of the primary key's index or of expires_at's (PostgreSQL
+	// then deletes those indexes' stale entries bottom-up; the updates
+	// would be HOT, adding nothing to any index, but for
+	// idempotency_keys_open_idx, which reads status and locked_at: see
+	// pgstore's TestFinishIsHOT) (a completion lowers it to the expiry of a key
+	// whose expires_at is later, or sets it on one whose expires_at is
+	// NULL: a key claimed without a lease, or by a replica of the previous
+	// release, which wrote the expiry itself, as finishedExpiryExpr did).
+	// The greatest() covers every other writer: replicas of the previous
+	// release, which write the expiry itself, and those of an idem-server
+	// from before pgstore, which claim, take over, resume, complete
+	// and release keys without touching expires_at (see
+	// schema/legacy_replicas.sql), while they serve beside this one during
+	// a rolling upgrade; their rows and this package's read the same.
+	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        AND ` + expiryTimeExpr + ` < statement_timestamp())`
+	// expiryTimeExpr is when k starts counting as absent, for a key that
+	// expires at all (see expiredExpr); expiryExpr is that or NULL (never).
+	expiryTimeExpr = `greatest(k.expires_at, k.locked_at + (k.retention_us
+            + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond')`
+	expiryExpr = `(CASE WHEN k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
+        THEN ` + expiryTimeExpr + ` END)`
+	// refusedExpr: k is expired and the claim's first-sent check ($9
+	// stale, $10 earliest begin, NULL for none) says the request may belong
+	// to its operation (see idempotency.FirstSentCheck).
+	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
+	// claimedExpiryExpr is the expires_at of a key claimed now with the
+	// lease $7 and the retention $8: now plus the retention, a bound below
+	// the key's expiry (see expiredExpr), or NULL for a key that never
+	// expires while started.
+	claimedExpiryExpr = `CASE WHEN $7::bigint > 0 AND $8::bigint > 0
+            THEN statement_timestamp() + $8::bigint * interval '1 microsecond' END`
+	// finishedSetExpr sets the columns of a key that finishes now: locked_at
+	// to now, and expires_at to the key's expiry if that is earlier, or if
+	// expires_at is NULL; for a key this package claimed with a lease it
+	// is not, and expires_at stays as it was (see expiredExpr).
+	finishedSetExpr = `locked_at = statement_timestamp(),
+    expires_at = CASE WHEN retention_us > 0
+        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END`
+)
+
+// ClaimSQL claims, resumes or takes over a key, or returns it as it is (see
+// [idempotency.Store.Claim] for the cases).
+//
+// Parameters: $1 client, $2 key, $3 method, $4 path, $5 fingerprint,
+// $6 fingerprint version, $7 lease and $8 retention in microseconds
+// (0: never), stored with the key. It returns one row: outcome 1 (Claimed)
+// or 2 (TookOver) with the new token and the operation ID, or 3 (Exists)
+// with the row as the statement's snapshot saw it.
+//
+// existing reads the row without locking it, so a duplicate of a live key
+// costs a read and no write (no transaction ID, no WAL, no flush), and does
+// not queue behind the owner's completion. renewed updates the row in
+// place when it is
+//
+//   - expired (expires_at passed: it counts as absent, whatever its state
+//     and fingerprint): a new operation ID and creation time;
+//   - released under the same fingerprint version: with the same
+//     fingerprint it is resumed (same operation ID and creation time), with
+//     another it is replaced (new operation ID, creation time, request) if
+//     it was released as rejected (release_rejected), and left as it is,
+//     for an Exists row, if it was released as failed;
+//   - started, its lease run out (by the lease stored with it, not the
+//     caller's), and with the same fingerprint: taken over (same
+//     operation ID).
+//
+// Every case gets a new token, a fresh lease and the caller's lease and
+// retention. Its WHERE is re-checked by PostgreSQL on the newest row
+// version when another transaction changed the row first, so of many
+// concurrent claimers of an expired, released or stale row exactly one
+// wins; the re-check also requires the status the snapshot saw, so the
+// outcome reported (Claimed for a new, expired or released row, TookOver
+// for a stale started one) is the one that happened. inserted creates the
+// row when the snapshot had none.
+//
+// The snapshot is taken when the statement starts, so it can miss a row
+// another transaction has just inserted, or show one it has just renewed
+// or released: the statement then returns no row, or an Exists row flagged
+// lost, and the caller runs it again with a fresh snapshot.
+const ClaimSQL = `
+WITH ` + existingCTE + `, renewed AS (
+    UPDATE idempotency_keys k SET
+        request_method = $3,
+        request_path = $4,
+        request_hash = $5,
+        fingerprint_version = $6,
+        status = 'started',
+        operation_id = CASE
+            WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
+            THEN gen_random_uuid() ELSE k.operation_id END,
+        lock_token = nextval('idempotency_lock_tokens'),
+        created_at = CASE
+            WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
+            THEN statement_timestamp() ELSE k.created_at END,
+        locked_at = statement_timestamp(),
+        lease_us = $7,
+        retention_us = $8,
+        expires_at = ` + claimedExpiryExpr + `,
+        release_rejected = false,
+        response_status = NULL,
+        response_content_type = NULL,
+        response_headers = NULL,
+        response_body = NULL
+    WHERE k.client_id = $1 AND k.idempotency_key = $2
+        AND k.status = (SELECT status FROM existing)
+        AND NOT ` + refusedExpr + `
+        AND (` + expiredExpr + `
+            OR (k.status = 'released' AND k.fingerprint_version = $6
+                AND (k.release_rejected OR k.request_hash = $5))
+            OR (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5))
+    RETURNING k.lock_token, k.operation_id,
+        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
+), ` + insertedCTE + `
+SELECT 1, lock_token, operation_id::text,
+    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
+FROM inserted
+UNION ALL
+SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+FROM renewed
+UNION ALL
+` + existingRow + `
+WHERE NOT EXISTS (SELECT FROM renewed)
+UNION ALL
+` + refusedAbsentRow
+
+// ClaimInsertSQL is the claim that Claim runs first (without BatchClaims,
+// and for a request whose first-sent check is not stale, which must not
+// insert the key): a plain insert of the key's row, started, which inserts
+// nothing when the key has a row. A new key, the common case, costs
+// PostgreSQL the insert alone: no read of the row first, no subquery, no
+// CTE to set up (a sixth less CPU than a statement that reads the row and
+// inserts it when it is absent; see bench/pgcost). It returns the new token
+// and operation ID, or no row, and then Claim reads the row with
+// ClaimReadSQL. Parameters $1 to $8 as ClaimSQL's.
+const ClaimInsertSQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+    lease_us, retention_us, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), $7, $8, ` + claimedExpiryExpr + `)
+ON CONFLICT (client_id, idempotency_key) DO NOTHING
+RETURNING lock_token, operation_id::text`
+
+// ClaimReadSQL reads the row of a key that ClaimInsertSQL could not insert,
+// or that a stale request claims: outcome 3 (Exists), or 4 (Refused),
+// flagged (lost) when ClaimSQL would renew it (expired, free or stale), in
+// which case the caller runs ClaimSQL; outcome 4 for a stale request whose
+// key is absent; no row for any other absent key (deleted since the insert
+// failed), which ClaimSQL then inserts. So a replay and a duplicate of a
+// live key cost two statements, the failed insert and this read, and only a
+// key that is taken over, resumed or replaced costs three. Same parameters
+// and rows as ClaimSQL.
+const ClaimReadSQL = `
+WITH ` + existingCTE + `, typed AS (
+    SELECT $3::text, $4::text, $7::bigint, $8::bigint -- unused: typed for the prepared statement
+)
+` + existingRow + `
+UNION ALL
+` + refusedAbsentRow
+
+// The parts that ClaimSQL, ClaimReadSQL and ClaimTxSQL share. existingCTE reads the
+// key's row without locking it, with what ClaimSQL may do with it:
+// expired, stale or free. insertedCTE creates the row when the snapshot
+// had none; ON CONFLICT DO NOTHING covers a row inserted since. existingRow
+// is the outcome 3 row, flagged (lost) when the row can be renewed.
+const (
+	existingCTE = `existing AS (
+    SELECT k.*,
+        ` + expiredExpr + ` IS TRUE AS expired,
+        ` + refusedExpr + ` AS refused,
+        (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
+        (k.status = 'released' AND k.fingerprint_version = $6
+            AND (k.release_rejected OR k.request_hash = $5)) AS free
+    FROM idempotency_keys k
+    WHERE k.client_id = $1 AND k.idempotency_key = $2
+)`
+	insertedCTE = `inserted AS (
+    INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+        lease_us, retention_us, expires_at)
+    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
+        $7, $8, ` + claimedExpiryExpr + `
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
+    ON CONFLICT (client_id, idempotency_key) DO NOTHING
+    RETURNING lock_token, operation_id
+)`
+	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
+    request_method, request_path, request_hash, fingerprint_version, status,
+    response_status, response_content_type, response_headers, response_body, created_at, locked_at,
+    (expired OR stale OR free) AND NOT refused
+FROM existing`
+	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
+	// did not have, for a stale first-sent check ($9), which inserted
+	// nothing.
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
+)
+
+// AsyncCommitSQL turns synchronous_commit off for the current transaction
+// only; sent in one batch with the claim, it covers the claim's implicit
+// transaction (see pgstore's Store.AsyncClaims).
+const AsyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
+
+// RenewSQL renews the lease of a key its claim still owns ($1 client, $2
+// key, $3 token), by the lease stored with it: the lease, and the key's
+// expiry with it, run from locked_at (see expiredExpr). It leaves
+// expires_at as it is.
+const RenewSQL = `
+UPDATE idempotency_keys SET locked_at = statement_timestamp()
+WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
+
+// OwnedSQL tells whether a claim still owns its key ($1 client, $2 key,
+// $3 token).
+const OwnedSQL = `
+SELECT EXISTS (SELECT FROM idempotency_keys
+    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started')`
+
+// ReleaseSQL releases a key its claim still owns ($1 client, $2 key, $3
+// token), as rejected or not ($4; see [idempotency.ReleaseKind]); the key
+// expires its retention from now (see finishedSetExpr).
+const ReleaseSQL = `
+UPDATE idempotency_keys SET status = 'released', release_rejected = $4, ` + finishedSetExpr + `
+WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
+
+// PurgeSQL deletes a bounded batch of expired keys: $1 the batch size.
+// ctid = ANY (ARRAY(...)) is planned as a TID scan, never a scan of the
+// whole table.
+const PurgeSQL = `
+DELETE FROM idempotency_keys
+WHERE ctid = ANY (ARRAY(
+    SELECT ctid FROM idempotency_keys k
+    WHERE k.expires_at < statement_timestamp() AND ` + expiredExpr + `
+    ORDER BY k.expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED))`
+
+// StatusUnderSQL tells whether a key has a status under a lock token ($1
+// client, $2 key, $3 token, $4 status).
+const StatusUnderSQL = `
+SELECT status = $4 AND lock_token = $3 FROM idempotency_keys
+WHERE client_id = $1 AND idempotency_key = $2
+FOR SHARE`

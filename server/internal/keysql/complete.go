@@ -1,0 +1,123 @@
+package keysql
+
+import (
+	"time"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// CompleteNewArgs returns the parameters of CompleteNewSQL from $8 on: the
+// request of a claim made in one transaction at created, with operation
+// opID.
+func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID string) []any {
+	return []any{req.Method, req.Path, req.Fingerprint, req.FingerprintVersion, opID, created,
+		Micros(req.LockTimeout), Micros(req.Retention)}
+}
+
+// ShowIsolationSQL reads the transaction's isolation level. SHOW takes no
+// snapshot, so it changes nothing of the transaction.
+const ShowIsolationSQL = `SHOW transaction_isolation`
+
+// CompleteSQL completes a key its claim still owns ($1 client, $2 key, $3
+// token) with the response ($4 status, $5 content type, $6 headers, $7
+// body); the key expires its retention from now (see finishedSetExpr). It
+// leaves expires_at as it is for a key this package claimed with a lease
+// (see expiredExpr). It updates no row when the claim was fenced.
+const CompleteSQL = `
+UPDATE idempotency_keys SET
+    status = 'completed',
+    response_status = $4,
+    response_content_type = $5,
+    response_headers = $6,
+    response_body = $7,
+    ` + finishedSetExpr + `
+WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
+
+// CompleteInTxSQL is CompleteSQL as the last statement of the handler's
+// transaction, sent in one pipeline with its COMMIT. It fails with
+// division_by_zero when it completed nothing (the claim was fenced): the
+// error makes PostgreSQL skip the COMMIT queued behind it, so the
+// handler's writes are never committed without the key's outcome. A
+// fenced completion is the only way this statement divides by zero.
+const CompleteInTxSQL = `
+WITH done AS (` + CompleteSQL + `
+    RETURNING 1)
+SELECT 1 / (SELECT count(*)::integer FROM done)`
+
+// DivisionByZero is the SQLSTATE of a fenced CompleteInTxSQL.
+const DivisionByZero = "22012"
+
+// ClaimTxSQL is the claim of a key in one transaction, sent with the BEGIN
+// of the transaction the key's request runs in; the same parameters as
+// ClaimSQL. A key that has a row is read as ClaimReadSQL reads it (outcome 3,
+// or 4, flagged when ClaimSQL would renew it). A key that has none is held
+// with a transaction-level advisory lock, taken without waiting, on a hash
+// of the table, the client and the key: outcome 1 with a new token and
+// operation ID and the time of the claim, which the completion writes with
+// the key (CompleteNewInTxSQL); or outcome 5 (Busy) when another
+// transaction holds the lock, having claimed the key in one transaction and
+// not ended. No row is written, so neither a duplicate nor a claim in a
+// commit of its own ever waits for the claiming transaction. A request
+// whose first-sent check is stale takes no lock: outcome 4 (refusedAbsentRow).
+//
+// The lock is taken only for a key the statement's snapshot does not have,
+// so readers of a committed key do not hold it. A transaction that commits
+// the key between that snapshot and the lock leaves the claim believing the
+// key absent; the claim's completion then finds the row and is fenced, and
+// commits nothing (see CompleteNewInTxSQL). A hash that two keys share
+// (one in 2^64 for two keys at once) makes one of them Busy until the other
+// ends, as if it were a duplicate.
+const ClaimTxSQL = `
+WITH ` + existingCTE + `, probe AS (
+    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $9::boolean THEN NULL
+        ELSE pg_try_advisory_xact_lock(` + keyLockExpr + `) END AS held,
+        $3::text AS method, $4::text AS path, $7::bigint AS lease_us, $8::bigint AS retention_us -- unused: typed for the prepared statement
+)
+SELECT 1, nextval('idempotency_lock_tokens'), gen_random_uuid()::text,
+    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, false
+FROM probe WHERE held
+UNION ALL
+SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+FROM probe WHERE NOT held
+UNION ALL
+` + existingRow + `
+UNION ALL
+` + refusedAbsentRow
+
+// keyLockExpr is the advisory lock of a key ($1 client, $2 key) claimed in
+// one transaction: a 64-bit hash of the key, the client and the key table
+// (its OID, so that key tables in other schemas of the database do not
+// share locks).
+const keyLockExpr = `hashtextextended($2, hashtextextended($1, 'idempotency_keys'::regclass::oid::bigint))`
+
+// CompleteNewSQL inserts the key of a claim made in one transaction,
+// completed: $1 client, $2 key, $3 token, $4 to $7 the response as in
+// CompleteSQL, then the claim's request ($8 method, $9 path, $10
+// fingerprint, $11 its version, $12 operation ID, $13 time of the claim,
+// $14 lease and $15 retention in microseconds). The key finished now: it
+// expires its retention from now. It inserts nothing when the key has a row
+// (a claim in a commit of its own, from a route without the mode, took the
+// key meanwhile): the claim was fenced.
+const CompleteNewSQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
+    response_status, response_content_type, response_headers, response_body,
+    request_method, request_path, request_hash, fingerprint_version, operation_id,
+    created_at, locked_at, lease_us, retention_us, expires_at)
+VALUES ($1, $2, $3, 'completed', $4, $5, $6, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
+    CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END)
+ON CONFLICT (client_id, idempotency_key) DO NOTHING`
+
+// CompleteNewInTxSQL is CompleteNewSQL as the last statement of the
+// claim's transaction, sent with its COMMIT, failing with division_by_zero
+// when it inserted nothing (fenced) as CompleteInTxSQL does.
+const CompleteNewInTxSQL = `
+WITH done AS (` + CompleteNewSQL + `
+    RETURNING 1)
+SELECT 1 / (SELECT count(*)::integer FROM done)`
+
+// TakenSQL tells whether a key ($1 client, $2 key) has a row under
+// another token than $3.
+const TakenSQL = `
+SELECT EXISTS (SELECT FROM idempotency_keys
+    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token <> $3)`

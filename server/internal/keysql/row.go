@@ -1,0 +1,207 @@
+package keysql
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// SQLSTATEs that the stores know.
+const (
+	CharacterNotInRepertoire = "22021" // invalid UTF-8 or a NUL byte in text
+	AdminShutdown            = "57P01" // admin_shutdown: pg_terminate_backend, a fast shutdown
+	ConnectionException      = "08"    // the class of connection exceptions
+	SerializationFailure     = "40001" // serialization_failure
+	DeadlockDetected         = "40P01" // deadlock_detected
+	UniqueViolation          = "23505" // unique_violation
+)
+
+// Retryable reports whether code is the SQLSTATE of a statement that lost
+// a race and did nothing: a serialization failure or a deadlock. The
+// stores' own statements each run as a transaction of their own, in the
+// database's default isolation level: under REPEATABLE READ or
+// SERIALIZABLE, one that loses a race for a key's row to another (two
+// takeovers of one stale key, say) fails with serialization_failure where
+// READ COMMITTED would have it wait and read the row again, and the store
+// runs it again, as PostgreSQL advises.
+func Retryable(code string) bool {
+	return code == SerializationFailure || code == DeadlockDetected
+}
+
+// ConnEnded reports whether code is the SQLSTATE of a connection that
+// PostgreSQL ended under a statement: admin_shutdown, or a connection
+// exception.
+func ConnEnded(code string) bool {
+	return code == AdminShutdown || len(code) == 5 && code[:2] == ConnectionException
+}
+
+// MaxRaces bounds how often one call re-runs a statement that lost a race
+// (see ClaimSQL); each re-run means another caller made progress.
+const MaxRaces = 10
+
+// ClaimArgs returns the parameters of ClaimSQL and its kin for req ($1 to
+// $10); ClaimInsertSQL takes the first eight.
+func ClaimArgs(req idempotency.ClaimRequest) []any {
+	var earliest *time.Time // NULL: no such rule
+	if !req.FirstSent.EarliestBegin.IsZero() {
+		earliest = &req.FirstSent.EarliestBegin
+	}
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
+		Micros(req.LockTimeout), Micros(req.Retention), req.FirstSent.Stale, earliest}
+}
+
+// Micros returns d in microseconds for a lease or retention column: 0
+// (never) for zero or less, at least 1 otherwise.
+func Micros(d time.Duration) int64 {
+	if d <= 0 {
+		return 0
+	}
+	return max(d.Microseconds(), 1)
+}
+
+// CheckText refuses, before it reaches PostgreSQL, text that a text
+// column would refuse (SQLSTATE 22021), so the stores answer as the memory
+// store.
+func CheckText(fields ...string) error {
+	for _, f := range fields {
+		if !idempotency.ValidText(f) {
+			return fmt.Errorf("%w: %q", idempotency.ErrInvalidText, f)
+		}
+	}
+	return nil
+}
+
+// Fenced is the answer of a statement that updates a key under its
+// claim's token (a renewal, a release, a completion): err if it failed,
+// else [idempotency.ErrFenced] unless it updated the key (done).
+func Fenced(done bool, err error) error {
+	if err == nil && !done {
+		return idempotency.ErrFenced
+	}
+	return err
+}
+
+// ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimTxSQL.
+type ClaimRow struct {
+	Code               int32 // the outcome: an idempotency.Outcome
+	Token              *int64
+	OperationID        *string
+	Method, Path       *string
+	Fingerprint        []byte
+	FingerprintVersion *int32
+	Status             *string
+	RespStatus         *int32
+	RespContentType    *string
+	RespHeader         map[string]string
+	RespBody           []byte
+	CreatedAt          *time.Time
+	LockedAt           *time.Time
+	Lost               bool // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
+}
+
+// Dests returns the scan destinations of a claim row's columns, in order;
+// header is the one of the response headers (jsonb): &r.RespHeader for a
+// driver that decodes JSON into a map, as pgx does, or a scanner that
+// fills r.RespHeader.
+func (r *ClaimRow) Dests(header any) []any {
+	return []any{&r.Code, &r.Token, &r.OperationID,
+		&r.Method, &r.Path, &r.Fingerprint, &r.FingerprintVersion, &r.Status,
+		&r.RespStatus, &r.RespContentType, header, &r.RespBody, &r.CreatedAt, &r.LockedAt,
+		&r.Lost}
+}
+
+// Outcome is the row's outcome.
+func (r *ClaimRow) Outcome() idempotency.Outcome { return idempotency.Outcome(r.Code) }
+
+// Result is the outcome of a claim of req that returned r, which is not
+// lost.
+func (r *ClaimRow) Result(req idempotency.ClaimRequest) idempotency.ClaimResult {
+	switch r.Outcome() {
+	case idempotency.Refused, idempotency.Busy:
+		return idempotency.ClaimResult{Outcome: r.Outcome()}
+	case idempotency.Claimed, idempotency.TookOver:
+		return idempotency.ClaimResult{Outcome: r.Outcome(), Claim: idempotency.Claim{
+			ClientID:    req.ClientID,
+			Key:         req.Key,
+			Token:       *r.Token,
+			OperationID: *r.OperationID,
+		}}
+	}
+	rec := &idempotency.Record{
+		ClientID:           req.ClientID,
+		Key:                req.Key,
+		Method:             *r.Method,
+		Path:               *r.Path,
+		Fingerprint:        r.Fingerprint,
+		FingerprintVersion: int(*r.FingerprintVersion),
+		Status:             idempotency.Status(*r.Status),
+		CreatedAt:          *r.CreatedAt,
+	}
+	if r.LockedAt != nil {
+		rec.LockedAt = *r.LockedAt
+	}
+	if rec.Status == idempotency.StatusCompleted {
+		rec.Response = &idempotency.StoredResponse{
+			Status: int(*r.RespStatus),
+			Header: r.RespHeader,
+			Body:   r.RespBody,
+		}
+		if r.RespContentType != nil {
+			rec.Response.ContentType = *r.RespContentType
+		}
+	}
+	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}
+}
+
+// InfoRow is one row of InfoColumns and a body, as LookupSQL, ListSQL,
+// ActSQL and AbandonedSQL return them.
+type InfoRow struct {
+	Info                  idempotency.KeyInfo
+	Status                string
+	Rejected              bool
+	Version               int32
+	Finished, Expires     *time.Time
+	Lease, Retention, Age int64
+	RespStatus            *int32
+	RespContentType       *string
+	RespHeader            map[string]string
+	RespBody              []byte
+}
+
+// Dests returns the scan destinations of the row's columns, in order;
+// header as for [ClaimRow.Dests].
+func (r *InfoRow) Dests(header any) []any {
+	k := &r.Info
+	return []any{&k.ClientID, &k.Key, &k.Method, &k.Path, &r.Status, &r.Rejected,
+		&k.OperationID, &k.Token, &r.Version, &k.CreatedAt, &k.LockedAt, &r.Finished,
+		&r.Expires, &r.Lease, &r.Retention, &r.Age,
+		&k.Lapsed, &k.Expired,
+		&r.RespStatus, &r.RespContentType, header, &r.RespBody}
+}
+
+// KeyInfo is the key that the scanned row describes.
+func (r *InfoRow) KeyInfo() idempotency.KeyInfo {
+	k := r.Info
+	k.Status = idempotency.Status(r.Status)
+	if k.Status == idempotency.StatusReleased && r.Rejected {
+		k.ReleaseKind = idempotency.ReleaseRejected
+	}
+	k.FingerprintVersion = int(r.Version)
+	if r.Finished != nil {
+		k.FinishedAt = *r.Finished
+	}
+	if r.Expires != nil {
+		k.ExpiresAt = *r.Expires
+	}
+	k.Lease = time.Duration(r.Lease) * time.Microsecond
+	k.Retention = time.Duration(r.Retention) * time.Microsecond
+	k.LeaseAge = time.Duration(r.Age) * time.Microsecond
+	if r.RespStatus != nil {
+		k.Response = &idempotency.StoredResponse{Status: int(*r.RespStatus), Header: r.RespHeader, Body: r.RespBody}
+		if r.RespContentType != nil {
+			k.Response.ContentType = *r.RespContentType
+		}
+	}
+	return k
+}

@@ -1,0 +1,172 @@
+// Package sqlstoretest holds the tests of sqlstore that run once per
+// database/sql driver: server/sqlstore runs them on pgx's stdlib, and the
+// module in internal/pqtest on lib/pq, so that the root module needs no
+// lib/pq. Each test opens its own pool on a schema of its own.
+package sqlstoretest
+
+import (
+	"context"
+	"database/sql"
+	"testing"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/sqlstore"
+	"github.com/idemkit/idem/server/storetest"
+)
+
+// Run runs every test on driver ("pgx" or "postgres"), which the caller
+// has registered.
+func Run(t *testing.T, driver string) {
+	for _, tt := range []struct {
+		name string
+		run  func(t *testing.T, driver string)
+	}{
+		{"Conformance", testConformance},
+		{"ConformanceSerializable", testSerializable},
+		{"SerializableRenewalFailsCompletion", testSerializableRenewal},
+		{"Sealed", func(t *testing.T, driver string) { storetest.ExerciseSealed(t, backend(driver)) }},
+		{"Inspector", func(t *testing.T, driver string) { storetest.ExerciseInspector(t, backend(driver)) }},
+		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, backend(driver)) }},
+		{"HandlerRowsFollowOutcome", testHandlerRows},
+		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
+		{"ResponseByteForByte", testResponseFidelity},
+		{"RefusesEndOfTransaction", testRefusesEnd},
+		{"LateUseAfterRequest", testLateUse},
+		{"QueryRowLeavesNothingPending", testQueryRowUnscanned},
+		{"CancelMidStatement", testCancelMidStatement},
+		{"ConnectionLostUnderClaim", testConnLost},
+		{"SideBySideWithPgstore", testSideBySide},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			tt.run(t, driver)
+		})
+	}
+}
+
+// writesSQL creates the business table of the tests: one row per write,
+// named; a second write of a name is a unique violation.
+const writesSQL = `CREATE TABLE writes (name text PRIMARY KEY)`
+
+// Open returns a pool of driver on a fresh schema, dropped when the test
+// ends, holding the key table and the writes table.
+func Open(t testing.TB, driver string) *sql.DB {
+	t.Helper()
+	db, _ := OpenURL(t, driver)
+	return db
+}
+
+// OpenURL is Open, and returns the connection string of the pool too.
+func OpenURL(t testing.TB, driver string) (*sql.DB, string) {
+	t.Helper()
+	return openURL(t, driver, "")
+}
+
+// openURL is OpenURL with more connection parameters (key=value&...).
+func openURL(t testing.TB, driver, params string) (*sql.DB, string) {
+	t.Helper()
+	url := pgtest.SchemaURL(t)
+	if params != "" {
+		url += "&" + params
+	}
+	db := open(t, driver, url)
+	ctx := context.Background()
+	if err := sqlstore.Migrate(ctx, db); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := db.ExecContext(ctx, writesSQL); err != nil {
+		t.Fatal(err)
+	}
+	warm(t, db, 8)
+	return db, url
+}
+
+// warm opens n connections of db and keeps them idle in its pool, as
+// pgstore's tests open their pool's, so that a race of claims is not a
+// race of connection set-ups.
+func warm(t testing.TB, db *sql.DB, n int) {
+	t.Helper()
+	db.SetMaxIdleConns(n)
+	conns := make([]*sql.Conn, n)
+	for i := range conns {
+		c, err := db.Conn(context.Background())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns[i] = c
+	}
+	for _, c := range conns {
+		if err := c.PingContext(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+		c.Close()
+	}
+}
+
+// open opens a pool of driver on url, closed when the test ends.
+func open(t testing.TB, driver, url string) *sql.DB {
+	t.Helper()
+	db, err := sql.Open(driver, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { db.Close() })
+	return db
+}
+
+// write inserts the row name through the request's transaction, as a
+// handler behind the middleware does.
+func write(ctx context.Context, name string) error {
+	tx, ok := sqlstore.TxFromContext(ctx)
+	if !ok {
+		return errNoTx
+	}
+	_, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
+	return err
+}
+
+// written reports whether the row name is committed.
+func written(ctx context.Context, db *sql.DB, name string) (bool, error) {
+	var ok bool
+	err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM writes WHERE name = $1)`, name).Scan(&ok)
+	return ok, err
+}
+
+// testConformance runs the conformance suite of idempotency.Store, its
+// subtests of claims in one transaction included.
+func testConformance(t *testing.T, driver string) {
+	storetest.Exercise(t, backend(driver))
+}
+
+// testSerializable runs the conformance suite on a database whose
+// default_transaction_isolation is serializable, where the store's own
+// statements and the handlers' transactions run under SERIALIZABLE.
+func testSerializable(t *testing.T, driver string) {
+	const params = "default_transaction_isolation=serializable"
+	db, _ := openURL(t, driver, params)
+	var level string
+	if err := db.QueryRowContext(context.Background(), `SHOW transaction_isolation`).Scan(&level); err != nil || level != "serializable" {
+		t.Fatalf("transaction_isolation %q (%v) with %s, want serializable", level, err, params)
+	}
+	storetest.Exercise(t, backendWith(driver, params))
+}
+
+// backend returns the storetest backend of a store on driver, on a fresh
+// schema.
+func backend(driver string) func(t *testing.T) storetest.Backend {
+	return backendWith(driver, "")
+}
+
+// backendWith is backend with more connection parameters.
+func backendWith(driver, params string) func(t *testing.T) storetest.Backend {
+	return func(t *testing.T) storetest.Backend {
+		db, _ := openURL(t, driver, params)
+		return storetest.Backend{
+			Store: sqlstore.New(db),
+			Write: write,
+			Written: func(ctx context.Context, name string) (bool, error) {
+				return written(ctx, db, name)
+			},
+		}
+	}
+}

@@ -1,0 +1,107 @@
+package sqlstore
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
+)
+
+// Claims in one transaction (idempotency.ClaimRequest.OneTransaction), as
+// pgstore makes them (see pgstore's package documentation): the claim is
+// keysql.ClaimTxSQL, the first statement of the request's transaction,
+// which writes nothing and holds the key with a transaction-level advisory
+// lock taken without waiting; the completion inserts the key, completed,
+// and commits it with the handler's rows. database/sql sends the BEGIN in
+// a round trip of its own, and the completion before the COMMIT.
+
+// errInTxOver is the error of every statement of a unit of work begun for
+// a claim in one transaction whose transaction has ended.
+var errInTxOver = fmt.Errorf("sqlstore: the claim's transaction is over: %w", idempotency.ErrFenced)
+
+// claimInTx claims req's key in one transaction. When it claimed the key,
+// the transaction stays open on its connection, as the unit of work that
+// Begin returns. Otherwise it rolls the transaction back and returns the
+// outcome; ok is false when the key has a row that keysql.ClaimSQL may
+// renew (released, expired, stale), which it leaves to the caller. When
+// the connection broke under the claim, it runs it once more: nothing of
+// it was committed.
+func (s *Store) claimInTx(ctx context.Context, req idempotency.ClaimRequest) (res idempotency.ClaimResult, ok bool, err error) {
+	for retried := false; ; retried = true {
+		res, ok, err = s.claimInTxOnce(ctx, req)
+		if !errors.Is(err, errConnLost) || retried || ctx.Err() != nil {
+			return res, ok, err
+		}
+	}
+}
+
+// claimInTxOnce is one attempt of claimInTx.
+func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, bool, error) {
+	var none idempotency.ClaimResult
+	u := &unit{store: s}
+	if u.begin(ctx); u.err != nil {
+		return none, false, u.err
+	}
+	var row keysql.ClaimRow
+	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
+	if err == nil && row.Outcome() == idempotency.Claimed {
+		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
+			OperationID: *row.OperationID, OneTransaction: true}
+		u.inTx = keysql.CompleteNewArgs(req, *row.CreatedAt, *row.OperationID)
+		s.units.Add(u.claim, u, false)
+		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: u.claim}, true, nil
+	}
+	u.rollbackLocked() // nothing to keep
+	if err != nil {
+		return none, false, interpretError(err)
+	}
+	if row.Lost {
+		return none, false, nil
+	}
+	return row.Result(req), true, nil
+}
+
+// beginInTx returns the unit of work of c, a claim made in one
+// transaction: the one its claim opened, the first time; later, or once it
+// ended, one that owns nothing, whose statements fail and whose Complete
+// returns ErrFenced.
+func (s *Store) beginInTx(c idempotency.Claim) *unit {
+	if u, ok := s.units.Open(c); ok {
+		return u
+	}
+	return &unit{store: s, claim: c, inTx: []any{}, err: errInTxOver}
+}
+
+// completeInTx completes the unit of a claim made in one transaction: it
+// inserts the key, completed (keysql.CompleteNewInTxSQL), and commits it
+// with the handler's writes. args are keysql.CompleteSQL's parameters. A
+// handler whose write failed has nothing to commit: its transaction is
+// rolled back, key included, and a stored 4xx outcome is inserted alone.
+// The caller holds u.mu.
+func (u *unit) completeInTx(ctx context.Context, status int, args []any) error {
+	if u.tx == nil {
+		return idempotency.ErrFenced // its transaction ended: the key went with it
+	}
+	args = append(args, u.inTx...)
+	done, err := u.commitLocked(ctx, keysql.CompleteNewInTxSQL, status, args)
+	if done {
+		if retryable(err) && u.store.takenMeanwhile(ctx, u.claim) {
+			// Under REPEATABLE READ or SERIALIZABLE, a row committed
+			// after the transaction's snapshot fails the insert this way,
+			// not as a conflict.
+			return idempotency.ErrFenced
+		}
+		return err
+	}
+	return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteNewSQL, args[3:], idempotency.StatusCompleted)
+}
+
+// takenMeanwhile reports whether c's key, claimed in one transaction, has
+// a row of another claim. An error reads as not taken.
+func (s *Store) takenMeanwhile(ctx context.Context, c idempotency.Claim) bool {
+	var taken bool
+	err := s.db.QueryRowContext(context.WithoutCancel(ctx), keysql.TakenSQL, c.ClientID, c.Key, c.Token).Scan(&taken)
+	return err == nil && taken
+}

@@ -1,0 +1,31 @@
+package sqlstore_test
+
+import (
+	"os/exec"
+	"strings"
+	"testing"
+
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver
+
+	"github.com/idemkit/idem/server/sqlstore/internal/sqlstoretest"
+)
+
+// TestPgxStdlib runs the tests of sqlstore on pgx's database/sql driver;
+// internal/pqtest runs them on lib/pq's.
+func TestPgxStdlib(t *testing.T) {
+	sqlstoretest.Run(t, "pgx")
+}
+
+// TestImportsNoPgx: a service that imports sqlstore pulls in no pgx
+// unless it chose the pgx driver itself.
+func TestImportsNoPgx(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", ".").Output()
+	if err != nil {
+		t.Fatalf("go list -deps: %v", err)
+	}
+	for dep := range strings.FieldsSeq(string(out)) {
+		if strings.HasPrefix(dep, "github.com/jackc/") {
+			t.Errorf("sqlstore depends on %s", dep)
+		}
+	}
+}
