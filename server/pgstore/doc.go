@@ -70,7 +70,8 @@
 // route without the option does not see the lock: it claims the key in its
 // own commit, and the completion of the request in one transaction then
 // finds the key taken and commits nothing (409, and its retry gets the
-// other request's outcome). A key that has a row (from such a route,
+// other request's outcome); the purge leaves that key's row alone while
+// the request holds its lock, however long it runs. A key that has a row (from such a route,
 // released, or expired) is claimed as without the option.
 //
 // The price is the connection, held from the claim to the completion,

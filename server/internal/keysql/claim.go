@@ -243,12 +243,18 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 
 // PurgeSQL deletes a bounded batch of expired keys: $1 the batch size.
 // ctid = ANY (ARRAY(...)) is planned as a TID scan, never a scan of the
-// whole table.
+// whole table. It passes over a key whose advisory lock (keyLockExpr) a
+// claim in one transaction holds: that request, which has no row of its
+// own, is fenced by this row (its completion finds the key taken and
+// commits nothing), however long it runs; deleting the row under it would
+// let it commit a second operation for the key. The lock is tried only on
+// an expired key, and the purge's statement holds it to its end.
 const PurgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM idempotency_keys k
-    WHERE k.expires_at < statement_timestamp() AND ` + expiredExpr + `
+    WHERE k.expires_at < statement_timestamp()
+        AND CASE WHEN ` + expiredExpr + ` IS TRUE THEN pg_try_advisory_xact_lock(` + rowLockExpr + `) ELSE false END
     ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`

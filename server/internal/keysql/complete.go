@@ -91,6 +91,9 @@ UNION ALL
 // share locks).
 const keyLockExpr = `hashtextextended($2, hashtextextended($1, 'idempotency_keys'::regclass::oid::bigint))`
 
+// rowLockExpr is keyLockExpr of the key row k (see PurgeSQL).
+const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.client_id, 'idempotency_keys'::regclass::oid::bigint))`
+
 // CompleteNewSQL inserts the key of a claim made in one transaction,
 // completed: $1 client, $2 key, $3 token, $4 to $7 the response as in
 // CompleteSQL, then the claim's request ($8 method, $9 path, $10

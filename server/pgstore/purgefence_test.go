@@ -16,8 +16,8 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// TestReviewOneTxFenceGoneWithPurge (review21): the fence of a claim in one
-// transaction is the key row another claim left (the completion's INSERT
+// TestPurgeSparesKeyOfOneTxRequest (found by a review): the fence of a
+// claim in one transaction is the key row another claim left (the completion's INSERT
 // ... ON CONFLICT DO NOTHING). Nothing bounds how long a one-transaction
 // request runs (it has no lease), so that row can expire and be purged
 // while it runs, and then the completion inserts the key and commits: two
@@ -27,10 +27,10 @@ import (
 // is held. B (a route without the option, Retention 50 ms) claims k in its
 // own commit, writes its row, and completes 201. 50 ms later the key has
 // expired and Purge deletes it. A is let go: its completion finds no row,
-// inserts k completed, commits: 201. Fails today: two rows for k. (The
-// window is Retention, 24 h by default, so the practical exposure is small:
-// a one-transaction request held longer than another route's retention.)
-func TestReviewOneTxFenceGoneWithPurge(t *testing.T) {
+// inserts k completed, commits: 201. That was two rows for k; the purge
+// now passes over a key whose one-transaction lock is held (PurgeSQL), so
+// A's completion still finds B's row and commits nothing.
+func TestPurgeSparesKeyOfOneTxRequest(t *testing.T) {
 	store, pool := newStore(t, nil)
 	var attempt atomic.Int64
 	entered, release := make(chan struct{}), make(chan struct{})
