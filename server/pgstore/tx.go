@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -564,14 +565,56 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	}
 	u.giveBack(ctx, conn) // broken: the pool drops it
 	var ours bool
-	if lerr := u.store.onLiveConn(context.WithoutCancel(ctx), func(q querier) (err error) {
-		ours, err = hasStatusUnder(ctx, q, u.claim, idempotency.StatusCompleted)
+	lctx := context.WithoutCancel(ctx)
+	if lerr := u.store.onLiveConn(lctx, func(q querier) (err error) {
+		if u.inTx == nil {
+			// The key's row is ours, locked by the COMMIT while it runs:
+			// the read waits for it.
+			ours, err = hasStatusUnder(lctx, q, u.claim, idempotency.StatusCompleted)
+			return err
+		}
+		// A key claimed in one transaction has no row that a read could
+		// wait on until the COMMIT ends, which may still be running: wait
+		// for the claim's advisory lock, which the transaction holds until
+		// it has committed or rolled back, then read (bounded, so that a
+		// backend that never ends does not hold the request forever).
+		wctx, cancel := context.WithTimeout(lctx, lostCommitWait)
+		defer cancel()
+		c := u.claim
+		b := &pgx.Batch{}
+		b.Queue("BEGIN")
+		b.Queue(keysql.WaitKeyLockSQL, c.ClientID, c.Key)
+		b.Queue(keysql.StatusUnderSQL, c.ClientID, c.Key, c.Token, string(idempotency.StatusCompleted))
+		b.Queue("COMMIT")
+		br := q.SendBatch(wctx, b)
+		defer func() {
+			if cerr := br.Close(); err == nil {
+				err = cerr
+			}
+		}()
+		if _, err = br.Exec(); err != nil {
+			return err
+		}
+		if _, err = br.Exec(); err != nil {
+			return err
+		}
+		if err = br.QueryRow().Scan(&ours); errors.Is(err, pgx.ErrNoRows) {
+			ours, err = false, nil
+		}
+		if err != nil {
+			return err
+		}
+		_, err = br.Exec()
 		return err
 	}); lerr == nil && ours {
 		return nil
 	}
 	return err
 }
+
+// lostCommitWait bounds the wait for the end of a transaction in one
+// transaction whose COMMIT was sent on a connection that broke.
+const lostCommitWait = 30 * time.Second
 
 // rollback rolls back the transaction on conn and gives conn back.
 func (u *unit) rollback(ctx context.Context, conn *pgxpool.Conn) {

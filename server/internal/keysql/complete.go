@@ -91,6 +91,12 @@ UNION ALL
 // share locks).
 const keyLockExpr = `hashtextextended($2, hashtextextended($1, 'idempotency_keys'::regclass::oid::bigint))`
 
+// WaitKeyLockSQL waits for the advisory lock of a key ($1 client, $2 key)
+// claimed in one transaction, which that transaction holds until it ends,
+// and then holds it to the end of its own (see pgstore's commit of such a
+// claim on a connection that broke).
+const WaitKeyLockSQL = `SELECT pg_advisory_xact_lock(` + keyLockExpr + `)`
+
 // rowLockExpr is keyLockExpr of the key row k (see PurgeSQL).
 const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.client_id, 'idempotency_keys'::regclass::oid::bigint))`
 

@@ -47,8 +47,7 @@ func (c *cutConn) Read(b []byte) (int, error) {
 	return n, err
 }
 
-// TestReviewOneTxCommitLostReadsAsNothing (review21): in one-transaction
-// mode, Complete learns whether a COMMIT whose answer was lost landed from
+// TestLostCommitReadAfterItEnds (found by a review): Complete learns whether a COMMIT whose answer was lost landed from
 // the key (hasStatusUnder, FOR SHARE). In two-commit mode the key row
 // exists and FOR SHARE waits for the committing transaction; in one
 // transaction the key is an uncommitted INSERT that the check's snapshot
@@ -62,13 +61,15 @@ func (c *cutConn) Read(b []byte) (int, error) {
 // constraint trigger on writes makes the COMMIT take 3 s in the server
 // (any slow commit: synchronous replication, fsync); while the backend is in
 // it, the client socket is cut; commitLocked's check runs on a new
-// connection, finds no key, and Complete fails; 3 s later the COMMIT lands.
-// Fails today: the client gets 500 and one row is committed.
+// connection, found no key, and Complete failed; 3 s later the COMMIT
+// landed: the client got 500 and one row was committed. The check now
+// waits for the claim's advisory lock first (keysql.WaitKeyLockSQL), which
+// the committing transaction holds until it ends, and the client gets 201.
 //
 // The subtest onetx=false is the control: the same cut in two-commit mode
 // passes (the check waits for the COMMIT under way, and the client gets
 // 201).
-func TestReviewOneTxCommitLostReadsAsNothing(t *testing.T) {
+func TestLostCommitReadAfterItEnds(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) { reviewCommitLost(t, oneTx) })
 	}
