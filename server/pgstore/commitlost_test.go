@@ -115,7 +115,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 		for time.Now().Before(deadline) {
 			var n int
 			_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event = 'PgSleep' AND query = 'COMMIT' AND datname = current_database()`).Scan(&n)
+				WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
 			if n > 0 {
 				mu.Lock()
 				for _, c := range conns {

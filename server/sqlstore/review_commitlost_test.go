@@ -1,0 +1,152 @@
+package sqlstore_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/sqlstore"
+	"github.com/idemkit/idem/server/sqlstore/internal/sqlstoretest"
+)
+
+// reviewConn is a client socket the test can cut (reads fail with io.EOF
+// after cut) and that drops a CancelRequest written on it, as a network
+// that loses it would (see pgstore's TestReviewOneTxCommitLostReadsAsNothing).
+type reviewConn struct {
+	net.Conn
+	cut atomic.Bool
+}
+
+func (c *reviewConn) Write(b []byte) (int, error) {
+	if len(b) == 16 && b[4] == 0x04 && b[5] == 0xd2 && b[6] == 0x16 && b[7] == 0x2e {
+		_ = c.Conn.Close()
+		return len(b), nil
+	}
+	return c.Conn.Write(b)
+}
+
+func (c *reviewConn) Read(b []byte) (int, error) {
+	n, err := c.Conn.Read(b)
+	if c.cut.Load() {
+		return 0, io.EOF
+	}
+	return n, err
+}
+
+// TestReviewOneTxCommitLostReadsAsNothing (review21) is pgstore's test of
+// the same name on sqlstore (pgx's database/sql driver): a COMMIT under
+// way (a deferred trigger makes it take 3 s) when its client socket is cut
+// and its CancelRequest lost. Here it fails in BOTH modes, for a reason
+// of sqlstore's own: the Commit's error comes back as "conn closed"
+// ("sqlstore: conn closed" in the log), which interpretError does not read
+// as a lost connection, so commitLocked never asks the key whether the
+// COMMIT landed; the client gets 500 "nothing of this request was
+// committed", and 3 s later the row and the key are committed. (In one
+// transaction, pgstore's key check would not see the uncommitted INSERT
+// either: see pgstore's test.) Fails today.
+func TestReviewOneTxCommitLostReadsAsNothing(t *testing.T) {
+	for _, oneTx := range []bool{true, false} {
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
+			_, url := sqlstoretest.OpenURL(t, "pgx")
+			cfg, err := pgx.ParseConfig(url)
+			require.NoError(t, err)
+			var mu sync.Mutex
+			var logs strings.Builder
+			var conns []*reviewConn
+			cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+				c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+				if err != nil {
+					return nil, err
+				}
+				rc := &reviewConn{Conn: c}
+				mu.Lock()
+				conns = append(conns, rc)
+				mu.Unlock()
+				return rc, nil
+			}
+			db := stdlib.OpenDB(*cfg)
+			defer db.Close()
+			db.SetMaxOpenConns(1)
+			ctx := context.Background()
+			_, err = db.ExecContext(ctx, `
+CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
+CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION review_slow()`)
+			require.NoError(t, err)
+			h := idempotency.Middleware(sqlstore.New(db), idempotency.Options{OneTransaction: oneTx, Logger: slog.New(slog.NewTextHandler(&logs, nil))})(http.HandlerFunc(
+				func(w http.ResponseWriter, r *http.Request) {
+					tx, _ := sqlstore.TxFromContext(r.Context())
+					if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ('k/1')`); err != nil {
+						http.Error(w, err.Error(), 500)
+						return
+					}
+					w.WriteHeader(201)
+				}))
+
+			side, err := pgx.Connect(ctx, url)
+			require.NoError(t, err)
+			defer side.Close(ctx)
+			polled := make(chan struct{})
+			defer func() { <-polled }()
+			go func() {
+				defer close(polled)
+				for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+					var n int
+					_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+						WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
+					if n > 0 {
+						mu.Lock()
+						for _, c := range conns {
+							c.cut.Store(true)
+							_ = c.Conn.Close()
+						}
+						mu.Unlock()
+						return
+					}
+				}
+			}()
+
+			r := httptest.NewRequestWithContext(idempotency.WithClientID(ctx, "cli_a"),
+				"POST", "/v1/orders", strings.NewReader(`{"item":"book"}`))
+			r.Header.Set("Idempotency-Key", "k")
+			rec := httptest.NewRecorder()
+			h.ServeHTTP(rec, r)
+			// Wait for the COMMIT under way to end (it sleeps 3 s).
+			check, err := pgx.Connect(ctx, url)
+			require.NoError(t, err)
+			defer check.Close(ctx)
+			for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+				var n int
+				require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+					WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n))
+				if n == 0 {
+					break
+				}
+			}
+			var rows int
+			require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM writes WHERE name LIKE 'k/%'`).Scan(&rows))
+			t.Logf("client got %d (%s); rows committed %d", rec.Code, strings.TrimSpace(rec.Body.String()), rows)
+			mu.Lock()
+			t.Logf("logs: %s", logs.String())
+			mu.Unlock()
+			if ok := rec.Code >= 200 && rec.Code < 300; ok != (rows == 1) {
+				t.Errorf("the client got %d, and %d rows are committed", rec.Code, rows)
+			}
+		})
+	}
+}
