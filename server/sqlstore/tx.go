@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -261,18 +262,39 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 	err = interpretError(tx.Commit())
 	u.conn.Close()
 	u.conn, u.tx = nil, nil
-	if !errors.Is(err, errConnLost) {
-		return true, err
+	if err == nil {
+		return true, nil
 	}
+	// Whatever the COMMIT's error says (a driver may report a connection
+	// cut under it as "conn closed", which reads like a failure before
+	// sending), the COMMIT may have landed: read the key once it ended.
 	var ours bool
-	if lerr := u.store.onLiveConn(context.WithoutCancel(ctx), func(q querier) (err error) {
-		ours, err = hasStatusUnder(ctx, q, u.claim, idempotency.StatusCompleted)
+	oneTx := u.inTx != nil
+	lctx := context.WithoutCancel(ctx)
+	if lerr := u.store.onLiveConn(lctx, func(q querier) error {
+		if oneTx {
+			// A key claimed in one transaction has no row to wait on
+			// while its COMMIT runs: wait for the claim's advisory lock,
+			// which that transaction holds until it ends (this statement
+			// holds it only to its own end), bounded.
+			wctx, cancel := context.WithTimeout(lctx, lostCommitWait)
+			defer cancel()
+			if _, err := q.ExecContext(wctx, keysql.WaitKeyLockSQL, u.claim.ClientID, u.claim.Key); err != nil {
+				return err
+			}
+		}
+		var err error
+		ours, err = hasStatusUnder(lctx, q, u.claim, idempotency.StatusCompleted)
 		return err
 	}); lerr == nil && ours {
 		return true, nil
 	}
 	return true, err
 }
+
+// lostCommitWait bounds the wait for the end of a transaction in one
+// transaction whose COMMIT failed with its outcome unknown.
+const lostCommitWait = 30 * time.Second
 
 // inFailedTransaction is the SQLSTATE of a statement sent in a
 // transaction that a failed statement aborted.

@@ -25,7 +25,7 @@ import (
 
 // reviewConn is a client socket the test can cut (reads fail with io.EOF
 // after cut) and that drops a CancelRequest written on it, as a network
-// that loses it would (see pgstore's TestReviewOneTxCommitLostReadsAsNothing).
+// that loses it would (see pgstore's TestLostCommitReadAfterItEnds).
 type reviewConn struct {
 	net.Conn
 	cut atomic.Bool
@@ -47,18 +47,16 @@ func (c *reviewConn) Read(b []byte) (int, error) {
 	return n, err
 }
 
-// TestReviewOneTxCommitLostReadsAsNothing (review21) is pgstore's test of
+// TestLostCommitReadAfterItEnds (found by a review) is pgstore's test of
 // the same name on sqlstore (pgx's database/sql driver): a COMMIT under
 // way (a deferred trigger makes it take 3 s) when its client socket is cut
-// and its CancelRequest lost. Here it fails in BOTH modes, for a reason
-// of sqlstore's own: the Commit's error comes back as "conn closed"
-// ("sqlstore: conn closed" in the log), which interpretError does not read
-// as a lost connection, so commitLocked never asks the key whether the
-// COMMIT landed; the client gets 500 "nothing of this request was
-// committed", and 3 s later the row and the key are committed. (In one
-// transaction, pgstore's key check would not see the uncommitted INSERT
-// either: see pgstore's test.) Fails today.
-func TestReviewOneTxCommitLostReadsAsNothing(t *testing.T) {
+// and its CancelRequest lost. It failed in both modes: the Commit's error
+// came back as "conn closed", which did not read as a lost connection, so
+// commitLocked never asked the key whether the COMMIT landed; the client
+// got 500 "nothing of this request was committed", and 3 s later the row
+// and the key were committed. Now any failed Commit is checked, after the
+// claim's advisory lock in one transaction (see pgstore's test).
+func TestLostCommitReadAfterItEnds(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
 			_, url := sqlstoretest.OpenURL(t, "pgx")
