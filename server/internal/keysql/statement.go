@@ -26,21 +26,33 @@ type Facts struct {
 // transaction block (COMMIT, END, ROLLBACK other than ROLLBACK TO, ABORT,
 // PREPARE TRANSACTION, COMMIT PREPARED, ROLLBACK PREPARED) and those that
 // begin one (BEGIN, START TRANSACTION), each only as the first word of a
-// statement, where PostgreSQL reads them. It stops at a statement that
-// begins with CREATE, whose body may hold semicolons outside quotes (BEGIN
-// ATOMIC ... END), so as never to refuse the END of such a body: what
-// follows it is not read. A statement it misses is still caught after it
-// ran (each store's unit of work checks the connection's transaction
-// status), only too late to stop it.
+// statement, where PostgreSQL reads them. A CREATE whose body holds
+// statements of its own (BEGIN ATOMIC ... END, a rule's actions), whose
+// semicolons and END it cannot tell from the text's, is refused, as is any
+// text that names standard_conforming_strings, which changes how strings
+// are read. pgstore's unit of work also checks the connection's
+// transaction status after each statement; sqlstore, on database/sql,
+// cannot.
 func Scan(sql string) Facts {
 	var f Facts
+	if strings.Contains(strings.ToLower(sql), "standard_conforming_strings") {
+		// Turned off, it changes how PostgreSQL reads every later string
+		// (a backslash escapes), and Scan would read them otherwise.
+		f.Control = "SQL that names standard_conforming_strings"
+		return f
+	}
 	for s := sql; s != ""; {
 		var words [3]string
 		var rest string
 		words, rest = leadingWords(s)
 		switch words[0] {
 		case "CREATE":
-			return f
+			if bodyHoldsStatements(rest[:len(rest)-len(skipStatement(rest))]) {
+				// Its body's semicolons and END are not read as PostgreSQL
+				// reads them, so nothing after it could be trusted.
+				f.Control = "a CREATE whose body holds statements (BEGIN ATOMIC, a rule's actions); run it outside the request"
+				return f
+			}
 		case "SET":
 			f.Set = true
 		case "COMMIT", "END", "ABORT":
@@ -64,6 +76,25 @@ func Scan(sql string) Facts {
 		s = skipStatement(rest)
 	}
 	return f
+}
+
+// bodyHoldsStatements reports whether the text of a CREATE statement (after
+// the word CREATE, up to its first top-level semicolon) starts a body that
+// holds statements of its own: a SQL-standard function body (BEGIN
+// ATOMIC), or a rule (whose actions may be a list in parentheses).
+func bodyHoldsStatements(stmt string) bool {
+	fields := strings.FieldsFunc(strings.ToUpper(stmt), func(r rune) bool {
+		return r > 0x7f || !isIdentByte(byte(r))
+	})
+	if len(fields) > 0 && fields[0] == "RULE" || len(fields) > 2 && fields[0] == "OR" && fields[1] == "REPLACE" && fields[2] == "RULE" {
+		return true
+	}
+	for i := 0; i+1 < len(fields); i++ {
+		if fields[i] == "BEGIN" && fields[i+1] == "ATOMIC" {
+			return true
+		}
+	}
+	return false
 }
 
 // leadingWords returns the first three words of the statement that starts

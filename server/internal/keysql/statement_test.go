@@ -2,6 +2,12 @@ package keysql
 
 import "testing"
 
+// The refusals of Scan that are not a statement's own word.
+const (
+	bodyRefused = "a CREATE whose body holds statements (BEGIN ATOMIC, a rule's actions); run it outside the request"
+	scsRefused  = "SQL that names standard_conforming_strings"
+)
+
 // scanCases are the statements Scan reads, with what it must find; they
 // seed FuzzScanSQL too.
 var scanCases = []struct {
@@ -61,9 +67,19 @@ var scanCases = []struct {
 	{"SELECT 'unterminated; COMMIT", "", false},
 	{"SELECT $$unterminated; COMMIT", "", false},
 	{"/* unterminated; COMMIT", "", false},
-	// A body of SQL-standard function: its END is not the transaction's.
-	{"CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END", "", false},
-	{"CREATE RULE r AS ON INSERT TO t DO ALSO (INSERT INTO u VALUES (1); COMMIT)", "", false},
+	// A CREATE whose body holds statements is refused: its semicolons and
+	// END cannot be told from the text's own.
+	{"CREATE FUNCTION f() RETURNS int LANGUAGE sql BEGIN ATOMIC SELECT 1; END", bodyRefused, false},
+	{"CREATE RULE r AS ON INSERT TO t DO ALSO (INSERT INTO u VALUES (1); COMMIT)", bodyRefused, false},
+	{"create or replace rule r as on insert to t do nothing", bodyRefused, false},
+	// Any other CREATE is read past (a review hid a COMMIT after one).
+	{"CREATE TEMP TABLE IF NOT EXISTS t (a int); COMMIT", "COMMIT", false},
+	{"CREATE FUNCTION f() RETURNS int LANGUAGE sql AS $$ SELECT 1; $$; SELECT 1", "", false},
+	{"CREATE TABLE atomic_begin (rule int); SELECT 1", "", false},
+	// standard_conforming_strings off makes PostgreSQL read 'a\'' as one
+	// string where Scan reads two (a review hid a COMMIT so).
+	{"SELECT set_config('standard_conforming_strings', 'off', true)", scsRefused, false},
+	{"SET standard_conforming_strings = off", scsRefused, false},
 
 	// SET, which may change the isolation level.
 	{"SET TRANSACTION ISOLATION LEVEL SERIALIZABLE", "", true},
