@@ -26,7 +26,7 @@ import (
 //     keysql.Scan, but sqlstore's "caught after it ran" does not exist);
 //   - standard_conforming_strings turned off by the handler with
 //     set_config (not a SET, so Facts.Set is not raised either): Scan reads
-//     'a\'' as two strings, PostgreSQL as one, and the COMMIT after it,
+//     'a\” as two strings, PostgreSQL as one, and the COMMIT after it,
 //     which Scan believes inside a string, runs.
 //
 // Either way the handler's writes are committed while the key is not: the
