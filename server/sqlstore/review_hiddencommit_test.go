@@ -61,7 +61,7 @@ func TestReviewHiddenCommitRunsTwice(t *testing.T) {
 								for _, q := range sneak {
 									if _, err := tx.ExecContext(r.Context(), q); err != nil {
 										t.Logf("sneak %q refused: %v", q, err)
-										http.Error(w, err.Error(), 503)
+										http.Error(w, err.Error(), http.StatusServiceUnavailable)
 										return
 									}
 								}
