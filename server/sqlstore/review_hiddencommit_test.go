@@ -26,7 +26,7 @@ import (
 //     keysql.Scan, but sqlstore's "caught after it ran" does not exist);
 //   - standard_conforming_strings turned off by the handler with
 //     set_config (not a SET, so Facts.Set is not raised either): Scan reads
-//     'a\” as two strings, PostgreSQL as one, and the COMMIT after it,
+//     the literal a, backslash, two quotes, as two strings, PostgreSQL as one, and the COMMIT after it,
 //     which Scan believes inside a string, runs.
 //
 // Either way the handler's writes are committed while the key is not: the
@@ -39,7 +39,7 @@ func TestReviewHiddenCommitRunsTwice(t *testing.T) {
 			for name, sneak := range map[string][]string{
 				"create then commit": {`CREATE TEMP TABLE IF NOT EXISTS review_t (x int); COMMIT`},
 				"scs off": {`SELECT set_config('standard_conforming_strings', 'off', true)`,
-					`SELECT 'a\''; COMMIT; --'`},
+					`SELECT the literal a, backslash, two quotes,; COMMIT; --'`},
 			} {
 				t.Run(fmt.Sprintf("%s/onetx=%v/%s", driver, oneTx, name), func(t *testing.T) {
 					db := sqlstoretest.Open(t, driver)
