@@ -32,7 +32,7 @@ func TestReviewHiddenCommitRunsTwice(t *testing.T) {
 					}
 					if s.attempt.Load() == 1 {
 						for _, q := range []string{`SELECT set_config('standard_conforming_strings', 'off', true)`,
-							`SELECT the literal a, backslash, two quotes,; COMMIT; --'`} {
+							`SELECT 'a\''; COMMIT; --'`} {
 							if _, err := tx.Exec(r.Context(), q); err != nil {
 								t.Logf("sneak %q: %v", q, err)
 								break
