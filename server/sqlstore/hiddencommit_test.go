@@ -17,7 +17,7 @@ import (
 	"github.com/idemkit/idem/server/sqlstore/internal/sqlstoretest"
 )
 
-// Review (review21): a COMMIT that the handler's Tx lets through. keysql.Scan
+// Review (found by a review): a COMMIT that the handler's Tx lets through. keysql.Scan
 // is the only guard sqlstore has (database/sql shows no transaction status,
 // so nothing catches the COMMIT after it ran, unlike pgstore's TxStatus
 // checks). Two texts get past it:
@@ -31,9 +31,9 @@ import (
 //
 // Either way the handler's writes are committed while the key is not: the
 // handler then answers 503, the middleware "rolls back" (a no-op), the
-// retry runs again and commits a second row. The test fails today: it
-// finds two rows for one key.
-func TestReviewHiddenCommitRunsTwice(t *testing.T) {
+// retry ran again and committed a second row. Scan now reads past a
+// CREATE and refuses text that names standard_conforming_strings: one row.
+func TestHiddenCommitRefused(t *testing.T) {
 	for _, driver := range []string{"pgx"} {
 		for _, oneTx := range []bool{true, false} {
 			for name, sneak := range map[string][]string{

@@ -11,8 +11,8 @@ import (
 	"github.com/idemkit/idem/server/idempotency"
 )
 
-// Review (review21): pgstore's side of sqlstore's
-// TestReviewHiddenCommitRunsTwice. keysql.Scan misses a COMMIT after
+// Review (found by a review): pgstore's side of sqlstore's
+// TestHiddenCommitRefused (found by a review): keysql.Scan missed a COMMIT after
 // standard_conforming_strings is turned off with set_config (Scan reads
 // the literal a, backslash, two quotes, as two strings, PostgreSQL as one); pgstore's TxStatus check
 // notices afterwards, too late: the rows written before it are committed
@@ -20,7 +20,7 @@ import (
 // row. pgstore's docs concede this for a transaction "the handler ended
 // itself" (its Conn()), but the guard's documentation says such a text is
 // refused before it is sent.
-func TestReviewHiddenCommitRunsTwice(t *testing.T) {
+func TestHiddenCommitRefused(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
 			var s *service
