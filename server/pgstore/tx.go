@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -578,7 +577,7 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 		// for the claim's advisory lock, which the transaction holds until
 		// it has committed or rolled back, then read (bounded, so that a
 		// backend that never ends does not hold the request forever).
-		wctx, cancel := context.WithTimeout(lctx, lostCommitWait)
+		wctx, cancel := context.WithTimeout(lctx, keysql.LostCommitWait)
 		defer cancel()
 		c := u.claim
 		b := &pgx.Batch{}
@@ -611,10 +610,6 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	}
 	return err
 }
-
-// lostCommitWait bounds the wait for the end of a transaction in one
-// transaction whose COMMIT was sent on a connection that broke.
-const lostCommitWait = 30 * time.Second
 
 // rollback rolls back the transaction on conn and gives conn back.
 func (u *unit) rollback(ctx context.Context, conn *pgxpool.Conn) {

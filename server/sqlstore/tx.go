@@ -7,7 +7,6 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -277,7 +276,7 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 			// while its COMMIT runs: wait for the claim's advisory lock,
 			// which that transaction holds until it ends (this statement
 			// holds it only to its own end), bounded.
-			wctx, cancel := context.WithTimeout(lctx, lostCommitWait)
+			wctx, cancel := context.WithTimeout(lctx, keysql.LostCommitWait)
 			defer cancel()
 			if _, err := q.ExecContext(wctx, keysql.WaitKeyLockSQL, u.claim.ClientID, u.claim.Key); err != nil {
 				return err
@@ -291,10 +290,6 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 	}
 	return true, err
 }
-
-// lostCommitWait bounds the wait for the end of a transaction in one
-// transaction whose COMMIT failed with its outcome unknown.
-const lostCommitWait = 30 * time.Second
 
 // inFailedTransaction is the SQLSTATE of a statement sent in a
 // transaction that a failed statement aborted.

@@ -97,6 +97,11 @@ const keyLockExpr = `hashtextextended($2, hashtextextended($1, 'idempotency_keys
 // claim on a connection that broke).
 const WaitKeyLockSQL = `SELECT pg_advisory_xact_lock(` + keyLockExpr + `)`
 
+// LostCommitWait bounds a store's wait (WaitKeyLockSQL) for the end of a
+// transaction in one transaction whose COMMIT failed with its outcome
+// unknown, before it reads whether the key committed.
+const LostCommitWait = 30 * time.Second
+
 // rowLockExpr is keyLockExpr of the key row k (see PurgeSQL).
 const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.client_id, 'idempotency_keys'::regclass::oid::bigint))`
 
