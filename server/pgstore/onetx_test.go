@@ -244,3 +244,33 @@ func TestOneTransactionRoundTrips(t *testing.T) {
 	g.Open()
 	require.Equal(t, http.StatusCreated, <-held)
 }
+
+// TestOneTransactionDeferredConflictIsNotFenced: a deferred unique
+// constraint of the handler's own table fails the COMMIT with the SQLSTATE
+// of a fenced completion (unique_violation), but under another name: the
+// request fails as its commit failed, not as a claim taken over, and
+// nothing of it commits, key included.
+func TestOneTransactionDeferredConflictIsNotFenced(t *testing.T) {
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
+		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			if _, err := tx.Exec(r.Context(), `INSERT INTO deferred_dup VALUES (1), (1)`); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+	_, err := s.pool.Exec(context.Background(),
+		`CREATE TABLE deferred_dup (v int, CONSTRAINT deferred_dup_v_key UNIQUE (v) DEFERRABLE INITIALLY DEFERRED)`)
+	require.NoError(t, err)
+	status, _ := s.send("k1")
+	assert.Equal(t, http.StatusInternalServerError, status, s.logs.String())
+	assert.NotContains(t, s.logs.String(), "fenced", "a failed COMMIT reported as a fenced claim")
+	assert.Contains(t, s.logs.String(), "deferred_dup_v_key")
+	assert.Empty(t, s.keyRows(t, "k1"), "key rows")
+	s.mustMatch(t, "k1", status)
+}

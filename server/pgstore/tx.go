@@ -539,7 +539,8 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 }
 
 // commitLocked sends sql (keysql.CompleteInTxSQL, or keysql.CompleteNewInTxSQL) and
-// COMMIT on the handler's transaction in one round trip. The caller holds
+// COMMIT on the handler's transaction in one round trip; either fails, and
+// PostgreSQL skips the COMMIT, when the claim was fenced. The caller holds
 // u.mu.
 func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	conn := u.conn
@@ -553,7 +554,7 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 		return nil
 	}
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == keysql.DivisionByZero {
+	if errors.As(err, &pgErr) && (pgErr.Code == keysql.DivisionByZero || keysql.IsKeyConflict(sql, pgErr.Code, pgErr.ConstraintName)) {
 		u.rollback(ctx, conn)
 		return idempotency.ErrFenced
 	}
