@@ -205,3 +205,44 @@ func TestAdminHandlerRefuses(t *testing.T) {
 		t.Error("AdminHandler on a store without Inspector succeeded")
 	}
 }
+
+// TestMigrateCreatesOpenKeysIndex: the reference server's Migrate creates
+// the open keys' index, which its sweeper, admin lists and key gauges
+// need; on a key table without it (dropped, say), /metrics says why it has
+// no key gauges, naming the function that creates it, and the next
+// Migrate (the next start) creates it again.
+func TestMigrateCreatesOpenKeysIndex(t *testing.T) {
+	ctx := context.Background()
+	pool := migratedPool(t)
+	indexValid := func() bool {
+		t.Helper()
+		var valid bool
+		err := pool.QueryRow(ctx, `SELECT coalesce((SELECT indisvalid FROM pg_index
+			WHERE indexrelid = to_regclass('idempotency_keys_open_idx')), false)`).Scan(&valid)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return valid
+	}
+	if !indexValid() {
+		t.Fatal("no valid idempotency_keys_open_idx after Migrate")
+	}
+	if _, err := pool.Exec(ctx, `DROP INDEX idempotency_keys_open_idx`); err != nil {
+		t.Fatal(err)
+	}
+	ts := newTestServer(t, NewPostgresStorage(pool).Storage(), Config{})
+	metrics := string(ts.mustSend(t, call{method: "GET", path: "/metrics"}).body)
+	if !strings.Contains(metrics, "# idem_keys_* gauges unavailable: ") || !strings.Contains(metrics, "pgstore.CreateOpenKeysIndex") ||
+		strings.Contains(metrics, "idem_keys_running ") {
+		t.Errorf("/metrics without the index: want no key gauges and a comment naming pgstore.CreateOpenKeysIndex:\n%s", metrics)
+	}
+	if err := Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if !indexValid() {
+		t.Fatal("no valid idempotency_keys_open_idx after Migrate again")
+	}
+	if metrics := string(ts.mustSend(t, call{method: "GET", path: "/metrics"}).body); !strings.Contains(metrics, "idem_keys_running 0\n") {
+		t.Errorf("/metrics after Migrate again lacks idem_keys_running 0:\n%s", metrics)
+	}
+}

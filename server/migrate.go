@@ -30,15 +30,28 @@ const migrateLockClass = 0x1de3 // pgstore.Migrate uses another
 // Migrate brings the database of pool up to what the reference server
 // needs, in the first schema of the connection's search_path: the key table
 // ([pgstore.Migrate]), then the server's own tables, payments and charges,
-// from the schema embedded in the binary. It runs in one transaction under a
-// transaction-level advisory lock and records each version it applies in
-// the idem_server_migrations table, so it is safe to call at every start,
-// twice, and from many processes at once: one applies what is missing, the
-// others wait for it and find nothing to do.
+// from the schema embedded in the binary, then the open keys' index
+// ([pgstore.CreateOpenKeysIndex]), always: the server runs the sweeper, the
+// operators' lists and the key gauges of /metrics, which need it, so its
+// key completions are never HOT updates. The server's tables are migrated
+// in one transaction under a transaction-level advisory lock, each version
+// recorded in the idem_server_migrations table; the index is built
+// concurrently, outside it, and only when it is missing or invalid. So
+// Migrate is safe to call at every start, twice, and from many processes at
+// once: one applies what is missing, the others wait for it and find
+// nothing to do.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := pgstore.Migrate(ctx, pool); err != nil {
 		return err
 	}
+	if err := migrateServer(ctx, pool); err != nil {
+		return err
+	}
+	return pgstore.CreateOpenKeysIndex(ctx, pool)
+}
+
+// migrateServer applies the server's own migrations.
+func migrateServer(ctx context.Context, pool *pgxpool.Pool) error {
 	migrations, err := loadMigrations()
 	if err != nil {
 		return err

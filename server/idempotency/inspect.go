@@ -118,9 +118,11 @@ type KeyStats struct {
 
 // Inspector is the operators' view of a [Store]: look keys up, list the
 // stuck ones, and release or expire one by hand. [MemoryStore] and the
-// PostgreSQL store (package pgstore) implement it; [Admin] uses it, and
-// logs and reports what it changes. A store need not implement it to serve
-// [Middleware].
+// PostgreSQL stores (packages pgstore and sqlstore) implement it; [Admin]
+// uses it, and logs and reports what it changes. A store need not
+// implement it to serve [Middleware]. The PostgreSQL stores' List and
+// Stats need an index that their CreateOpenKeysIndex creates, and return
+// an error saying so without it.
 //
 // Every method uses the store's clock, as its claims do.
 type Inspector interface {

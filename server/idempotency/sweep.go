@@ -24,8 +24,11 @@ const (
 var ErrNotSweepable = errors.New("idempotency: the store does not implement Sweepable")
 
 // Sweepable is what a [Store] offers a [Sweeper]: the abandoned keys, and
-// a takeover of one of them. [MemoryStore] and the PostgreSQL store
-// (package pgstore) implement it. A store need not implement it to serve
+// a takeover of one of them. [MemoryStore] and the PostgreSQL stores
+// (packages pgstore and sqlstore) implement it; theirs needs an index that
+// their CreateOpenKeysIndex creates, and without it Abandoned returns an
+// error saying so, which every pass of a [Sweeper] returns (and
+// [Sweeper.Run] logs). A store need not implement it to serve
 // [Middleware].
 //
 // A key is abandoned when it is not expired and either started, its lease

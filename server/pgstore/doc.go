@@ -40,7 +40,10 @@
 // a replay and a duplicate cost two round trips, and a claim that resumes,
 // replaces or takes over a key (a retry after a release or an expiry, a
 // takeover) three. See [Store] for what happens
-// when a connection breaks, and [Migrate] for the table.
+// when a connection breaks, and [Migrate] for the table. A service that
+// runs an idempotency.Sweeper, or the inspector's lists and gauges,
+// creates their index at start too, with [CreateOpenKeysIndex]; one that
+// runs neither leaves it out, and its key completions can be HOT updates.
 //
 // # One transaction
 //

@@ -39,11 +39,16 @@ func (s *Store) Lookup(ctx context.Context, clientID, key string, body bool) (id
 	return k, interpretError(err)
 }
 
-// List implements [idempotency.Inspector.List] in one statement.
+// List implements [idempotency.Inspector.List] in one statement, over the
+// index of [CreateOpenKeysIndex]: without it, it returns
+// [ErrNoOpenKeysIndex].
 func (s *Store) List(ctx context.Context, f idempotency.ListFilter) ([]idempotency.KeyInfo, error) {
 	args, ok := keysql.ListArgs(f)
 	if !ok {
 		return nil, nil
+	}
+	if err := s.needOpenIndex(ctx); err != nil {
+		return nil, err
 	}
 	rows, _ := s.pool.Query(ctx, keysql.ListSQL, args...)
 	ks, err := pgx.CollectRows(rows, scanInfo)
@@ -86,10 +91,14 @@ func (s *Store) act(ctx context.Context, clientID, key string, running bool, a k
 	return keysql.Outcome(was, err, interpretError)
 }
 
-// Stats implements [idempotency.Inspector.Stats] in one statement, whose
-// cost grows with the keys that are not completed (running, lapsed or
-// released), not with the table.
+// Stats implements [idempotency.Inspector.Stats] in one statement over the
+// index of [CreateOpenKeysIndex], whose cost grows with the keys that are
+// not completed (running, lapsed or released), not with the table; without
+// the index, it returns [ErrNoOpenKeysIndex].
 func (s *Store) Stats(ctx context.Context) (idempotency.KeyStats, error) {
+	if err := s.needOpenIndex(ctx); err != nil {
+		return idempotency.KeyStats{}, err
+	}
 	var r keysql.StatsRow
 	err := s.pool.QueryRow(ctx, keysql.StatsSQL).Scan(r.Dests()...)
 	return r.KeyStats(), interpretError(err)

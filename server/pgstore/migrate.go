@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -13,10 +14,12 @@ import (
 // Migrate creates the key table of [Store], or brings it up to the version
 // this package writes, in the first schema of the search_path of pool's
 // connections. It touches nothing else: it creates the sequence
-// idempotency_lock_tokens, the table idempotency_keys with its indexes
-// idempotency_keys_expires_idx and idempotency_keys_open_idx, and the
-// table idempotency_migrations, where
-// it records the version it applied. The business tables of the service are
+// idempotency_lock_tokens, the table idempotency_keys with its primary key
+// and its index idempotency_keys_expires_idx, and the table idempotency_migrations,
+// where it records the version it applied. The index that a sweeper and
+// the inspector's lists and gauges need is [CreateOpenKeysIndex]'s, on
+// request; Migrate neither creates nor drops it, so a table that has it
+// from an earlier release keeps it. The business tables of the service are
 // the service's to create. The migrations are those of sqlstore.Migrate:
 // the two packages serve one key table, side by side.
 //
@@ -57,7 +60,7 @@ import (
 // batches; it never deletes a row whose lease is being renewed.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		return keysql.Migrate(ctx, migrateConn{tx})
+		return keysql.Migrate(ctx, sqlConn{tx})
 	})
 	if err != nil {
 		return fmt.Errorf("pgstore: migrate: %w", err)
@@ -65,14 +68,20 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	return nil
 }
 
-// migrateConn runs keysql's migrations on a pgx.Tx.
-type migrateConn struct{ tx pgx.Tx }
+// sqlConn runs keysql's migrations and catalog queries (keysql.Conn) on a
+// pgx.Tx, a connection or the pool.
+type sqlConn struct {
+	db interface {
+		Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error)
+		QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+	}
+}
 
-func (c migrateConn) Exec(ctx context.Context, sql string, args ...any) error {
-	_, err := c.tx.Exec(ctx, sql, args...)
+func (c sqlConn) Exec(ctx context.Context, sql string, args ...any) error {
+	_, err := c.db.Exec(ctx, sql, args...)
 	return err
 }
 
-func (c migrateConn) QueryRow(ctx context.Context, sql string, args []any, dest ...any) error {
-	return c.tx.QueryRow(ctx, sql, args...).Scan(dest...)
+func (c sqlConn) QueryRow(ctx context.Context, sql string, args []any, dest ...any) error {
+	return c.db.QueryRow(ctx, sql, args...).Scan(dest...)
 }

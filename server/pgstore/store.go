@@ -60,7 +60,8 @@ import (
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
 type Store struct {
-	pool *pgxpool.Pool
+	pool      *pgxpool.Pool
+	openIndex keysql.OpenIndex // whether the key table has the open keys' index
 
 	// AsyncClaims makes claims commit without waiting for their WAL flush
 	// (synchronous_commit = off for the claim's own transaction only),

@@ -11,10 +11,15 @@ import (
 	"github.com/idemkit/idem/server/internal/keysql"
 )
 
-// Abandoned implements [idempotency.Sweepable.Abandoned] in one statement.
+// Abandoned implements [idempotency.Sweepable.Abandoned] in one statement,
+// over the index of [CreateOpenKeysIndex]: without it, it returns
+// [ErrNoOpenKeysIndex].
 func (s *Store) Abandoned(ctx context.Context, grace time.Duration, limit int) ([]idempotency.KeyInfo, error) {
 	if limit <= 0 {
 		return nil, nil
+	}
+	if err := s.needOpenIndex(ctx); err != nil {
+		return nil, err
 	}
 	rows, _ := s.pool.Query(ctx, keysql.AbandonedSQL, keysql.Micros(max(grace, 0)), limit)
 	ks, err := pgx.CollectRows(rows, scanInfo)

@@ -14,10 +14,14 @@ import (
 	"github.com/idemkit/idem/server/storetest"
 )
 
-// backend is a store on a pool of its own, its business writes rows
-// inserted through the request's transaction (TxFromContext).
+// backend is a store on a pool of its own, its key table with the open
+// keys' index that the sweeper and the inspector need, its business
+// writes rows inserted through the request's transaction (TxFromContext).
 func backend(t *testing.T) storetest.Backend {
 	pool := widePool(t, 8)
+	if err := pgstore.CreateOpenKeysIndex(context.Background(), pool); err != nil {
+		t.Fatal(err)
+	}
 	return storetest.Backend{
 		Store: pgstore.New(pool),
 		Write: write,
@@ -41,7 +45,8 @@ func TestInspectorConformance(t *testing.T) {
 // TestLifecycleQueriesWalkTheOpenIndex fills the key table with completed
 // keys and a few unfinished ones, then checks that the sweeper's search,
 // the operators' list and the gauges' counts find the unfinished ones
-// through idempotency_keys_open_idx, never by scanning the table.
+// through idempotency_keys_open_idx, which CreateOpenKeysIndex made, never
+// by scanning the table.
 func TestLifecycleQueriesWalkTheOpenIndex(t *testing.T) {
 	ctx := context.Background()
 	rec := &sqlRecorder{}
@@ -59,6 +64,9 @@ func TestLifecycleQueriesWalkTheOpenIndex(t *testing.T) {
 			now() - interval '2 days', now() - interval '2 days', 1000000, 604800000000,
 			now() + interval '5 days'
 		FROM generate_series(1, $1::int) g`, completed+lapsed, lapsed); err != nil {
+		t.Fatal(err)
+	}
+	if err := pgstore.CreateOpenKeysIndex(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := pool.Exec(ctx, `ANALYZE idempotency_keys`); err != nil {

@@ -69,7 +69,8 @@
 //     claim take one each, the completion and the COMMIT one each. Nor are
 //     pgstore's AsyncClaims and BatchClaims offered. The store is an
 //     [idempotency.Inspector] and an [idempotency.Sweepable], on pgstore's
-//     statements, for the operators' API and the sweeper.
+//     statements, for the operators' API and the sweeper, once
+//     [CreateOpenKeysIndex] made the index they walk.
 //   - [TxFromContext] lists how the handler's transaction keeps pgstore's
 //     rules (refused COMMIT and ROLLBACK, QueryRowContext that reads its
 //     row at once, statements that stop working when the request ends)

@@ -51,11 +51,16 @@ func (s *Store) Lookup(ctx context.Context, clientID, key string, body bool) (id
 	return ks[0], nil
 }
 
-// List implements [idempotency.Inspector.List] in one statement.
+// List implements [idempotency.Inspector.List] in one statement, over the
+// index of [CreateOpenKeysIndex]: without it, it returns
+// [ErrNoOpenKeysIndex].
 func (s *Store) List(ctx context.Context, f idempotency.ListFilter) ([]idempotency.KeyInfo, error) {
 	args, ok := keysql.ListArgs(f)
 	if !ok {
 		return nil, nil
+	}
+	if err := s.needOpenIndex(ctx); err != nil {
+		return nil, err
 	}
 	ks, err := infoRows(s.db.QueryContext(ctx, keysql.ListSQL, args...))
 	return ks, interpretError(err)
@@ -106,17 +111,27 @@ func (s *Store) act(ctx context.Context, clientID, key string, running bool, a k
 	return keysql.Outcome(was, err, interpretError)
 }
 
-// Stats implements [idempotency.Inspector.Stats] in one statement.
+// Stats implements [idempotency.Inspector.Stats] in one statement, over
+// the index of [CreateOpenKeysIndex]: without it, it returns
+// [ErrNoOpenKeysIndex].
 func (s *Store) Stats(ctx context.Context) (idempotency.KeyStats, error) {
+	if err := s.needOpenIndex(ctx); err != nil {
+		return idempotency.KeyStats{}, err
+	}
 	var r keysql.StatsRow
 	err := s.db.QueryRowContext(ctx, keysql.StatsSQL).Scan(r.Dests()...)
 	return r.KeyStats(), interpretError(err)
 }
 
-// Abandoned implements [idempotency.Sweepable.Abandoned] in one statement.
+// Abandoned implements [idempotency.Sweepable.Abandoned] in one statement,
+// over the index of [CreateOpenKeysIndex]: without it, it returns
+// [ErrNoOpenKeysIndex].
 func (s *Store) Abandoned(ctx context.Context, grace time.Duration, limit int) ([]idempotency.KeyInfo, error) {
 	if limit <= 0 {
 		return nil, nil
+	}
+	if err := s.needOpenIndex(ctx); err != nil {
+		return nil, err
 	}
 	ks, err := infoRows(s.db.QueryContext(ctx, keysql.AbandonedSQL, keysql.Micros(max(grace, 0)), limit))
 	return ks, interpretError(err)

@@ -51,6 +51,8 @@ type Store struct {
 	prepare bool     // the driver does not cache statements: prepare those of a first execution
 
 	units keysql.Units[*unit] // the units of work of claims in one transaction
+
+	openIndex keysql.OpenIndex // whether the key table has the open keys' index
 }
 
 // New returns a store on db, a pool of a PostgreSQL driver (pgx's stdlib,

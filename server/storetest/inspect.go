@@ -12,8 +12,9 @@ import (
 
 // ExerciseInspector runs the conformance suite of [idempotency.Inspector]
 // for a store that implements it (the suite fails at once on one that
-// does not). newBackend is as for [Exercise]. The subtests run in
-// parallel.
+// does not). newBackend is as for [Exercise], its store ready to list and
+// count keys (pgstore's and sqlstore's after their CreateOpenKeysIndex).
+// The subtests run in parallel.
 func ExerciseInspector(t *testing.T, newBackend func(t *testing.T) Backend) {
 	tests := []struct {
 		name string

@@ -15,7 +15,8 @@ import (
 // ExerciseSweeper runs the conformance suite of [idempotency.Sweepable]
 // through an [idempotency.Sweeper], for a store that implements it (the
 // suite fails at once on one that does not). newBackend is as for
-// [Exercise]. The subtests run in parallel.
+// [Exercise], its store ready to be swept (pgstore's and sqlstore's after
+// their CreateOpenKeysIndex). The subtests run in parallel.
 func ExerciseSweeper(t *testing.T, newBackend func(t *testing.T) Backend) {
 	tests := []struct {
 		name string

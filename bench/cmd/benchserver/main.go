@@ -16,9 +16,16 @@
 // code, the pool (-db-max-conns) and the client's authentication (Bearer
 // sk_test_demo).
 //
+// idem's key table has no open keys' index by default, as a service without
+// a sweeper has none and the article has no sweeper: its key completions
+// can be HOT updates, as the article's are. An index left on the table (by
+// a run with -open-index, or by an earlier release's Migrate) is dropped at
+// start. -open-index creates it instead (pgstore.CreateOpenKeysIndex), to
+// measure what it costs a service that runs a sweeper or key gauges.
+//
 // Usage:
 //
-//	benchserver -addr 127.0.0.1:8080 -database-url URL -handler orders [-one-transaction] [-reset] [-drop-open-index]
+//	benchserver -addr 127.0.0.1:8080 -database-url URL -handler orders [-one-transaction] [-reset] [-open-index]
 package main
 
 import (
@@ -58,7 +65,7 @@ func main() {
 // config holds the flags.
 type config struct {
 	addr, databaseURL, handler string
-	oneTx, reset, noOpenIndex  bool
+	oneTx, reset, openIndex    bool
 	maxConns                   int
 }
 
@@ -72,8 +79,8 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.BoolVar(&c.oneTx, "one-transaction", false, "idem's route in one-transaction mode (idempotency.Options.OneTransaction)")
 	fs.BoolVar(&c.reset, "reset", false, "empty the key tables and the handler's tables at start")
 	fs.IntVar(&c.maxConns, "db-max-conns", 16, "the pool's size, shared by the three ways")
-	fs.BoolVar(&c.noOpenIndex, "drop-open-index", false,
-		"drop idempotency_keys_open_idx after the migration (a measurement: the sweeper's and the operators' index, which keeps a key's updates from being HOT)")
+	fs.BoolVar(&c.openIndex, "open-index", false,
+		"create idempotency_keys_open_idx after the migration (a measurement: the index a sweeper and key gauges need, which keeps a key's updates from being HOT); without it, one left on the table is dropped")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -120,13 +127,8 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	defer pool.Close()
-	if err := migrate(ctx, pool, c.reset); err != nil {
+	if err := migrate(ctx, pool, c.reset, c.openIndex); err != nil {
 		return err
-	}
-	if c.noOpenIndex {
-		if _, err := pool.Exec(ctx, `DROP INDEX IF EXISTS idempotency_keys_open_idx`); err != nil {
-			return err
-		}
 	}
 	ln, err := net.Listen("tcp", c.addr)
 	if err != nil {
@@ -178,9 +180,18 @@ func authenticate(r *http.Request) (string, bool) {
 	return "cli_demo", r.Header.Get("Authorization") == "Bearer sk_test_demo"
 }
 
-// migrate creates idem's key table, the article's and the handlers'.
-func migrate(ctx context.Context, pool *pgxpool.Pool, reset bool) error {
+// migrate creates idem's key table, the article's and the handlers', and
+// creates idem's open keys' index if openIndex, or else drops one left
+// on the table, so that the table is what the flag says.
+func migrate(ctx context.Context, pool *pgxpool.Pool, reset, openIndex bool) error {
 	if err := pgstore.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	if openIndex {
+		if err := pgstore.CreateOpenKeysIndex(ctx, pool); err != nil {
+			return err
+		}
+	} else if _, err := pool.Exec(ctx, `DROP INDEX CONCURRENTLY IF EXISTS idempotency_keys_open_idx`); err != nil {
 		return err
 	}
 	if _, err := pool.Exec(ctx, articleSchema+handlerSchema); err != nil {

@@ -33,7 +33,7 @@ func TestThreeWays(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			ctx := context.Background()
 			pool := pgtest.Pool(t)
-			require.NoError(t, migrate(ctx, pool, true))
+			require.NoError(t, migrate(ctx, pool, true, false))
 			h := &handler{name: tc.handler}
 			if tc.handler == "payments" {
 				p, err := startProcessor()
@@ -94,6 +94,23 @@ func TestThreeWays(t *testing.T) {
 			assert.Equal(t, http.StatusBadRequest, status, "article: a key is required")
 		})
 	}
+}
+
+// TestMigrateOpenIndex: the key table has the open keys' index with
+// -open-index and none without, also when a run before left one.
+func TestMigrateOpenIndex(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	hasIndex := func() (ok bool) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT to_regclass('idempotency_keys_open_idx') IS NOT NULL`).Scan(&ok))
+		return ok
+	}
+	require.NoError(t, migrate(ctx, pool, false, false))
+	assert.False(t, hasIndex(), "without -open-index")
+	require.NoError(t, migrate(ctx, pool, false, true))
+	assert.True(t, hasIndex(), "with -open-index")
+	require.NoError(t, migrate(ctx, pool, true, false))
+	assert.False(t, hasIndex(), "without -open-index, after a run with it")
 }
 
 func TestParseFlags(t *testing.T) {

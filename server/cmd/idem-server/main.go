@@ -32,6 +32,14 @@
 // -admin-token, without which it refuses to start; give it a private
 // address.
 //
+// With a database, it migrates at start (server.Migrate): the key table,
+// its own tables, and the open keys' index (pgstore.CreateOpenKeysIndex)
+// that the sweeper, the admin lists and the key gauges of /metrics walk.
+// It creates the index always, -no-sweep or not: it costs each claim and
+// renewal an index entry, and keeps every key completion from being a HOT
+// update, which a service that runs no sweeper and no gauges need not pay
+// (see docs/operations.md).
+//
 // -seal-key-file names a file of the keys that seal stored responses at
 // rest, one a line, "id base64-key" (32 bytes: openssl rand -base64 32);
 // the first line seals, every line opens (see server.ParseSealKeys). A

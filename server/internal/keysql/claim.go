@@ -15,11 +15,12 @@ const (
 	// the retention (NULL while started without a lease, or without a
 	// retention), which is never after the expiry, and leaves it alone
 	// afterwards, so that a renewal, a completion and a release change no
-	// column of the primary key's index or of expires_at's (PostgreSQL
-	// then deletes those indexes' stale entries bottom-up; the updates
-	// would be HOT, adding nothing to any index, but for
-	// idempotency_keys_open_idx, which reads status and locked_at: see
-	// pgstore's TestFinishIsHOT) (a completion lowers it to the expiry of a key
+	// column of the primary key's index or of expires_at's, so the
+	// updates are HOT, adding nothing to any index, when the page has
+	// room; with the open keys' index (CreateOpenKeysIndex), which reads
+	// status and locked_at, none is, and PostgreSQL still deletes the
+	// other indexes' stale entries bottom-up: see pgstore's
+	// TestFinishIsHOT and its converse) (a completion lowers it to the expiry of a key
 	// whose expires_at is later, or sets it on one whose expires_at is
 	// NULL: a key claimed without a lease, or by a replica of the previous
 	// release, which wrote the expiry itself, as finishedExpiryExpr did).

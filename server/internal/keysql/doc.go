@@ -3,10 +3,10 @@
 // (database/sql). It holds the statements (claims, renewal, completion,
 // release, purge, the inspector's and the sweeper's reads and writes), the
 // expressions they share over a key row (expiry, staleness), the
-// migrations, and the driver-neutral Go around them: a claim's parameters
-// and the reading of its row, the SQLSTATEs the stores map to the
-// idempotency sentinels, and the guard that reads a handler's SQL for
-// statements that would end its transaction.
+// migrations and the open keys' index, and the driver-neutral Go around
+// them: a claim's parameters and the reading of its row, the SQLSTATEs
+// the stores map to the idempotency sentinels, and the guard that reads a
+// handler's SQL for statements that would end its transaction.
 //
 // It imports no database driver, as river's riverdriver keeps one set of
 // queries behind riverpgxv5 and riverdatabasesql: a fix to a claim or a

@@ -43,7 +43,8 @@ WHERE k.client_id = $1 AND k.idempotency_key = $2`
 // client $2 (all if empty), older than $3 microseconds (started: by
 // created_at, released: by their release), oldest first, at most $4. The
 // status <> 'completed' lets PostgreSQL walk idempotency_keys_open_idx,
-// which holds only the keys that are not completed.
+// which holds only the keys that are not completed (see
+// CreateOpenKeysIndex; the stores do not run it without the index).
 const ListSQL = `
 SELECT ` + infoColumns + `, NULL::bytea
 FROM idempotency_keys k
@@ -84,7 +85,7 @@ WHERE k.client_id = $1 AND k.idempotency_key = $2
 FOR UPDATE`
 
 // StatsSQL counts the live keys that are not completed; like ListSQL, it
-// walks idempotency_keys_open_idx.
+// walks idempotency_keys_open_idx, and needs it.
 const StatsSQL = `
 SELECT count(*) FILTER (WHERE k.status = 'started' AND NOT ` + staleExpr + `),
     coalesce((extract(epoch FROM statement_timestamp() - min(k.created_at)
@@ -98,7 +99,8 @@ WHERE k.status <> 'completed' AND ` + liveExpr
 // microseconds, those abandoned first first. Every abandoned key was
 // renewed last at least the grace ago (a release comes after the last
 // renewal), so PostgreSQL walks idempotency_keys_open_idx, the index of
-// the keys that are not completed, by locked_at, and stops there.
+// the keys that are not completed, by locked_at, and stops there; the
+// stores do not run it without the index (see CreateOpenKeysIndex).
 const AbandonedSQL = `
 SELECT ` + infoColumns + `, NULL::bytea
 FROM idempotency_keys k

@@ -17,8 +17,6 @@ var (
 	upgradeLegacySQL string
 	//go:embed schema/legacy_replicas.sql
 	legacyReplicasSQL string
-	//go:embed schema/open_index.sql
-	openIndexSQL string
 )
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
@@ -45,9 +43,6 @@ var compatibleSteps = []struct {
 		SELECT column_default IS NULL FROM information_schema.columns
 		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
 		legacyReplicasSQL},
-	{"the index of the keys that are not completed", `
-		SELECT to_regclass(quote_ident(current_schema()) || '.idempotency_keys_open_idx') IS NULL`,
-		openIndexSQL},
 }
 
 // columns is the key table of schemaVersion: each column and its type as
@@ -78,8 +73,9 @@ var columns = map[string]string{
 // reference server before this package (upgrade_legacy.sql) adds.
 var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expires_at"}
 
-// Conn runs the migrations' statements in one transaction of a store's
-// driver: pgx, or database/sql.
+// Conn runs statements on a store's driver, pgx or database/sql: those of
+// Migrate in one transaction, those of CreateOpenKeysIndex on one session
+// outside a transaction, and OpenIndex.Need's catalog query anywhere.
 type Conn interface {
 	// Exec runs sql; without args it may hold several statements.
 	Exec(ctx context.Context, sql string, args ...any) error
@@ -91,8 +87,11 @@ type Conn interface {
 // Migrate creates the key table, or brings it up to the version that
 // this package's statements write, in the first schema of the
 // search_path, in the transaction of tx: the sequence
-// idempotency_lock_tokens, the table idempotency_keys with its indexes,
-// and the table idempotency_migrations, where it records the version. It
+// idempotency_lock_tokens, the table idempotency_keys with its primary
+// key and idempotency_keys_expires_idx, and the table
+// idempotency_migrations, where it records the version. The open keys'
+// index is CreateOpenKeysIndex's, on request; Migrate neither creates nor
+// drops it, so a table that has it, from an earlier release, keeps it. It
 // holds a transaction-level advisory lock, so that concurrent calls apply
 // what is missing once. A table named idempotency_keys that it did not
 // create is an error naming what differs, unless it is the key table of an

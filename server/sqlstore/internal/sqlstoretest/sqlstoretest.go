@@ -25,8 +25,10 @@ func Run(t *testing.T, driver string) {
 		{"ConformanceSerializable", testSerializable},
 		{"SerializableRenewalFailsCompletion", testSerializableRenewal},
 		{"Sealed", func(t *testing.T, driver string) { storetest.ExerciseSealed(t, backend(driver)) }},
-		{"Inspector", func(t *testing.T, driver string) { storetest.ExerciseInspector(t, backend(driver)) }},
-		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, backend(driver)) }},
+		{"Inspector", func(t *testing.T, driver string) { storetest.ExerciseInspector(t, indexedBackend(driver)) }},
+		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, indexedBackend(driver)) }},
+		{"OpenKeysIndexOptIn", testOpenIndexOptIn},
+		{"OpenKeysIndexInvalid", testOpenIndexInvalid},
 		{"HandlerRowsFollowOutcome", testHandlerRows},
 		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
 		{"ResponseByteForByte", testResponseFidelity},
@@ -157,16 +159,34 @@ func backend(driver string) func(t *testing.T) storetest.Backend {
 	return backendWith(driver, "")
 }
 
+// indexedBackend is backend on a key table with the open keys' index
+// (sqlstore.CreateOpenKeysIndex), which the sweeper and the inspector
+// need.
+func indexedBackend(driver string) func(t *testing.T) storetest.Backend {
+	return func(t *testing.T) storetest.Backend {
+		db, _ := openURL(t, driver, "")
+		if err := sqlstore.CreateOpenKeysIndex(context.Background(), db); err != nil {
+			t.Fatal(err)
+		}
+		return backendOn(db)
+	}
+}
+
 // backendWith is backend with more connection parameters.
 func backendWith(driver, params string) func(t *testing.T) storetest.Backend {
 	return func(t *testing.T) storetest.Backend {
 		db, _ := openURL(t, driver, params)
-		return storetest.Backend{
-			Store: sqlstore.New(db),
-			Write: write,
-			Written: func(ctx context.Context, name string) (bool, error) {
-				return written(ctx, db, name)
-			},
-		}
+		return backendOn(db)
+	}
+}
+
+// backendOn returns the storetest backend of a store on db.
+func backendOn(db *sql.DB) storetest.Backend {
+	return storetest.Backend{
+		Store: sqlstore.New(db),
+		Write: write,
+		Written: func(ctx context.Context, name string) (bool, error) {
+			return written(ctx, db, name)
+		},
 	}
 }

@@ -1,0 +1,172 @@
+package keysql
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+)
+
+// The open keys' index, idempotency_keys_open_idx: the keys that are not
+// completed, by their last claim or renewal. The sweeper's search for
+// abandoned keys (AbandonedSQL, which stops at the grace), the operators'
+// lists (ListSQL) and the gauges' counts (StatsSQL) walk it, so their cost
+// grows with the keys that are running, lapsed or released, not with the
+// table. Migrate does not create it: it costs each claim and each renewal
+// one more index entry, and, as it reads status and locked_at, no
+// renewal, completion or release is a HOT update while it exists
+// (pgstore's TestFinishIsHOT and TestOpenKeysIndexMakesNoUpdateHOT). A
+// service that runs a sweeper or the inspector's lists and gauges creates
+// it with CreateOpenKeysIndex; the stores' Abandoned, List and Stats
+// refuse to run without it (OpenIndex.Need) rather than read the whole
+// table at every sweep or scrape.
+const (
+	openIndexName = "idempotency_keys_open_idx"
+	// openIndexOn is what the index covers, after ON and the table.
+	openIndexOn = ` (locked_at) WHERE status <> 'completed'`
+)
+
+// openIndexLockClass is the first key of the session-level advisory lock
+// CreateOpenKeysIndex holds while it builds the index; the second is the
+// schema's, as for Migrate's lock. It is not Migrate's: a Migrate waiting
+// for it inside its transaction would keep the concurrent build waiting
+// for that transaction's end.
+const openIndexLockClass = migrateLockClass + 1
+
+// openIndexPoll is how often CreateOpenKeysIndex tries the lock again
+// while another session builds the index. It never waits on the lock in a
+// statement: a concurrent build waits for every transaction older than
+// its snapshot, a blocked pg_advisory_lock's included, which would be a
+// deadlock.
+const openIndexPoll = 200 * time.Millisecond
+
+// Index states, as openIndexStateSQL reports them.
+const (
+	indexValid   = "valid"
+	indexInvalid = "invalid" // left by an interrupted concurrent build, or being built
+	indexAbsent  = "absent"
+	indexOther   = "other" // a relation of the name that is not an index of the key table
+)
+
+// openIndexStateSQL reports the state of the open keys' index in the
+// current schema, and the schema's name quoted for SQL.
+const openIndexStateSQL = `
+SELECT CASE WHEN r.oid IS NULL THEN '` + indexAbsent + `'
+        WHEN i.indrelid IS DISTINCT FROM r.tab THEN '` + indexOther + `'
+        WHEN i.indisvalid THEN '` + indexValid + `'
+        ELSE '` + indexInvalid + `' END,
+    coalesce(quote_ident(current_schema()), '')
+FROM (SELECT to_regclass(quote_ident(current_schema()) || '.` + openIndexName + `') AS oid,
+        to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AS tab) r
+LEFT JOIN pg_index i ON i.indexrelid = r.oid`
+
+// openIndexState returns the state of the open keys' index (see
+// openIndexStateSQL) and the current schema, quoted.
+func openIndexState(ctx context.Context, c Conn) (state, schema string, err error) {
+	err = c.QueryRow(ctx, openIndexStateSQL, nil, &state, &schema)
+	return state, schema, err
+}
+
+// CreateOpenKeysIndex creates the open keys' index of the key table in
+// the first schema of the search_path, with CREATE INDEX CONCURRENTLY, on
+// c, one session outside any transaction; after an error, the session may
+// still hold the advisory lock below, and the caller closes it rather than
+// reuse it. A valid index is left alone; an invalid one, left by a
+// concurrent build that did not finish (it failed, was cancelled, or
+// PostgreSQL stopped), is dropped, concurrently, and built again.
+// Concurrent calls build it once: each holds a session-level advisory
+// lock while it builds, and the others wait for it and find it valid.
+// The build does not block the table's writes; it waits for the
+// transactions that were running in the database when it started to end.
+func CreateOpenKeysIndex(ctx context.Context, c Conn) (err error) {
+	state, _, err := openIndexState(ctx, c)
+	if err != nil || state == indexValid {
+		return err
+	}
+	if err := openIndexLock(ctx, c); err != nil {
+		return err
+	}
+	defer func() {
+		unlock := c.Exec(context.WithoutCancel(ctx), `SELECT pg_advisory_unlock($1, hashtext(coalesce(current_schema(), '')))`, openIndexLockClass)
+		if err == nil && unlock != nil {
+			err = fmt.Errorf("releasing the advisory lock of the build: %w", unlock)
+		}
+	}()
+	return createOpenIndex(ctx, c)
+}
+
+// createOpenIndex is CreateOpenKeysIndex under its lock.
+func createOpenIndex(ctx context.Context, c Conn) error {
+	// What another session did meanwhile.
+	state, schema, err := openIndexState(ctx, c)
+	if err != nil {
+		return err
+	}
+	switch state {
+	case indexValid:
+		return nil
+	case indexOther:
+		return fmt.Errorf("a relation %s.%s that is not an index of idempotency_keys is in the way of the open keys' index: rename it", schema, openIndexName)
+	case indexInvalid:
+		if err := c.Exec(ctx, `DROP INDEX CONCURRENTLY IF EXISTS `+schema+`.`+openIndexName); err != nil {
+			return fmt.Errorf("dropping the invalid %s left by an interrupted build: %w", openIndexName, err)
+		}
+	}
+	// IF NOT EXISTS: a replica of a release before this one creates it in
+	// its Migrate, which takes no advisory lock of ours.
+	if err := c.Exec(ctx, `CREATE INDEX CONCURRENTLY IF NOT EXISTS `+openIndexName+` ON `+schema+`.idempotency_keys`+openIndexOn); err != nil {
+		return fmt.Errorf("creating %s: %w", openIndexName, err)
+	}
+	if state, _, err = openIndexState(ctx, c); err == nil && state != indexValid {
+		err = fmt.Errorf("%s is %s after its creation", openIndexName, state)
+	}
+	return err
+}
+
+// openIndexLock takes the advisory lock of CreateOpenKeysIndex, trying
+// again every openIndexPoll while another session holds it.
+func openIndexLock(ctx context.Context, c Conn) error {
+	for {
+		var locked bool
+		err := c.QueryRow(ctx, `SELECT pg_try_advisory_lock($1, hashtext(coalesce(current_schema(), '')))`,
+			[]any{openIndexLockClass}, &locked)
+		if err != nil || locked {
+			return err
+		}
+		t := time.NewTimer(openIndexPoll)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return context.Cause(ctx)
+		case <-t.C:
+		}
+	}
+}
+
+// OpenIndex is what a store knows of its key table's open keys' index:
+// whether it was found valid. The zero value knows nothing. It is safe
+// for concurrent use.
+type OpenIndex struct{ valid atomic.Bool }
+
+// Need returns nil when the key table has a valid open keys' index, and
+// an error wrapping missing, which names the function that creates it,
+// when not. It looks the index up in the catalog on c until it finds it
+// valid, and never again after that.
+func (o *OpenIndex) Need(ctx context.Context, c Conn, missing error) error {
+	if o.valid.Load() {
+		return nil
+	}
+	state, _, err := openIndexState(ctx, c)
+	switch {
+	case err != nil:
+		return err
+	case state == indexValid:
+		o.valid.Store(true)
+		return nil
+	case state == indexInvalid:
+		return fmt.Errorf("%w (an invalid one, left by an interrupted build or being built, is in its place)", missing)
+	case state == indexOther:
+		return fmt.Errorf("%w (a relation of its name that is not an index of the key table is in its place)", missing)
+	}
+	return missing
+}
