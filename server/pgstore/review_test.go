@@ -1,0 +1,112 @@
+package pgstore_test
+
+import (
+	"context"
+	"net/http"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// takeKeySQL inserts a started row of key k1 of cli_a, as a claim in a
+// commit of its own (a route without the one-transaction mode) would,
+// while a claim of the key in one transaction is open: that claim is
+// fenced.
+const takeKeySQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+    request_hash, fingerprint_version, status, operation_id, lock_token, lease_us, retention_us)
+VALUES ('cli_a', 'k1', 'POST', '/v1/orders', '\x00', 1, 'started', gen_random_uuid(),
+    nextval('idempotency_lock_tokens'), 30000000, 86400000000)`
+
+// TestReviewDeferredTriggerUniqueViolationIsNotFenced: a deferred
+// constraint trigger of the handler's own table that raises
+// unique_violation without naming a constraint (RAISE ... USING ERRCODE,
+// the usual way to enforce a rule no index can) fails the COMMIT with the
+// SQLSTATE of a fenced completion and an empty constraint name, which
+// keysql.IsKeyConflict accepts: the client is told that a retry took its
+// request over (409), which none did.
+func TestReviewDeferredTriggerUniqueViolationIsNotFenced(t *testing.T) {
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
+		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			if _, err := tx.Exec(r.Context(), `INSERT INTO deferred_rule VALUES (1)`); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+	_, err := s.pool.Exec(context.Background(), `
+CREATE TABLE deferred_rule (v int);
+CREATE FUNCTION deferred_rule_check() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'duplicate order' USING ERRCODE = 'unique_violation';
+END $$;
+CREATE CONSTRAINT TRIGGER deferred_rule_check AFTER INSERT ON deferred_rule
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION deferred_rule_check();`)
+	require.NoError(t, err)
+	status, _ := s.send("k1")
+	assert.Equal(t, http.StatusInternalServerError, status, s.logs.String())
+	assert.NotContains(t, s.logs.String(), "fenced", "a failed COMMIT reported as a fenced claim")
+	assert.Empty(t, s.keyRows(t, "k1"), "key rows")
+	s.mustMatch(t, "k1", status)
+}
+
+// TestReviewFenceUnderRenamedPrimaryKey: the fence of the one-transaction
+// completion is recognised by the primary key's name only. A key table
+// whose primary key has another name (rebuilt with ADD CONSTRAINT ...
+// PRIMARY KEY USING INDEX under a new name, say; Migrate accepts it) has
+// its fenced completions reported as failures (500, "completion failed")
+// instead of 409.
+func TestReviewFenceUnderRenamedPrimaryKey(t *testing.T) {
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
+		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			// A claim in a commit of its own takes the key meanwhile.
+			if _, err := s.pool.Exec(r.Context(), takeKeySQL); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+	_, err := s.pool.Exec(context.Background(),
+		`ALTER TABLE idempotency_keys RENAME CONSTRAINT idempotency_keys_pkey TO idempotency_keys_pk`)
+	require.NoError(t, err)
+	status, _ := s.send("k1")
+	assert.Equal(t, http.StatusConflict, status, s.logs.String())
+	assert.Contains(t, s.logs.String(), "completion fenced")
+	s.mustMatch(t, "k1", status)
+}
+
+// TestReviewFenceIsFenced: the control of the test above, with the
+// primary key as Migrate names it.
+func TestReviewFenceIsFenced(t *testing.T) {
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
+		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			if _, err := s.pool.Exec(r.Context(), takeKeySQL); err != nil {
+				http.Error(w, err.Error(), http.StatusInternalServerError)
+				return
+			}
+			w.WriteHeader(http.StatusCreated)
+		})
+	status, _ := s.send("k1")
+	assert.Equal(t, http.StatusConflict, status, s.logs.String())
+	assert.Contains(t, s.logs.String(), "completion fenced")
+	s.mustMatch(t, "k1", status)
+}
