@@ -4,12 +4,14 @@ import (
 	"context"
 	"net/http"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 // takeKeySQL inserts a started row of key k1 of cli_a, as a claim in a
@@ -109,4 +111,68 @@ func TestReviewFenceIsFenced(t *testing.T) {
 	assert.Equal(t, http.StatusConflict, status, s.logs.String())
 	assert.Contains(t, s.logs.String(), "completion fenced")
 	s.mustMatch(t, "k1", status)
+}
+
+// TestReviewCreateOpenKeysIndexBesidePreviousRelease: during a rolling
+// upgrade, a replica of the previous release runs its Migrate (one
+// transaction: its check that the open keys' index is missing, then a
+// plain CREATE INDEX IF NOT EXISTS of it) while a replica of this release
+// runs CreateOpenKeysIndex. When the concurrent build commits the index's
+// catalog entry between the old check and the old CREATE INDEX, the old
+// statement waits for the build's table lock while holding a snapshot,
+// and the build's last phase waits for that snapshot: a deadlock, which
+// PostgreSQL breaks by failing one of them (the new replica's start, via
+// server.Migrate, or the old replica's). docs/operations.md calls the old
+// replicas' re-adding "harmless".
+func TestReviewCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
+	ctx := context.Background()
+	pool := widePool(t, 4)
+	// A writer keeps the build waiting after its first phase, so that the
+	// old Migrate's CREATE INDEX lands inside the build.
+	writer, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx)
+	_, err = writer.Exec(ctx, `LOCK TABLE idempotency_keys IN ROW EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	old, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer old.Rollback(ctx)
+	var missing bool
+	require.NoError(t, old.QueryRow(ctx,
+		`SELECT to_regclass(quote_ident(current_schema()) || '.idempotency_keys_open_idx') IS NULL`).Scan(&missing))
+	require.True(t, missing)
+
+	built := make(chan error, 1)
+	go func() { built <- pgstore.CreateOpenKeysIndex(ctx, pool) }()
+	for {
+		if oid, _ := openIndex(t, pool); oid != 0 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	oldDone := make(chan error, 1)
+	go func() {
+		_, err := old.Exec(ctx, `CREATE INDEX IF NOT EXISTS idempotency_keys_open_idx ON idempotency_keys (locked_at) WHERE status <> 'completed'`)
+		if err == nil {
+			err = old.Commit(ctx)
+		}
+		oldDone <- err
+	}()
+	// Let the old CREATE INDEX queue behind the build's lock.
+	for {
+		var waiting bool
+		require.NoError(t, pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
+			WHERE query LIKE 'CREATE INDEX IF NOT EXISTS%' AND wait_event_type = 'Lock')`).Scan(&waiting))
+		if waiting {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	require.NoError(t, writer.Rollback(ctx))
+	buildErr, oldErr := <-built, <-oldDone
+	assert.NoError(t, buildErr, "CreateOpenKeysIndex beside the previous release's Migrate")
+	assert.NoError(t, oldErr, "the previous release's Migrate beside CreateOpenKeysIndex")
+	oid, valid := openIndex(t, pool)
+	assert.True(t, oid != 0 && valid, "index %d valid %v", oid, valid)
 }
