@@ -176,3 +176,51 @@ func TestReviewCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
 	oid, valid := openIndex(t, pool)
 	assert.True(t, oid != 0 && valid, "index %d valid %v", oid, valid)
 }
+
+// TestReviewCancelledBuildEnds (passes: checked sound): a
+// CreateOpenKeysIndex whose context ends while the build waits (here for a
+// writer's transaction) returns, and the build's backend ends with it
+// (pgconn's close sends a CancelRequest), so no session is left holding
+// the build's advisory lock.
+func TestReviewCancelledBuildEnds(t *testing.T) {
+	ctx := context.Background()
+	pool := widePool(t, 4)
+	writer, err := pool.Begin(ctx)
+	require.NoError(t, err)
+	defer writer.Rollback(ctx)
+	_, err = writer.Exec(ctx, `LOCK TABLE idempotency_keys IN ROW EXCLUSIVE MODE`)
+	require.NoError(t, err)
+
+	bctx, cancel := context.WithCancel(ctx)
+	built := make(chan error, 1)
+	go func() { built <- pgstore.CreateOpenKeysIndex(bctx, pool) }()
+	for {
+		if oid, _ := openIndex(t, pool); oid != 0 {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var before int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+		WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid()`).Scan(&before))
+	require.Equal(t, 1, before, "the build, waiting for the writer")
+	cancel()
+	t.Log(<-built)
+
+	// The build's session should be gone (or going) now; wait a little
+	// for it, bounded: a cancelled statement ends within milliseconds.
+	var left int
+	for range 50 {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid()`).Scan(&left))
+		if left == 0 {
+			break
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	assert.Zero(t, left, "backends still building the index after CreateOpenKeysIndex returned")
+	var locks int
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks
+		WHERE locktype = 'advisory' AND classid = $1 AND granted`, 0x1de5).Scan(&locks))
+	assert.Zero(t, locks, "sessions holding the build's advisory lock after CreateOpenKeysIndex returned")
+}
