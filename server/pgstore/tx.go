@@ -548,13 +548,24 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	b := &pgx.Batch{}
 	b.Queue(sql, args...)
 	b.Queue("COMMIT")
-	err := conn.SendBatch(ctx, b).Close()
+	br := conn.SendBatch(ctx, b)
+	// The completion's own error tells a fence; the COMMIT's (a deferred
+	// constraint of the handler's tables) never does, whatever its
+	// SQLSTATE.
+	_, err := br.Exec()
+	var pgErr *pgconn.PgError
+	fenced := errors.As(err, &pgErr) && (pgErr.Code == keysql.DivisionByZero || keysql.IsKeyConflict(sql, pgErr.Code))
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
 	if err == nil {
 		u.giveBack(ctx, conn) // idle again: the pool takes it back
 		return nil
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && (pgErr.Code == keysql.DivisionByZero || keysql.IsKeyConflict(sql, pgErr.Code, pgErr.ConstraintName)) {
+	if fenced {
 		u.rollback(ctx, conn)
 		return idempotency.ErrFenced
 	}

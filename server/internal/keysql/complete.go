@@ -133,17 +133,13 @@ INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
 VALUES ($1, $2, $3, 'completed', $4, $5, $6, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
     CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END)`
 
-// KeyConstraint is the constraint that a fenced CompleteNewInTxSQL
-// violates (UniqueViolation).
-const KeyConstraint = "idempotency_keys_pkey"
-
-// IsKeyConflict reports whether an error of SQLSTATE code, naming
-// constraint (empty when the driver does not report it), raised by query
-// is the fence of CompleteNewInTxSQL: a unique violation of the key
-// table's primary key. A deferred constraint of the handler's own tables
-// fails the COMMIT with the same SQLSTATE, under another name.
-func IsKeyConflict(query, code, constraint string) bool {
-	return query == CompleteNewInTxSQL && code == UniqueViolation && (constraint == "" || constraint == KeyConstraint)
+// IsKeyConflict reports whether an error of SQLSTATE code, raised by
+// query itself, is the fence of CompleteNewInTxSQL: a unique violation of
+// the key table. The caller tells the statement's own error from the
+// COMMIT's behind it: a deferred constraint of the handler's own tables
+// fails the COMMIT with the same SQLSTATE, and is no fence.
+func IsKeyConflict(query, code string) bool {
+	return query == CompleteNewInTxSQL && code == UniqueViolation
 }
 
 // TakenSQL tells whether a key ($1 client, $2 key) has a row under

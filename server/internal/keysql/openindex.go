@@ -2,6 +2,7 @@ package keysql
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"time"
@@ -92,8 +93,23 @@ func CreateOpenKeysIndex(ctx context.Context, c Conn) (err error) {
 			err = fmt.Errorf("releasing the advisory lock of the build: %w", unlock)
 		}
 	}()
-	return createOpenIndex(ctx, c)
+	// A replica of a release before this one may create the index in its
+	// Migrate at the same time, with a plain CREATE INDEX that waits for
+	// the build's lock while it holds a snapshot the build waits for:
+	// PostgreSQL ends one of the two as a deadlock. Ours is tried again;
+	// an invalid index it left is dropped and built anew.
+	for attempt := 1; ; attempt++ {
+		err = createOpenIndex(ctx, c)
+		var st interface{ SQLState() string }
+		if attempt == openIndexAttempts || !errors.As(err, &st) || st.SQLState() != DeadlockDetected || ctx.Err() != nil {
+			return err
+		}
+	}
 }
+
+// openIndexAttempts bounds CreateOpenKeysIndex's builds that end in a
+// deadlock.
+const openIndexAttempts = 3
 
 // createOpenIndex is CreateOpenKeysIndex under its lock.
 func createOpenIndex(ctx context.Context, c Conn) error {
