@@ -12,6 +12,7 @@ import (
 	"reflect"
 	"strings"
 	"sync"
+	"sync/atomic"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -47,8 +48,9 @@ import (
 // use by many goroutines and many processes.
 type Store struct {
 	db      *sql.DB
-	stmts   sync.Map // query text → *sql.Stmt: the store's statements, prepared on first use
-	prepare bool     // the driver does not cache statements: prepare those of a first execution
+	stmts   sync.Map    // query text → *sql.Stmt: the store's statements, prepared on first use
+	prepare bool        // the driver does not cache statements: prepare those of a first execution
+	ready   atomic.Bool // all of prepared are in stmts (see prepareAll)
 
 	units keysql.Units[*unit] // the units of work of claims in one transaction
 
@@ -77,6 +79,26 @@ func (s *Store) stmt(ctx context.Context, query string) (*sql.Stmt, error) {
 		return v.(*sql.Stmt), nil
 	}
 	return st, nil
+}
+
+// prepareAll prepares every statement of prepared on the pool, once per
+// store, before a claim holds a connection: a statement prepared on the
+// pool takes a connection of its own, which a request holding its
+// transaction's connection must never wait for (with as many requests as
+// the pool has connections, each would wait for another's). Prepared on
+// the pool, database/sql prepares it again on each transaction's own
+// connection (Tx.StmtContext), which takes no other.
+func (s *Store) prepareAll(ctx context.Context) error {
+	if !s.prepare || s.ready.Load() {
+		return nil
+	}
+	for query := range prepared {
+		if _, err := s.stmt(ctx, query); err != nil {
+			return err
+		}
+	}
+	s.ready.Store(true)
+	return nil
 }
 
 // prepared are the statements of a first execution, which run on every
@@ -167,6 +189,9 @@ type querier interface {
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return idempotency.ClaimResult{}, err
+	}
+	if err := s.prepareAll(ctx); err != nil {
+		return idempotency.ClaimResult{}, interpretError(err)
 	}
 	if req.OneTransaction {
 		// A key that has a row to renew is claimed by keysql.ClaimSQL.

@@ -38,6 +38,7 @@ func Run(t *testing.T, driver string) {
 		{"CancelMidStatement", testCancelMidStatement},
 		{"ConnectionLostUnderClaim", testConnLost},
 		{"SideBySideWithPgstore", testSideBySide},
+		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
