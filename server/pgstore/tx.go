@@ -554,7 +554,7 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	// SQLSTATE.
 	_, err := br.Exec()
 	var pgErr *pgconn.PgError
-	fenced := errors.As(err, &pgErr) && (pgErr.Code == keysql.DivisionByZero || keysql.IsKeyConflict(sql, pgErr.Code))
+	fenced := errors.As(err, &pgErr) && keysql.IsFence(sql, pgErr.Code)
 	if err == nil {
 		_, err = br.Exec()
 	}

@@ -245,7 +245,7 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 	_, err := on{u.store, tx}.ExecContext(ctx, query, args...)
 	switch c := code(err); {
 	case err == nil:
-	case c == keysql.DivisionByZero || keysql.IsKeyConflict(query, c):
+	case keysql.IsFence(query, c):
 		u.rollbackLocked()
 		return true, idempotency.ErrFenced
 	case c == inFailedTransaction:

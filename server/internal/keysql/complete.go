@@ -119,7 +119,7 @@ ON CONFLICT (client_id, idempotency_key) DO NOTHING`
 // CompleteNewInTxSQL is CompleteNewSQL as the last statement of the
 // claim's transaction, sent with its COMMIT. It has no ON CONFLICT: when
 // the key has a row (the claim was fenced) it fails with unique_violation
-// on the key table's primary key (see IsKeyConflict), and PostgreSQL skips
+// on the key table's primary key (see IsFence), and PostgreSQL skips
 // the COMMIT queued behind it, so the handler's writes never commit without
 // the key. A plain INSERT costs PostgreSQL about a sixth of a one-INSERT
 // order's first execution less than ON CONFLICT DO NOTHING in a WITH that
@@ -133,13 +133,15 @@ INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
 VALUES ($1, $2, $3, 'completed', $4, $5, $6, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
     CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END)`
 
-// IsKeyConflict reports whether an error of SQLSTATE code, raised by
-// query itself, is the fence of CompleteNewInTxSQL: a unique violation of
-// the key table. The caller tells the statement's own error from the
+// IsFence reports whether an error of SQLSTATE code, raised by query
+// itself, is the fence of a completion sent with its COMMIT: the division
+// by zero of CompleteInTxSQL, or the unique violation of the key table of
+// CompleteNewInTxSQL. The caller tells the statement's own error from the
 // COMMIT's behind it: a deferred constraint of the handler's own tables
-// fails the COMMIT with the same SQLSTATE, and is no fence.
-func IsKeyConflict(query, code string) bool {
-	return query == CompleteNewInTxSQL && code == UniqueViolation
+// fails the COMMIT with any SQLSTATE, and is no fence.
+func IsFence(query, code string) bool {
+	return query == CompleteInTxSQL && code == DivisionByZero ||
+		query == CompleteNewInTxSQL && code == UniqueViolation
 }
 
 // TakenSQL tells whether a key ($1 client, $2 key) has a row under
