@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"sync"
 	"time"
 )
 
@@ -22,42 +23,95 @@ func keepLease(ctx context.Context, store Store, c Claim, lease time.Duration, c
 		return func() {}
 	}
 	// The renewals outlive the client (like the completion) but not the
-	// owner's work: stop cancels this context.
-	rctx, stopCtx := context.WithCancel(context.WithoutCancel(ctx))
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		t := time.NewTicker(max(lease/3, time.Millisecond))
-		defer t.Stop()
-		for {
-			select {
-			case <-rctx.Done():
-				return
-			case <-t.C:
-			}
-			switch err := store.Renew(rctx, c); {
-			case err == nil:
-				event(EventRenewed)
-			case errors.Is(err, ErrFenced):
-				if rctx.Err() != nil {
-					return // stopped meanwhile: the work finished
-				}
-				event(EventLeaseLost)
-				// The message is the middleware's, which log readers
-				// count (examples/chaos); a sweeper's logger says it is one.
-				log.Warn("idempotency: lease lost: the key was taken over while its request ran; cancelling the handler",
-					"operation", c.OperationID)
-				cancel(ErrLeaseLost)
-				return
-			case rctx.Err() != nil:
-				return
-			default:
-				log.Error("idempotency: renewing the lease failed; retrying at the next tick", "err", err, "operation", c.OperationID)
-			}
+	// owner's work: stop cancels the one under way. No goroutine runs
+	// until a renewal is due, which most requests never see: a timer's
+	// function starts each one and arms the next.
+	k := &leaseKeeper{base: context.WithoutCancel(ctx), period: max(lease/3, time.Millisecond),
+		store: store, claim: c, cancel: cancel, event: event, log: log}
+	k.mu.Lock()
+	k.timer = time.AfterFunc(k.period, k.renew)
+	k.mu.Unlock()
+	return k.stop
+}
+
+// leaseKeeper is the state of keepLease's renewals.
+type leaseKeeper struct {
+	base   context.Context // the renewals' context, without the request's cancellation
+	period time.Duration
+	store  Store
+	claim  Claim
+	cancel context.CancelCauseFunc
+	event  func(Event)
+	log    *slog.Logger
+
+	mu      sync.Mutex
+	timer   *time.Timer        // arms the next renewal
+	stopped bool               // stop was called: renew no more
+	abort   context.CancelFunc // cancels the renewal under way; nil when none
+	ended   chan struct{}      // closed when the renewal under way ends
+}
+
+// renew renews the lease once, unless stopped, and arms the next renewal
+// one period after this one began (at once if it took longer, as a ticker
+// would), unless the lease was lost.
+func (k *leaseKeeper) renew() {
+	k.mu.Lock()
+	if k.stopped {
+		k.mu.Unlock()
+		return
+	}
+	began := time.Now()
+	rctx, abort := context.WithCancel(k.base)
+	ended := make(chan struct{})
+	k.abort, k.ended = abort, ended
+	k.mu.Unlock()
+
+	again := k.renewOnce(rctx)
+	abort()
+	k.mu.Lock()
+	k.abort, k.ended = nil, nil
+	if again && !k.stopped {
+		k.timer.Reset(max(k.period-time.Since(began), 0))
+	}
+	k.mu.Unlock()
+	close(ended)
+}
+
+// renewOnce renews the lease on rctx and reports whether to renew again.
+func (k *leaseKeeper) renewOnce(rctx context.Context) bool {
+	switch err := k.store.Renew(rctx, k.claim); {
+	case err == nil:
+		k.event(EventRenewed)
+		return true
+	case errors.Is(err, ErrFenced):
+		if rctx.Err() != nil {
+			return false // stopped meanwhile: the work finished
 		}
-	}()
-	return func() {
-		stopCtx()
-		<-done
+		k.event(EventLeaseLost)
+		// The message is the middleware's, which log readers
+		// count (examples/chaos); a sweeper's logger says it is one.
+		k.log.Warn("idempotency: lease lost: the key was taken over while its request ran; cancelling the handler",
+			"operation", k.claim.OperationID)
+		k.cancel(ErrLeaseLost)
+		return false
+	case rctx.Err() != nil:
+		return false
+	default:
+		k.log.Error("idempotency: renewing the lease failed; retrying at the next tick", "err", err, "operation", k.claim.OperationID)
+		return true
+	}
+}
+
+// stop ends the renewals: none starts after it, and it waits for the one
+// under way, which it cancels, to end.
+func (k *leaseKeeper) stop() {
+	k.mu.Lock()
+	k.stopped = true
+	k.timer.Stop()
+	abort, ended := k.abort, k.ended
+	k.mu.Unlock()
+	if abort != nil {
+		abort()
+		<-ended
 	}
 }
