@@ -8,7 +8,8 @@
 # commits the same number of times per transaction unless its name says
 # "twocommits". It makes a database of its own, IDEM_PGCOST (idem_pgcost),
 # with the key table of server/internal/keysql/schema/keys.sql (no open
-# keys' index: CreateOpenKeysIndex is opt-in) and bench_orders.
+# keys' index: CreateOpenKeysIndex is opt-in), bench_orders, and the two
+# key tables of the mixes order-twocommits-{checked,article}.sql.
 #
 #   bench/pgcost/backends.sh [SCRIPT.sql ...]   (default: order-*.sql)
 #
@@ -29,7 +30,30 @@ CREATE TABLE bench_orders (
     customer text    NOT NULL,
     amount   bigint  NOT NULL,
     currency text    NOT NULL
-)"
+);
+-- The key table as it was with its five CHECK constraints (dropped since;
+-- order-twocommits-checked.sql), and the seed article's by hand
+-- (bench/cmd/benchserver/article.go; order-twocommits-article.sql).
+CREATE TABLE idempotency_keys_checked (LIKE idempotency_keys INCLUDING ALL,
+    CONSTRAINT idempotency_keys_checked_key_check CHECK (octet_length(idempotency_key) BETWEEN 1 AND 255),
+    CONSTRAINT idempotency_keys_checked_status_check CHECK (status IN ('started', 'completed', 'released')),
+    CONSTRAINT idempotency_keys_checked_response_check CHECK ((status = 'completed') = (response_status IS NOT NULL)),
+    CONSTRAINT idempotency_keys_checked_response_status_check CHECK (response_status BETWEEN 100 AND 599),
+    CONSTRAINT idempotency_keys_checked_lease_check CHECK (lease_us >= 0 AND retention_us >= 0));
+CREATE TABLE idempotency_keys_article (
+    client_id        text        NOT NULL,
+    idempotency_key  text        NOT NULL,
+    request_method   text        NOT NULL,
+    request_path     text        NOT NULL,
+    request_hash     bytea       NOT NULL,
+    status           text        NOT NULL,
+    response_status  integer,
+    response_body    jsonb,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    locked_at        timestamptz,
+    PRIMARY KEY (client_id, idempotency_key)
+);
+CREATE INDEX idempotency_keys_article_created_idx ON idempotency_keys_article (created_at)"
 tick=$(getconf CLK_TCK)
 # shellcheck source=../pgbench/vars.sh
 source ../pgbench/vars.sh

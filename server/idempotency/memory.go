@@ -108,6 +108,9 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return ClaimResult{}, err
 	}
+	if !ValidKey(req.Key) {
+		return ClaimResult{}, fmt.Errorf("%w: %d bytes", ErrInvalidKey, len(req.Key))
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	now := s.now()

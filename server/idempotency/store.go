@@ -72,6 +72,10 @@ var (
 	// columns refuse; every store refuses the same values (see
 	// [ValidText]).
 	ErrInvalidText = errors.New("idempotency: text is not valid UTF-8 or holds a NUL byte")
+	// ErrInvalidKey is returned (wrapped) by [Store.Claim] asked to claim
+	// an empty key or one longer than 255 bytes; every store refuses the
+	// same keys, and [Middleware] never asks (see [ValidKey]).
+	ErrInvalidKey = errors.New("idempotency: key is empty or longer than 255 bytes")
 	// ErrInvalidStatus is returned (wrapped) by [Tx.Complete] asked to
 	// store a status outside 100 to 599, the HTTP status codes (RFC 9110,
 	// section 15); every store refuses the same values, and [Middleware]
@@ -384,6 +388,13 @@ type Tx interface {
 // keeps: 100 to 599.
 func ValidStatus(status int) bool {
 	return status >= 100 && status <= 599
+}
+
+// ValidKey reports whether key has a length a [Store] keeps: 1 to 255
+// bytes. [Middleware] asks for less (1 to 255 visible ASCII characters,
+// one RFC 9651 sf-string).
+func ValidKey(key string) bool {
+	return len(key) >= 1 && len(key) <= 255
 }
 
 // ValidText reports whether s can be stored in a text column: valid UTF-8

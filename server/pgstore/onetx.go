@@ -98,7 +98,8 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	if row.Lost {
 		return none, false, nil
 	}
-	return row.Result(req), true, nil
+	res, err := row.Result(req)
+	return res, err == nil, err
 }
 
 // errInTxOver is the error of every statement of a unit of work begun for a

@@ -124,7 +124,7 @@ func New(pool *pgxpool.Pool) *Store {
 // client back after Retry-After, and the key is taken over once its lease
 // runs out. Either way the key has one owner at most.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
-	if err := keysql.CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
+	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
 	if req.OneTransaction {
@@ -211,7 +211,7 @@ func (s *Store) claimLoop(ctx context.Context, sql string, req idempotency.Claim
 			sql = keysql.ClaimSQL
 			continue
 		}
-		return row.Result(req), nil
+		return row.Result(req)
 	}
 	return idempotency.ClaimResult{}, fmt.Errorf("pgstore: claim of key %q lost %d races in a row", req.Key, keysql.MaxRaces)
 }

@@ -60,7 +60,8 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	if row.Lost {
 		return none, false, nil
 	}
-	return row.Result(req), true, nil
+	res, err := row.Result(req)
+	return res, err == nil, err
 }
 
 // beginInTx returns the unit of work of c, a claim made in one

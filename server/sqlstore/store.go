@@ -187,7 +187,7 @@ type querier interface {
 // first statement of the request's transaction after its BEGIN, and
 // keysql.ClaimSQL for a key to renew.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
-	if err := keysql.CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
+	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
 	if err := s.prepareAll(ctx); err != nil {
@@ -246,7 +246,7 @@ func (s *Store) claimLoop(ctx context.Context, query string, req idempotency.Cla
 			query = keysql.ClaimSQL
 			continue
 		}
-		return row.Result(req), nil
+		return row.Result(req)
 	}
 	return idempotency.ClaimResult{}, fmt.Errorf("sqlstore: claim of key %q lost %d races in a row", req.Key, keysql.MaxRaces)
 }

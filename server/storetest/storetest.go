@@ -121,6 +121,7 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		// Text a store cannot keep.
 		{"ClaimRefusesInvalidText", testClaimInvalidText},
 		{"ClaimKeepsUnicodeText", testClaimUnicodeText},
+		{"ClaimRefusesKeyLength", testClaimKeyLength},
 		{"CompleteRefusesInvalidText", testCompleteInvalidText},
 		// The edges every store agrees on.
 		{"CompleteStatusRange", testCompleteStatusRange},

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"maps"
+	"strings"
 	"testing"
 
 	"github.com/idemkit/idem/server/idempotency"
@@ -75,6 +76,38 @@ func testClaimInvalidText(t *testing.T, b Backend) {
 					}
 				}
 			})
+		}
+	}
+}
+
+// testClaimKeyLength claims keys of 0 and 256 bytes, in a commit of their
+// own and in one transaction: each claim fails with an error wrapping
+// ErrInvalidKey and stores nothing; keys of 1 and 255 bytes are claimed and
+// kept exactly.
+func testClaimKeyLength(t *testing.T, b Backend) {
+	long := strings.Repeat("k", 254)
+	for _, oneTx := range []bool{false, true} {
+		for _, bad := range []string{"", long + "kk", long + "é"} {
+			req := request("cli_a", bad, "a")
+			req.OneTransaction = oneTx
+			if res, err := b.Store.Claim(context.Background(), req); !errors.Is(err, idempotency.ErrInvalidKey) {
+				t.Errorf("Claim (one transaction: %v) of a key of %d bytes = %+v, %v; want an error wrapping ErrInvalidKey",
+					oneTx, len(bad), res, err)
+			}
+		}
+	}
+	// Nothing kept under the longest key: its first 255 bytes are a new key.
+	for _, good := range []string{"k", long + "k"} {
+		req := request("cli_a", good, "a")
+		c := claim(t, b.Store, req, idempotency.Claimed).Claim
+		if c.Key != good {
+			t.Errorf("claim of a key of %d bytes names a key of %d", len(good), len(c.Key))
+		}
+		if err := complete(t, b, c, created(good)); err != nil {
+			t.Fatalf("Complete of a key of %d bytes: %v", len(good), err)
+		}
+		if rec := claim(t, b.Store, req, idempotency.Exists).Record; rec.Key != good || rec.Response == nil {
+			t.Errorf("record of a key of %d bytes: %+v", len(good), rec)
 		}
 	}
 }

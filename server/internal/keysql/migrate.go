@@ -17,6 +17,8 @@ var (
 	upgradeLegacySQL string
 	//go:embed schema/legacy_replicas.sql
 	legacyReplicasSQL string
+	//go:embed schema/drop_checks.sql
+	dropChecksSQL string
 )
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
@@ -43,6 +45,12 @@ var compatibleSteps = []struct {
 		SELECT column_default IS NULL FROM information_schema.columns
 		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
 		legacyReplicasSQL},
+	{"no CHECK constraints", `
+		SELECT EXISTS (SELECT FROM pg_constraint
+		WHERE conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND contype = 'c'
+			AND conname IN ('idempotency_keys_key_check', 'idempotency_keys_status_check', 'idempotency_keys_response_check',
+				'idempotency_keys_response_status_check', 'idempotency_keys_lease_check'))`,
+		dropChecksSQL},
 }
 
 // columns is the key table of schemaVersion: each column and its type as
@@ -126,13 +134,13 @@ func Migrate(ctx context.Context, tx Conn) error {
 	for _, step := range compatibleSteps {
 		var needed bool
 		if err := tx.QueryRow(ctx, step.needed, nil, &needed); err != nil {
-			return fmt.Errorf("checking the key table for %s: %w", step.name, err)
+			return fmt.Errorf("checking the key table for the step %q: %w", step.name, err)
 		}
 		if !needed {
 			continue
 		}
 		if err := tx.Exec(ctx, step.sql); err != nil {
-			return fmt.Errorf("adding %s to the key table: %w", step.name, err)
+			return fmt.Errorf("applying the step %q to the key table: %w", step.name, err)
 		}
 	}
 	return nil

@@ -72,6 +72,20 @@ func CheckText(fields ...string) error {
 	return nil
 }
 
+// CheckClaim refuses, before it reaches PostgreSQL, a claim whose text a
+// text column would refuse or whose key is not 1 to 255 bytes, so the
+// stores answer as the memory store (the key table has no CHECK
+// constraints: see schema/drop_checks.sql).
+func CheckClaim(req idempotency.ClaimRequest) error {
+	if err := CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
+		return err
+	}
+	if !idempotency.ValidKey(req.Key) {
+		return fmt.Errorf("%w: %d bytes", idempotency.ErrInvalidKey, len(req.Key))
+	}
+	return nil
+}
+
 // Fenced is the answer of a statement that updates a key under its
 // claim's token (a renewal, a release, a completion): err if it failed,
 // else [idempotency.ErrFenced] unless it updated the key (done).
@@ -115,18 +129,29 @@ func (r *ClaimRow) Dests(header any) []any {
 func (r *ClaimRow) Outcome() idempotency.Outcome { return idempotency.Outcome(r.Code) }
 
 // Result is the outcome of a claim of req that returned r, which is not
-// lost.
-func (r *ClaimRow) Result(req idempotency.ClaimRequest) idempotency.ClaimResult {
+// lost. A row that no store writes (an unknown status, a completed key
+// without a response status or with one outside 100 to 599: the key table
+// has no CHECK constraints to refuse them, see schema/drop_checks.sql) is
+// an error, never a replay or a 409.
+func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	switch r.Outcome() {
 	case idempotency.Refused, idempotency.Busy:
-		return idempotency.ClaimResult{Outcome: r.Outcome()}
+		return idempotency.ClaimResult{Outcome: r.Outcome()}, nil
 	case idempotency.Claimed, idempotency.TookOver:
 		return idempotency.ClaimResult{Outcome: r.Outcome(), Claim: idempotency.Claim{
 			ClientID:    req.ClientID,
 			Key:         req.Key,
 			Token:       *r.Token,
 			OperationID: *r.OperationID,
-		}}
+		}}, nil
+	}
+	switch st := idempotency.Status(*r.Status); {
+	case st != idempotency.StatusStarted && st != idempotency.StatusCompleted && st != idempotency.StatusReleased:
+		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has status %q, which no store writes", req.Key, st)
+	case (st == idempotency.StatusCompleted) != (r.RespStatus != nil):
+		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has status %q and a response status %v, which no store writes", req.Key, st, r.RespStatus != nil)
+	case r.RespStatus != nil && !idempotency.ValidStatus(int(*r.RespStatus)):
+		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has response status %d, which no store writes", req.Key, *r.RespStatus)
 	}
 	rec := &idempotency.Record{
 		ClientID:           req.ClientID,
@@ -151,7 +176,7 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) idempotency.ClaimResult 
 			rec.Response.ContentType = *r.RespContentType
 		}
 	}
-	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}
+	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}, nil
 }
 
 // InfoRow is one row of InfoColumns and a body, as LookupSQL, ListSQL,

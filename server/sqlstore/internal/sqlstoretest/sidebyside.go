@@ -2,6 +2,7 @@ package sqlstoretest
 
 import (
 	"context"
+	"database/sql"
 	"fmt"
 	"net/http"
 	"testing"
@@ -16,6 +17,17 @@ import (
 	"github.com/idemkit/idem/server/sqlstore"
 )
 
+// openBeside returns a pool of driver on a fresh schema, as Open, and a
+// pgx pool on the same schema, closed when the test ends.
+func openBeside(t *testing.T, driver string) (*sql.DB, *pgxpool.Pool) {
+	t.Helper()
+	db, url := OpenURL(t, driver)
+	pool, err := pgxpool.New(context.Background(), url)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return db, pool
+}
+
 // testSideBySide: a replica on pgstore and one on sqlstore serve one key
 // table, as during a migration from one to the other: each Migrate finds
 // the table the other made; the retries of each key alternate between the
@@ -24,11 +36,8 @@ import (
 // by the other; a key whose owner on one stopped renewing is taken over by
 // the other.
 func testSideBySide(t *testing.T, driver string) {
-	db, url := OpenURL(t, driver)
+	db, pool := openBeside(t, driver)
 	ctx := context.Background()
-	pool, err := pgxpool.New(ctx, url)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
 	require.NoError(t, pgstore.Migrate(ctx, pool), "pgstore.Migrate on sqlstore's table")
 	require.NoError(t, sqlstore.Migrate(ctx, db), "sqlstore.Migrate again")
 

@@ -39,6 +39,7 @@ func Run(t *testing.T, driver string) {
 		{"ConnectionLostUnderClaim", testConnLost},
 		{"SideBySideWithPgstore", testSideBySide},
 		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
+		{"ClaimOfRowNoStoreWrites", testCorruptRows},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
