@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
@@ -66,5 +67,70 @@ func TestMigrateDropsCheckConstraints(t *testing.T) {
 	}
 	if rec := mustClaim(t, s, r, idempotency.Exists).Record; rec.Response == nil || string(rec.Response.Body) != "done" {
 		t.Errorf("the key completed before Migrate: %+v", rec)
+	}
+}
+
+// TestMigrateDropChecksDoesNotStallClaims: the first replica of this
+// release starts (Migrate) during a rolling upgrade, while a request of a
+// replica already serving holds its claim's transaction open (a claim in
+// one transaction, its handler calling a slow processor). Dropping the
+// CHECK constraints needs the table's ACCESS EXCLUSIVE lock, which waits
+// for that transaction; every claim of every replica queues behind the
+// waiting ALTER TABLE, for as long as the slowest handler runs. Migrate
+// must give the lock up soon and leave the step for a later start, and
+// claims must go on meanwhile. (Found by a review.)
+func TestMigrateDropChecksDoesNotStallClaims(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	if err := pgstore.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, previousChecksSQL); err != nil {
+		t.Fatal(err)
+	}
+	s := pgstore.New(pool)
+	held := req("held", "a")
+	held.OneTransaction = true
+	c := mustClaim(t, s, held, idempotency.Claimed).Claim
+	tx, _ := unitOf(t, s, c) // its transaction stays open: the handler runs
+
+	migrated := make(chan error, 1)
+	mctx, cancel := context.WithTimeout(ctx, 20*time.Second)
+	defer cancel()
+	go func() { migrated <- pgstore.Migrate(mctx, pool) }()
+	time.Sleep(300 * time.Millisecond) // the ALTER TABLE waits for the lock
+
+	cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+	defer ccancel()
+	began := time.Now()
+	_, err := s.Claim(cctx, leased(req("other", "b"), time.Minute, time.Hour))
+	if err != nil {
+		t.Errorf("a claim while Migrate drops the CHECK constraints: %v after %v (stalled behind the ALTER TABLE)",
+			err, time.Since(began).Round(time.Millisecond))
+	}
+	select {
+	case err := <-migrated:
+		if err != nil {
+			t.Errorf("Migrate while a claim's transaction is open: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Error("Migrate still waits for the table's lock after 10s")
+		cancel()
+		<-migrated
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// A later start drops them.
+	if err := pgstore.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_constraint
+		WHERE conrelid = 'idempotency_keys'::regclass AND contype = 'c'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Errorf("%d CHECK constraints after a Migrate with the table free, want none", n)
 	}
 }

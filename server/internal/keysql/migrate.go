@@ -4,10 +4,12 @@ import (
 	"cmp"
 	"context"
 	_ "embed"
+	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
+	"time"
 )
 
 var (
@@ -37,20 +39,82 @@ const schemaVersion = 1
 // replicas of the same format (and of the idem-server before this package)
 // keep working with, so they do not change the recorded version: Migrate
 // applies each one the table lacks, as the query needed finds out, at
-// every start. needed returns one boolean.
+// every start. needed returns one boolean. A step that is optional (the
+// stores serve the table as well without it) waits for the table's lock
+// briefly, see applyBriefly; the others wait as long as it takes.
 var compatibleSteps = []struct {
 	name, needed, sql string
+	optional          bool
 }{
-	{"defaults for earlier replicas", `
+	{name: "defaults for earlier replicas", needed: `
 		SELECT column_default IS NULL FROM information_schema.columns
 		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
-		legacyReplicasSQL},
-	{"no CHECK constraints", `
+		sql: legacyReplicasSQL},
+	{name: "no CHECK constraints", needed: `
 		SELECT EXISTS (SELECT FROM pg_constraint
 		WHERE conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND contype = 'c'
 			AND conname IN ('idempotency_keys_key_check', 'idempotency_keys_status_check', 'idempotency_keys_response_check',
 				'idempotency_keys_response_status_check', 'idempotency_keys_lease_check'))`,
-		dropChecksSQL},
+		sql: dropChecksSQL, optional: true},
+}
+
+// The waits of an optional step for the key table's lock: each at most
+// stepLockTimeout, stepAttempts of them, stepPause apart. While an ALTER
+// TABLE waits for the lock, every statement on the table (every claim)
+// queues behind it, so the wait is short; a transaction that holds the
+// table longer (a handler's, in one transaction) leaves the step to a
+// later start of a replica.
+const (
+	stepLockTimeout = "100ms"
+	stepAttempts    = 3
+	stepPause       = 500 * time.Millisecond
+)
+
+// LockNotAvailable is the SQLSTATE of a lock not taken within
+// lock_timeout.
+const LockNotAvailable = "55P03"
+
+// applyBriefly applies the optional step sql in a savepoint of tx, waiting
+// for each lock at most stepLockTimeout, up to stepAttempts times. A step
+// it could not apply changes nothing, and is not an error: a later start
+// tries again.
+func applyBriefly(ctx context.Context, tx Conn, sql string) error {
+	var was string
+	if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout')`, nil, &was); err != nil {
+		return err
+	}
+	for attempt := 1; ; attempt++ {
+		if err := tx.Exec(ctx, `SAVEPOINT idempotency_step`); err != nil {
+			return err
+		}
+		err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, stepLockTimeout)
+		if err == nil {
+			err = tx.Exec(ctx, sql)
+		}
+		var st interface{ SQLState() string }
+		if err == nil {
+			if err := tx.Exec(ctx, `RELEASE SAVEPOINT idempotency_step`); err != nil {
+				return err
+			}
+			// The setting outlives the savepoint: restore the one before.
+			return tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, was)
+		}
+		if !errors.As(err, &st) || st.SQLState() != LockNotAvailable {
+			return err
+		}
+		// Rolling back to the savepoint restores lock_timeout too.
+		if err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT idempotency_step`); err != nil {
+			return err
+		}
+		if attempt == stepAttempts {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(stepPause):
+		}
+	}
 }
 
 // columns is the key table of schemaVersion: each column and its type as
@@ -139,7 +203,13 @@ func Migrate(ctx context.Context, tx Conn) error {
 		if !needed {
 			continue
 		}
-		if err := tx.Exec(ctx, step.sql); err != nil {
+		var err error
+		if step.optional {
+			err = applyBriefly(ctx, tx, step.sql)
+		} else {
+			err = tx.Exec(ctx, step.sql)
+		}
+		if err != nil {
 			return fmt.Errorf("applying the step %q to the key table: %w", step.name, err)
 		}
 	}

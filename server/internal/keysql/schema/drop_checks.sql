@@ -8,8 +8,12 @@
 -- key outside 1 to 255 bytes and a completion a status outside 100 to 599
 -- before they reach PostgreSQL, and a row read that breaks one (an unknown
 -- status, a completed key without a response) is an error, never a replay.
--- Replicas of the same version serve beside a table without them. Each
--- drop takes the table's lock for a moment, like the other steps.
+-- Replicas of the same version serve beside a table without them. The
+-- ALTER TABLE needs the table's ACCESS EXCLUSIVE lock, and every claim
+-- queues behind it while it waits, so Migrate waits at most 100 ms for it,
+-- three times, and leaves the step to a later start when a transaction
+-- holds the table that long (applyBriefly): the constraints only cost
+-- time.
 ALTER TABLE idempotency_keys
     DROP CONSTRAINT IF EXISTS idempotency_keys_key_check,
     DROP CONSTRAINT IF EXISTS idempotency_keys_status_check,

@@ -40,6 +40,7 @@ func Run(t *testing.T, driver string) {
 		{"SideBySideWithPgstore", testSideBySide},
 		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
+		{"MigrateDropsChecksWhenFree", testMigrateDropsChecksWhenFree},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
