@@ -148,8 +148,10 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 	switch st := idempotency.Status(*r.Status); {
 	case st != idempotency.StatusStarted && st != idempotency.StatusCompleted && st != idempotency.StatusReleased:
 		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has status %q, which no store writes", req.Key, st)
-	case (st == idempotency.StatusCompleted) != (r.RespStatus != nil):
-		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has status %q and a response status %v, which no store writes", req.Key, st, r.RespStatus != nil)
+	case st == idempotency.StatusCompleted && r.RespStatus == nil:
+		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q is completed without a response status, which no store writes", req.Key)
+	case st != idempotency.StatusCompleted && r.RespStatus != nil:
+		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has status %q and a response status, which no store writes", req.Key, st)
 	case r.RespStatus != nil && !idempotency.ValidStatus(int(*r.RespStatus)):
 		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has response status %d, which no store writes", req.Key, *r.RespStatus)
 	}
