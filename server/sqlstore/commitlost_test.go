@@ -56,7 +56,9 @@ func (c *reviewConn) Read(b []byte) (int, error) {
 // got 500 "nothing of this request was committed", and 3 s later the row
 // and the key were committed. Now any failed Commit is checked, after the
 // claim's advisory lock in one transaction (see pgstore's test).
-func TestLostCommitReadAfterItEnds(t *testing.T) {
+func TestLostCommitReadAfterItEnds(t *testing.T) { forBoth(t, testLostCommitReadAfterItEnds) }
+
+func testLostCommitReadAfterItEnds(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
 			_, url := sqlstoretest.OpenURL(t, "pgx")

@@ -4,6 +4,8 @@
 // the service's tables, and a handler's writes commit in the same
 // transaction as its key's stored outcome.
 //
+//	import _ "github.com/idemkit/idem/server/sqlstore/pgxpipeline" // on pgx's stdlib: pgstore's round trips
+//
 //	db, err := sql.Open("pgx", dsn) // or "postgres", lib/pq
 //	if err := sqlstore.Migrate(ctx, db); err != nil { ... } // the key table only
 //	keyed := idempotency.Middleware(sqlstore.New(db), idempotency.Options{ClientID: clientOf})
@@ -53,20 +55,29 @@
 // caches the statements it runs itself, so on pgx the store prepares
 // nothing.
 //
-// database/sql cannot send two statements in one round trip, nor hand out
-// anything but its own types, so:
+// database/sql sends one statement per round trip, and hands out nothing
+// but its own types, so:
 //
 //   - A first execution costs five round trips where pgstore's costs three:
 //     the claim, the BEGIN, the handler's statements, the completion and
 //     the COMMIT (pgstore sends the BEGIN with the first statement and the
-//     completion with the COMMIT). A first execution costs 1.12 to 1.19
-//     times pgstore's CPU on pgx's stdlib, 1.40 times on lib/pq, most of
-//     it lib/pq's own cost (BENCHMARKS.md, "sqlstore against pgstore").
+//     completion with the COMMIT), and about 1.15 times pgstore's CPU on
+//     pgx's stdlib, 1.3 in one transaction (BEGIN and claim apart too),
+//     1.5 on lib/pq, a good part of it lib/pq's own cost (BENCHMARKS.md,
+//     "sqlstore against pgstore").
+//   - On pgx's stdlib, a service that imports server/sqlstore/pgxpipeline
+//     sends the completion with the COMMIT, and a claim in one transaction
+//     with the BEGIN, in one pgx batch each: pgstore's three round trips in
+//     one transaction, four in two commits (the BEGIN still apart from the
+//     handler's first statement), for 1.01 and 1.05 times pgstore's CPU. The handler's
+//     statements still go through database/sql; the store then runs the
+//     transaction on a *sql.Conn and ends the handler's rows and prepared
+//     statements with the request itself. lib/pq has no way to send two
+//     statements with parameters in one round trip.
 //   - Claims in one transaction ([idempotency.Options.OneTransaction]) are
 //     pgstore's (an advisory lock taken without waiting, the key inserted,
 //     completed, by the completion in the handler's commit; see pgstore's
-//     package documentation), but for the round trips: the BEGIN and the
-//     claim take one each, the completion and the COMMIT one each. Nor are
+//     package documentation), but for the round trips above. Nor are
 //     pgstore's AsyncClaims and BatchClaims offered. The store is an
 //     [idempotency.Inspector] and an [idempotency.Sweepable], on pgstore's
 //     statements, for the operators' API and the sweeper, once

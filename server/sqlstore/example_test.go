@@ -17,6 +17,7 @@ import (
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/sqlstore"
+	_ "github.com/idemkit/idem/server/sqlstore/pgxpipeline" // on pgx's stdlib: the completion with the COMMIT, one round trip
 )
 
 // exampleDB is the database of the runnable example, which has no

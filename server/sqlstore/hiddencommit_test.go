@@ -33,7 +33,9 @@ import (
 // handler then answers 503, the middleware "rolls back" (a no-op), the
 // retry ran again and committed a second row. Scan now reads past a
 // CREATE and refuses text that names standard_conforming_strings: one row.
-func TestHiddenCommitRefused(t *testing.T) {
+func TestHiddenCommitRefused(t *testing.T) { forBoth(t, testHiddenCommitRefused) }
+
+func testHiddenCommitRefused(t *testing.T) {
 	for _, driver := range []string{"pgx"} {
 		for _, oneTx := range []bool{true, false} {
 			for name, sneak := range map[string][]string{

@@ -7,6 +7,7 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
+	"github.com/idemkit/idem/server/internal/sqlpipe"
 )
 
 // Claims in one transaction (idempotency.ClaimRequest.OneTransaction), as
@@ -41,11 +42,16 @@ func (s *Store) claimInTx(ctx context.Context, req idempotency.ClaimRequest) (re
 func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, bool, error) {
 	var none idempotency.ClaimResult
 	u := &unit{store: s}
-	if u.begin(ctx); u.err != nil {
-		return none, false, u.err
-	}
 	var row keysql.ClaimRow
-	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
+	var err error
+	if s.pipe != nil {
+		err = u.beginPiped(ctx, &row, keysql.ClaimArgs(req))
+	} else {
+		if u.begin(ctx); u.err != nil {
+			return none, false, u.err
+		}
+		err = on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
+	}
 	if err == nil && row.Outcome() == idempotency.Claimed {
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
@@ -62,6 +68,21 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	}
 	res, err := row.Result(req)
 	return res, err == nil, err
+}
+
+// beginPiped begins the unit's transaction with the claim of args,
+// keysql.ClaimTxSQL, in one round trip, reading its row into row. It
+// leaves the connection in u, in the transaction, unless it failed to get
+// one.
+func (u *unit) beginPiped(ctx context.Context, row *keysql.ClaimRow, args []any) error {
+	conn, err := u.store.db.Conn(ctx)
+	if err != nil {
+		return err
+	}
+	u.conn = conn
+	_, err = u.store.runOn(ctx, conn, sqlpipe.Stmt{SQL: "BEGIN"},
+		sqlpipe.Stmt{SQL: keysql.ClaimTxSQL, Args: args, Dest: row.Dests(&row.RespHeader)})
+	return err
 }
 
 // beginInTx returns the unit of work of c, a claim made in one
@@ -82,7 +103,7 @@ func (s *Store) beginInTx(c idempotency.Claim) *unit {
 // rolled back, key included, and a stored 4xx outcome is inserted alone.
 // The caller holds u.mu.
 func (u *unit) completeInTx(ctx context.Context, status int, args []any) error {
-	if u.tx == nil {
+	if u.conn == nil {
 		return idempotency.ErrFenced // its transaction ended: the key went with it
 	}
 	args = append(args, u.inTx...)

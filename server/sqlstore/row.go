@@ -32,9 +32,10 @@ type readRow struct {
 	scanned bool
 }
 
-// read runs query on tx and reads its first row. The caller holds r.u.
-func (r *readRow) read(ctx context.Context, tx *sql.Tx, query string, args []any) error {
-	rows, err := tx.QueryContext(ctx, query, args...)
+// read runs query on q, the request's transaction, and reads its first
+// row. The caller holds r.u.
+func (r *readRow) read(ctx context.Context, q dbtx, query string, args []any) error {
+	rows, err := q.QueryContext(ctx, query, args...)
 	if err != nil {
 		return err
 	}
@@ -89,7 +90,8 @@ func (r *readRow) Next(dest []driver.Value) error {
 }
 
 // rowConnector, rowConn: the in-process driver of rowDB. Its one query
-// returns the readRow passed as its argument, or its error.
+// returns the readRow passed as its argument, or its error; its
+// statements are those handed to a handler (see handedStmt).
 type rowConnector struct{}
 
 func (rowConnector) Connect(context.Context) (driver.Conn, error) { return rowConn{}, nil }
@@ -103,9 +105,18 @@ type rowConn struct{}
 
 var errRowConn = errors.New("sqlstore: internal: the row driver runs no statements")
 
-func (rowConn) Prepare(string) (driver.Stmt, error) { return nil, errRowConn }
-func (rowConn) Close() error                        { return nil }
-func (rowConn) Begin() (driver.Tx, error)           { return nil, errRowConn }
+func (rowConn) Close() error              { return nil }
+func (rowConn) Begin() (driver.Tx, error) { return nil, errRowConn }
+
+// Prepare returns the statement handed to a handler under the name
+// query, a token of handed.
+func (rowConn) Prepare(query string) (driver.Stmt, error) {
+	h, ok := handed.Load(query)
+	if !ok {
+		return nil, errTxDone
+	}
+	return stmtProxy{h.(*handedStmt)}, nil
+}
 
 // CheckNamedValue passes the *readRow through as it is.
 func (rowConn) CheckNamedValue(*driver.NamedValue) error { return nil }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
+	"github.com/idemkit/idem/server/internal/sqlpipe"
 )
 
 // Store is the PostgreSQL [idempotency.Store] over database/sql, on the
@@ -48,9 +49,10 @@ import (
 // use by many goroutines and many processes.
 type Store struct {
 	db      *sql.DB
-	stmts   sync.Map    // query text → *sql.Stmt: the store's statements, prepared on first use
-	prepare bool        // the driver does not cache statements: prepare those of a first execution
-	ready   atomic.Bool // all of prepared are in stmts (see prepareAll)
+	stmts   sync.Map       // query text → *sql.Stmt: the store's statements, prepared on first use
+	prepare bool           // the driver does not cache statements: prepare those of a first execution
+	ready   atomic.Bool    // all of prepared are in stmts (see prepareAll)
+	pipe    sqlpipe.Runner // the driver's, or nil: the handler's transactions are piped (see piped.go)
 
 	units keysql.Units[*unit] // the units of work of claims in one transaction
 
@@ -61,7 +63,7 @@ type Store struct {
 // "pgx", or lib/pq, "postgres"), whose search_path must reach the table
 // created by [Migrate].
 func New(db *sql.DB) *Store {
-	return &Store{db: db, prepare: !caches(db.Driver())}
+	return &Store{db: db, prepare: !caches(db.Driver()), pipe: sqlpipe.For(db.Driver())}
 }
 
 // stmt returns query prepared on the pool, preparing it on first use;

@@ -10,6 +10,7 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
+	"github.com/idemkit/idem/server/internal/sqlpipe"
 )
 
 // Tx is the unit of work of a request, for database/sql code: the four
@@ -74,16 +75,19 @@ var (
 //
 // Where it differs from pgstore, because database/sql hands out its own
 // types: the *sql.Rows of QueryContext and the *sql.Stmt of PrepareContext
-// are database/sql's, bound to the transaction; when the request ends
-// database/sql closes them, and a late use fails with its own error
-// (context.Canceled from Rows.Err, "statement is closed"), not with
-// ErrUnitEnded. Rows the handler leaves open when it answers fail the
-// completion (the driver finds the connection busy), so nothing of the
-// request is committed. The BEGIN, the first statement and, at the end,
-// the completion and the COMMIT each take a round trip of their own
-// (pgstore sends the BEGIN with the first statement, and the completion
-// with the COMMIT). The transaction runs in the database's default
-// isolation level; under REPEATABLE READ or SERIALIZABLE, a lease
+// are database/sql's; when the request ends they are closed, and a late
+// use fails with database/sql's own error (context.Canceled from Rows.Err,
+// "statement is closed"), not with ErrUnitEnded. Rows the handler leaves
+// open when it answers fail the completion, so nothing of the request is
+// committed. The transaction's round trips: the BEGIN and the first
+// statement take one each (pgstore sends them together); the completion
+// and the COMMIT take one each, or one together on pgx's stdlib with
+// server/sqlstore/pgxpipeline imported, which also sends the BEGIN of a
+// claim in one transaction with the claim, as pgstore does. (With the
+// pipeline, the store runs the transaction on a *sql.Conn, and a statement
+// sent while rows of the transaction are open fails at once rather than
+// finding the connection busy.) The transaction runs in the database's
+// default isolation level; under REPEATABLE READ or SERIALIZABLE, a lease
 // renewal while it is open makes the completion fail with a serialization
 // failure (nothing is committed, and the key is released), where pgstore,
 // which reads the level with the BEGIN, stops renewing instead: such a
@@ -124,15 +128,29 @@ type unit struct {
 
 	mu   sync.Mutex
 	done atomic.Bool // set under mu; read by the rows of QueryRowContext without it
-	conn *sql.Conn   // nil until the handler's first statement
-	tx   *sql.Tx     // on conn
+	conn *sql.Conn   // nil until the handler's first statement; while set, the transaction is open on it
+	tx   *sql.Tx     // on conn; nil when the store pipes the transaction (see piped.go)
 	err  error       // the transaction failed to begin: returned by every later statement
+
+	// A piped transaction's rows and statements handed to the handler,
+	// which end with the request (see piped.go).
+	rows  []handedRows
+	stmts []*handedStmt
+}
+
+// q returns what runs the handler's statements: the *sql.Tx, or the
+// *sql.Conn of a piped transaction.
+func (u *unit) q() dbtx {
+	if u.tx != nil {
+		return u.tx
+	}
+	return u.conn
 }
 
 // enter holds u for one call of the handler's, beginning the transaction
 // if need be: it fails when another call holds u, when the request is
 // over, or when the transaction could not begin. exit releases it.
-func (u *unit) enter(ctx context.Context) (*sql.Tx, error) {
+func (u *unit) enter(ctx context.Context) (dbtx, error) {
 	if !u.mu.TryLock() {
 		return nil, errTxBusy
 	}
@@ -140,14 +158,18 @@ func (u *unit) enter(ctx context.Context) (*sql.Tx, error) {
 		u.mu.Unlock()
 		return nil, errTxDone
 	}
-	if u.tx == nil && u.err == nil {
+	if u.conn == nil && u.err == nil {
 		u.begin(ctx)
 	}
 	if u.err != nil {
 		u.mu.Unlock()
 		return nil, u.err
 	}
-	return u.tx, nil
+	if u.tx == nil && u.rowsOpenLocked() {
+		u.mu.Unlock()
+		return nil, errRowsOpen
+	}
+	return u.q(), nil
 }
 
 func (u *unit) exit() { u.mu.Unlock() }
@@ -160,6 +182,15 @@ func (u *unit) begin(ctx context.Context) {
 	conn, err := u.store.db.Conn(ctx)
 	if err != nil {
 		u.err = interpretError(err)
+		return
+	}
+	if u.store.pipe != nil {
+		if _, err := conn.ExecContext(context.WithoutCancel(ctx), "BEGIN"); err != nil {
+			u.store.giveBack(conn)
+			u.err = interpretError(err)
+			return
+		}
+		u.conn = conn
 		return
 	}
 	tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
@@ -198,12 +229,12 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	if u.inTx != nil {
 		return u.completeInTx(ctx, resp.Status, args)
 	}
-	if u.tx == nil && u.err != nil && resp.Status < 400 {
+	if u.conn == nil && u.err != nil && resp.Status < 400 {
 		// The handler's first statement failed before its transaction
 		// began: a success stored now would have no writes behind it.
 		return fmt.Errorf("sqlstore: the handler answered %d but its transaction failed to begin (%w); nothing was committed", resp.Status, u.err)
 	}
-	if u.tx != nil {
+	if u.conn != nil {
 		done, err := u.commitLocked(ctx, keysql.CompleteInTxSQL, resp.Status, args)
 		if done {
 			return err
@@ -241,26 +272,27 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 // aborted it) and the outcome, a 4xx, is to be stored alone, as pgstore
 // stores it. The caller holds u.mu.
 func (u *unit) commitLocked(ctx context.Context, query string, status int, args []any) (done bool, _ error) {
-	tx := u.tx
-	_, err := on{u.store, tx}.ExecContext(ctx, query, args...)
-	switch c := code(err); {
-	case err == nil:
-	case keysql.IsFence(query, c):
+	if u.tx == nil && u.rowsOpenLocked() {
 		u.rollbackLocked()
-		return true, idempotency.ErrFenced
-	case c == inFailedTransaction:
-		u.rollbackLocked()
-		if status < 400 {
-			return true, fmt.Errorf("sqlstore: the handler answered %d but its transaction failed; nothing was committed", status)
-		}
-		return false, nil
-	default:
-		u.rollbackLocked()
-		return true, interpretError(err)
+		return true, fmt.Errorf("sqlstore: the handler answered %d but left rows of its transaction open; nothing was committed", status)
 	}
-	err = interpretError(tx.Commit())
-	u.conn.Close()
-	u.conn, u.tx = nil, nil
+	ended, err := u.sendCompletion(ctx, query, args)
+	if !ended {
+		switch c := code(err); {
+		case keysql.IsFence(query, c):
+			u.rollbackLocked()
+			return true, idempotency.ErrFenced
+		case c == inFailedTransaction:
+			u.rollbackLocked()
+			if status < 400 {
+				return true, fmt.Errorf("sqlstore: the handler answered %d but its transaction failed; nothing was committed", status)
+			}
+			return false, nil
+		default:
+			u.rollbackLocked()
+			return true, interpretError(err)
+		}
+	}
 	if err == nil {
 		return true, nil
 	}
@@ -291,6 +323,33 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 	return true, err
 }
 
+// sendCompletion sends query, the completion, then the COMMIT, and gives
+// back the connection: in one round trip on a piped transaction, in two
+// on a *sql.Tx. ended is false when the completion itself failed, with a
+// PostgreSQL error of its own: nothing was committed, and the transaction
+// is left to the caller. Otherwise the transaction ended, and err, the
+// COMMIT's error (or that of a connection that broke under either), may
+// hide a COMMIT that landed. The caller holds u.mu.
+func (u *unit) sendCompletion(ctx context.Context, query string, args []any) (ended bool, err error) {
+	if u.tx != nil {
+		if _, err := (on{u.store, u.tx}).ExecContext(ctx, query, args...); err != nil {
+			return false, err
+		}
+		err = interpretError(u.tx.Commit())
+		u.conn.Close()
+		u.conn, u.tx = nil, nil
+		return true, err
+	}
+	u.endHandedLocked()
+	i, err := u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: query, Args: args}, sqlpipe.Stmt{SQL: "COMMIT"})
+	if err != nil && i == 0 && code(err) != "" && !keysql.ConnEnded(code(err)) {
+		return false, err
+	}
+	u.store.giveBack(u.conn)
+	u.conn = nil
+	return true, interpretError(err)
+}
+
 // inFailedTransaction is the SQLSTATE of a statement sent in a
 // transaction that a failed statement aborted.
 const inFailedTransaction = "25P02"
@@ -309,10 +368,17 @@ func (u *unit) Rollback(context.Context) error {
 // rollbackLocked rolls back the transaction, if it began, and gives back
 // its connection. The caller holds u.mu.
 func (u *unit) rollbackLocked() {
-	if u.tx != nil {
+	switch {
+	case u.tx != nil:
 		_ = u.tx.Rollback()
 		u.conn.Close()
 		u.conn, u.tx = nil, nil
+	case u.conn != nil:
+		u.endHandedLocked()
+		u.store.giveBack(u.conn) // rolls back
+		u.conn = nil
+	default:
+		u.endHandedLocked()
 	}
 }
 
@@ -329,40 +395,50 @@ func refuse(query string) error {
 
 // with runs f on the request's transaction, holding the unit, unless
 // query would end the transaction.
-func with[T any](ctx context.Context, t handlerTx, query string, f func(tx *sql.Tx) (T, error)) (T, error) {
+func with[T any](ctx context.Context, t handlerTx, query string, f func(q dbtx) (T, error)) (T, error) {
 	var zero T
 	if err := refuse(query); err != nil {
 		return zero, err
 	}
-	tx, err := t.u.enter(ctx)
+	q, err := t.u.enter(ctx)
 	if err != nil {
 		return zero, err
 	}
 	defer t.u.exit()
-	return f(tx)
+	return f(q)
 }
 
 // ExecContext runs query in the request's transaction.
 func (t handlerTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
-	return with(ctx, t, query, func(tx *sql.Tx) (sql.Result, error) { return tx.ExecContext(ctx, query, args...) })
+	return with(ctx, t, query, func(q dbtx) (sql.Result, error) { return q.ExecContext(ctx, query, args...) })
 }
 
 // QueryContext runs query in the request's transaction. The rows are
-// database/sql's, closed by it when the request ends.
+// database/sql's, closed when the request ends.
 func (t handlerTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
-	return with(ctx, t, query, func(tx *sql.Tx) (*sql.Rows, error) { return tx.QueryContext(ctx, query, args...) })
+	return with(ctx, t, query, func(q dbtx) (*sql.Rows, error) {
+		if t.u.tx != nil {
+			return q.QueryContext(ctx, query, args...)
+		}
+		return t.u.query(ctx, func(ctx context.Context) (*sql.Rows, error) { return q.QueryContext(ctx, query, args...) })
+	})
 }
 
 // QueryRowContext runs query in the request's transaction and reads its
 // first row at once (see TxFromContext).
 func (t handlerTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
 	r := &readRow{u: t.u}
-	_, r.err = with(ctx, t, query, func(tx *sql.Tx) (struct{}, error) { return struct{}{}, r.read(ctx, tx, query, args) })
+	_, r.err = with(ctx, t, query, func(q dbtx) (struct{}, error) { return struct{}{}, r.read(ctx, q, query, args) })
 	return r.row()
 }
 
 // PrepareContext prepares query in the request's transaction. The
-// statement is database/sql's, closed by it when the request ends.
+// statement is closed when the request ends.
 func (t handlerTx) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
-	return with(ctx, t, query, func(tx *sql.Tx) (*sql.Stmt, error) { return tx.PrepareContext(ctx, query) })
+	return with(ctx, t, query, func(q dbtx) (*sql.Stmt, error) {
+		if t.u.tx != nil {
+			return q.PrepareContext(ctx, query)
+		}
+		return t.u.prepare(ctx, q, query)
+	})
 }

@@ -3,9 +3,13 @@
 // the same handler: the middleware, the claim, one INSERT of an order
 // through the request's transaction, the completion and the commit; and,
 // to tell the store's cost from the driver's, the handler alone on each
-// driver (unkeyed-*: BEGIN, the INSERT, COMMIT, no middleware).
+// driver (unkeyed-*: BEGIN, the INSERT, COMMIT, no middleware; unkeyed-pgx-1rt
+// sends the three in one round trip, pricing a round trip). The -1tx
+// stores are the same handler with idempotency.Options.OneTransaction,
+// compared with pgstore-1tx. Built with -tags piped, the sqlstores on
+// pgx's stdlib pipe their transactions (server/sqlstore/pgxpipeline).
 //
-//	go run ./cmd/sqlcost [-database-url URL] [-n 2000] [-c 4] [-rounds 4]
+//	go run [-tags piped] ./cmd/sqlcost [-database-url URL] [-n 2000] [-c 4] [-rounds 4]
 //
 // Each round runs every store once, in turn, on a schema of its own (made
 // and dropped here): n requests with new keys, from c goroutines calling
@@ -17,7 +21,8 @@
 // both sides, and none of the other load on a shared machine. It reads
 // /proc of the PostgreSQL backends, so it runs on the machine of the
 // database, as a user that can read them. It prints a line per run and,
-// at the end, each store's median and range, and its ratio to pgstore's.
+// at the end, each store's median and range, its ratio to pgstore's, and
+// the ratios to pgstore's paired by round, with their median.
 package main
 
 import (
@@ -63,14 +68,26 @@ type store struct {
 }
 
 var stores = []store{
-	{"pgstore", openPgstore},
+	{"pgstore", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+		return openPgstore(ctx, url, conns, idempotency.Options{})
+	}},
 	{"sqlstore-pgx", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
-		return openSQLStore(ctx, "pgx", url, conns)
+		return openSQLStore(ctx, "pgx", url, conns, idempotency.Options{})
 	}},
 	{"sqlstore-pq", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
-		return openSQLStore(ctx, "postgres", url, conns)
+		return openSQLStore(ctx, "postgres", url, conns, idempotency.Options{})
+	}},
+	{"pgstore-1tx", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+		return openPgstore(ctx, url, conns, idempotency.Options{OneTransaction: true})
+	}},
+	{"sqlstore-pgx-1tx", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+		return openSQLStore(ctx, "pgx", url, conns, idempotency.Options{OneTransaction: true})
+	}},
+	{"sqlstore-pq-1tx", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+		return openSQLStore(ctx, "postgres", url, conns, idempotency.Options{OneTransaction: true})
 	}},
 	{"unkeyed-pgx", openUnkeyedPgx},
+	{"unkeyed-pgx-1rt", openUnkeyedPgxOneTrip},
 	{"unkeyed-sql-pgx", func(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
 		return openUnkeyedSQL(ctx, "pgx", url, conns)
 	}},
@@ -92,6 +109,28 @@ func openUnkeyedPgx(ctx context.Context, url string, conns int) (http.Handler, f
 			return err
 		})
 		if err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		created(w)
+	})
+	return h, pool.Close, nil
+}
+
+// openUnkeyedPgxOneTrip is openUnkeyedPgx's BEGIN, INSERT and COMMIT in
+// one round trip (a batch) instead of three: against unkeyed-pgx, the
+// price of two round trips, whatever the statements.
+func openUnkeyedPgxOneTrip(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+	pool, err := newPool(ctx, url, conns, nil)
+	if err != nil {
+		return nil, nil, err
+	}
+	h := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b := &pgx.Batch{}
+		b.Queue("BEGIN")
+		b.Queue(insertSQL, "book", 2)
+		b.Queue("COMMIT")
+		if err := pool.SendBatch(r.Context(), b).Close(); err != nil {
 			http.Error(w, err.Error(), 500)
 			return
 		}
@@ -135,12 +174,12 @@ func created(w http.ResponseWriter) {
 	_, _ = w.Write([]byte(`{"item":"book","qty":2}`))
 }
 
-func openPgstore(ctx context.Context, url string, conns int) (http.Handler, func(), error) {
+func openPgstore(ctx context.Context, url string, conns int, opts idempotency.Options) (http.Handler, func(), error) {
 	pool, err := newPool(ctx, url, conns, pgstore.Migrate)
 	if err != nil {
 		return nil, nil, err
 	}
-	h := idempotency.Middleware(pgstore.New(pool), idempotency.Options{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	h := idempotency.Middleware(pgstore.New(pool), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, _ := pgstore.TxFromContext(r.Context())
 		if _, err := tx.Exec(r.Context(), insertSQL, "book", 2); err != nil {
 			http.Error(w, err.Error(), 500)
@@ -151,12 +190,12 @@ func openPgstore(ctx context.Context, url string, conns int) (http.Handler, func
 	return h, pool.Close, nil
 }
 
-func openSQLStore(ctx context.Context, driver, url string, conns int) (http.Handler, func(), error) {
+func openSQLStore(ctx context.Context, driver, url string, conns int, opts idempotency.Options) (http.Handler, func(), error) {
 	db, err := newDB(ctx, driver, url, conns, sqlstore.Migrate)
 	if err != nil {
 		return nil, nil, err
 	}
-	h := idempotency.Middleware(sqlstore.New(db), idempotency.Options{})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	h := idempotency.Middleware(sqlstore.New(db), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, _ := sqlstore.TxFromContext(r.Context())
 		if _, err := tx.ExecContext(r.Context(), insertSQL, "book", 2); err != nil {
 			http.Error(w, err.Error(), 500)
@@ -259,15 +298,22 @@ func run() error {
 				return fmt.Errorf("%s: %w", s.name, err)
 			}
 			results[s.name] = append(results[s.name], us)
-			fmt.Printf("%-14s round %d: %4.0f µs of CPU per request (Go %s); %.0f req/s\n", s.name, r, us, goShare, rate)
+			fmt.Printf("%-16s round %d: %4.0f µs of CPU per request (Go %s); %.0f req/s\n", s.name, r, us, goShare, rate)
 		}
 	}
-	base := median(results["pgstore"])
 	for _, name := range names {
 		v := results[name]
-		fmt.Printf("%-14s median %4.0f µs [%s]", name, median(v), join(v))
-		if base > 0 {
-			fmt.Printf("  %.2f × pgstore", median(v)/base)
+		fmt.Printf("%-16s median %4.0f µs [%s]", name, median(v), join(v))
+		baseName := "pgstore"
+		if strings.HasSuffix(name, "-1tx") {
+			baseName = "pgstore-1tx"
+		}
+		if base := results[baseName]; len(base) == len(v) && name != baseName && !strings.HasPrefix(name, "unkeyed") {
+			ratios := make([]float64, len(v))
+			for i := range v {
+				ratios[i] = v[i] / base[i]
+			}
+			fmt.Printf("  %.2f × %s; paired by round %s: median %.2f", median(v)/median(base), baseName, joinRatios(ratios), median(ratios))
 		}
 		fmt.Println()
 	}
@@ -408,6 +454,14 @@ func median(v []float64) float64 {
 		return s[len(s)/2]
 	}
 	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+}
+
+func joinRatios(v []float64) string {
+	parts := make([]string, len(v))
+	for i, x := range v {
+		parts[i] = strconv.FormatFloat(x, 'f', 2, 64)
+	}
+	return strings.Join(parts, " ")
 }
 
 func join(v []float64) string {
