@@ -276,6 +276,7 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 		u.rollbackLocked()
 		return true, fmt.Errorf("sqlstore: the handler answered %d but left rows of its transaction open; nothing was committed", status)
 	}
+	piped := u.tx == nil
 	ended, err := u.sendCompletion(ctx, query, args)
 	if !ended {
 		switch c := code(err); {
@@ -302,6 +303,21 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 	var ours bool
 	oneTx := u.inTx != nil
 	lctx := context.WithoutCancel(ctx)
+	if piped && !oneTx {
+		// The completion travelled with the COMMIT, and may not have run
+		// yet (the round trip still on its way, or waiting for a lock):
+		// nothing makes a read wait for it. Release the key under the
+		// claim's token instead: a completion that runs later is fenced
+		// and commits nothing; one that ran first holds the key's row
+		// until its transaction ends, and the release then finds the key
+		// completed under the token (committed) or still started.
+		switch rerr := u.store.ownedUpdate(lctx, u.claim, keysql.ReleaseSQL, []any{false}, ""); {
+		case rerr == nil:
+			return true, err // released: nothing of the request commits
+		case !errors.Is(rerr, idempotency.ErrFenced):
+			return true, err
+		}
+	}
 	if lerr := u.store.onLiveConn(lctx, func(q querier) error {
 		if oneTx {
 			// A key claimed in one transaction has no row to wait on

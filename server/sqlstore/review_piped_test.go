@@ -1,0 +1,280 @@
+package sqlstore_test
+
+import (
+	"context"
+	"database/sql"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/sqlstore"
+)
+
+// The tests of a hostile review of the piped transactions (pgxpipeline).
+
+// reviewDB is a pgx stdlib pool on a schema of its own (key table and
+// writes table), whose client sockets the test can cut.
+type reviewDB struct {
+	db  *sql.DB
+	url string
+
+	mu    sync.Mutex
+	conns []*reviewConn
+}
+
+func openReview(t *testing.T, maxOpen int) *reviewDB {
+	t.Helper()
+	url := pgtest.SchemaURL(t)
+	cfg, err := pgx.ParseConfig(url)
+	require.NoError(t, err)
+	r := &reviewDB{url: url}
+	cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		rc := &reviewConn{Conn: c}
+		r.mu.Lock()
+		r.conns = append(r.conns, rc)
+		r.mu.Unlock()
+		return rc, nil
+	}
+	r.db = stdlib.OpenDB(*cfg)
+	t.Cleanup(func() { r.db.Close() })
+	r.db.SetMaxOpenConns(maxOpen)
+	ctx := context.Background()
+	require.NoError(t, sqlstore.Migrate(ctx, r.db))
+	_, err = r.db.ExecContext(ctx, `CREATE TABLE writes (name text PRIMARY KEY)`)
+	require.NoError(t, err)
+	return r
+}
+
+// cut cuts every client socket of the pool opened so far.
+func (r *reviewDB) cut() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	for _, c := range r.conns {
+		c.cut.Store(true)
+		_ = c.Conn.Close()
+	}
+}
+
+// side opens a connection of its own on the test's schema.
+func (r *reviewDB) side(t *testing.T) *pgx.Conn {
+	t.Helper()
+	c, err := pgx.Connect(context.Background(), r.url)
+	require.NoError(t, err)
+	t.Cleanup(func() { c.Close(context.Background()) })
+	return c
+}
+
+func sendKey(h http.Handler, key string) *httptest.ResponseRecorder {
+	r := httptest.NewRequestWithContext(idempotency.WithClientID(context.Background(), "cli_a"),
+		"POST", "/v1/orders", strings.NewReader(`{"item":"book"}`))
+	r.Header.Set("Idempotency-Key", key)
+	rec := httptest.NewRecorder()
+	h.ServeHTTP(rec, r)
+	return rec
+}
+
+func countWrites(t *testing.T, c *pgx.Conn, key string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, c.QueryRow(context.Background(),
+		`SELECT count(*) FROM writes WHERE name LIKE $1 || '/%'`, key).Scan(&n))
+	return n
+}
+
+// TestReviewLostBatchBeforeItRuns: in two commits (no OneTransaction), the
+// completion and the COMMIT travel in one batch. The connection is lost
+// while the batch waits on the server (here for a table lock, or in a
+// trigger; on a network, the batch may simply not have arrived yet). On
+// 7b93656 the store then read the key on another connection to learn
+// whether the COMMIT landed, but nothing made that read wait for the
+// batch: the key row was not locked yet, so it read "not completed", the
+// client was told "nothing of this request was committed" (500), and then
+// the batch ran, completion and COMMIT, and the handler's row and the 201
+// committed ("lock"). On a *sql.Tx the COMMIT is sent only after the
+// completion answered, so a lost connection before then commits nothing.
+// Now the store releases the key under its token instead of reading it:
+// a completion that runs later is fenced ("sleep"); one that ran first
+// makes the release wait for its COMMIT, and the store reports it
+// committed ("lock").
+func TestReviewLostBatchBeforeItRuns(t *testing.T) { forBoth(t, testReviewLostBatchBeforeItRuns) }
+
+func testReviewLostBatchBeforeItRuns(t *testing.T) {
+	// lock: the completion waits for a table lock, queued before the
+	// store's next statement on the key row; sleep: a statement-level
+	// trigger delays it before it locks the row, so that the store's next
+	// statement on the key row runs first.
+	for _, delay := range []string{"lock", "sleep"} {
+		t.Run(delay, func(t *testing.T) { testReviewLostBatch(t, delay) })
+	}
+}
+
+func testReviewLostBatch(t *testing.T, delay string) {
+	r := openReview(t, 1)
+	ctx := context.Background()
+	var logs syncBuf
+	side := r.side(t)
+	_, err := r.db.ExecContext(ctx, `
+CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN IF current_setting('review.slow', true) = 'on' THEN PERFORM pg_sleep(2); END IF; RETURN NULL; END $$;
+CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION review_slow()`)
+	require.NoError(t, err)
+	var slow func(tx sqlstore.Tx)
+	h := idempotency.Middleware(sqlstore.New(r.db), idempotency.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})(http.HandlerFunc(
+		func(w http.ResponseWriter, req *http.Request) {
+			tx, _ := sqlstore.TxFromContext(req.Context())
+			key := req.Header.Get("Idempotency-Key")
+			if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, key+"/1"); err != nil {
+				http.Error(w, err.Error(), 500)
+				return
+			}
+			if slow != nil {
+				slow(tx)
+			}
+			w.WriteHeader(201)
+		}))
+	// Warm-up: the one connection caches the statements of a request.
+	require.Equal(t, 201, sendKey(h, "warm").Code)
+
+	var sideTx pgx.Tx
+	wait := `wait_event_type = 'Lock'`
+	if delay == "lock" {
+		// A side transaction holds a SHARE lock on the key table while
+		// the completion is sent (as a CREATE INDEX would): the
+		// completion's UPDATE waits for it; a read (FOR SHARE) does not.
+		sideTx, err = side.Begin(ctx)
+		require.NoError(t, err)
+		slow = func(sqlstore.Tx) {
+			_, err := sideTx.Exec(ctx, `LOCK TABLE idempotency_keys IN SHARE MODE`)
+			require.NoError(t, err)
+		}
+	} else {
+		wait = `wait_event = 'PgSleep'`
+		slow = func(tx sqlstore.Tx) {
+			_, err := tx.ExecContext(ctx, `SET LOCAL review.slow = 'on'`)
+			require.NoError(t, err)
+		}
+	}
+	watch := r.side(t)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			var n int
+			_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE `+wait+` AND datname = current_database() AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
+			if n > 0 {
+				r.cut() // the batch's connection is lost while it waits
+				if sideTx != nil {
+					time.Sleep(time.Second)
+					_ = sideTx.Commit(ctx) // the batch goes on, on the server
+				}
+				return
+			}
+		}
+		if sideTx != nil {
+			_ = sideTx.Rollback(ctx)
+		}
+	}()
+	rec := sendKey(h, "k")
+	<-done
+	// Let the old backend finish what it received.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		var n int
+		require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
+		if n == 0 {
+			break
+		}
+	}
+	rows := countWrites(t, watch, "k")
+	var status string
+	_ = watch.QueryRow(ctx, `SELECT status FROM idempotency_keys WHERE idempotency_key = 'k'`).Scan(&status)
+	t.Logf("client got %d (%s); rows committed %d; key %q", rec.Code, strings.TrimSpace(rec.Body.String()), rows, status)
+	t.Logf("logs: %s", logs.String())
+	if ok := rec.Code >= 200 && rec.Code < 300; ok != (rows == 1) {
+		t.Errorf("the client got %d, and %d rows are committed", rec.Code, rows)
+	}
+	if (rows == 1) != (status == "completed") {
+		t.Errorf("%d rows are committed, and the key is %q", rows, status)
+	}
+}
+
+// syncBuf is a strings.Builder safe for the logger's goroutines.
+type syncBuf struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (b *syncBuf) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.Write(p)
+}
+
+func (b *syncBuf) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.b.String()
+}
+
+var _ io.Writer = (*syncBuf)(nil)
+
+// serve serves handle behind the middleware on a store on db.
+func serve(db *sql.DB, opts idempotency.Options, handle func(w http.ResponseWriter, r *http.Request, tx sqlstore.Tx)) http.Handler {
+	return idempotency.Middleware(sqlstore.New(db), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		tx, ok := sqlstore.TxFromContext(r.Context())
+		if !ok {
+			http.Error(w, "no transaction", 500)
+			return
+		}
+		handle(w, r, tx)
+	}))
+}
+
+// TestReviewHandlerSetsIsolation: in two commits, the handler's first
+// statement begins the transaction, and may set its isolation level, as
+// on a *sql.Tx: nothing the store sends with the BEGIN may take a
+// snapshot before it.
+func TestReviewHandlerSetsIsolation(t *testing.T) { forBoth(t, testReviewHandlerSetsIsolation) }
+
+func testReviewHandlerSetsIsolation(t *testing.T) {
+	r := openReview(t, 2)
+	watch := r.side(t)
+	var level string
+	h := serve(r.db, idempotency.Options{}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+		if _, err := tx.ExecContext(req.Context(), `SET TRANSACTION ISOLATION LEVEL SERIALIZABLE`); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		if err := tx.QueryRowContext(req.Context(), `SHOW transaction_isolation`).Scan(&level); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ('k/1')`); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		w.WriteHeader(201)
+	})
+	rec := sendKey(h, "k")
+	assert.Equal(t, 201, rec.Code, "%s", rec.Body.String())
+	assert.Equal(t, "serializable", level)
+	assert.Equal(t, 1, countWrites(t, watch, "k"))
+}
