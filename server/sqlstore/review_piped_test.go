@@ -3,6 +3,7 @@ package sqlstore_test
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
@@ -246,6 +247,59 @@ func serve(db *sql.DB, opts idempotency.Options, handle func(w http.ResponseWrit
 		}
 		handle(w, r, tx)
 	}))
+}
+
+// TestReviewStatementOfDoneContext: a handler's statement sent with a
+// context that is already done fails with the context's error and leaves
+// the transaction as it was, as on a *sql.Tx (database/sql checks the
+// context before it takes the Tx's connection): the handler goes on, and
+// its rows commit with its outcome. Piped, pgx's stdlib reports such a
+// statement as driver.ErrBadConn (nothing was sent), on which database/sql
+// closes the *sql.Conn of the transaction: the handler's earlier writes
+// are lost, its later statements fail with "connection is already
+// closed", and the client gets a 500 for what commits on a *sql.Tx.
+func TestReviewStatementOfDoneContext(t *testing.T) { forBoth(t, testReviewStatementOfDoneContext) }
+
+func testReviewStatementOfDoneContext(t *testing.T) {
+	r := openReview(t, 2)
+	watch := r.side(t)
+	for _, tt := range []struct {
+		oneTx, first bool
+	}{{false, false}, {true, false}, {false, true}} {
+		oneTx := tt.oneTx
+		// first: the statement of a done context is the handler's first,
+		// which begins the transaction (in two commits): on a *sql.Tx too,
+		// the transaction then failed to begin for good.
+		t.Run(fmt.Sprintf("onetx=%v,first=%v", oneTx, tt.first), func(t *testing.T) {
+			key := fmt.Sprintf("k-%v-%v", oneTx, tt.first)
+			var doneErr error
+			h := serve(r.db, idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+				// An optional write under a deadline already past: its
+				// error is ignored.
+				dctx, cancel := context.WithTimeout(req.Context(), -time.Second)
+				defer cancel()
+				if tt.first {
+					_, doneErr = tx.ExecContext(dctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/optional")
+				}
+				if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, key+"/1"); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				if !tt.first {
+					_, doneErr = tx.ExecContext(dctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/optional")
+				}
+				if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, key+"/2"); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				w.WriteHeader(201)
+			})
+			rec := sendKey(h, key)
+			assert.ErrorIs(t, doneErr, context.DeadlineExceeded, "the statement of a done context")
+			assert.Equal(t, 201, rec.Code, "%s", rec.Body.String())
+			assert.Equal(t, 2, countWrites(t, watch, key), "rows committed")
+		})
+	}
 }
 
 // TestReviewHandlerSetsIsolation: in two commits, the handler's first

@@ -416,6 +416,13 @@ func with[T any](ctx context.Context, t handlerTx, query string, f func(q dbtx) 
 	if err := refuse(query); err != nil {
 		return zero, err
 	}
+	if err := ctx.Err(); err != nil {
+		// As a *sql.Tx does: pgx's stdlib reports a statement of a done
+		// context as driver.ErrBadConn, on which database/sql closes a
+		// piped transaction's *sql.Conn, and a first statement would leave
+		// the transaction unable to begin.
+		return zero, err
+	}
 	q, err := t.u.enter(ctx)
 	if err != nil {
 		return zero, err
