@@ -302,6 +302,220 @@ func testReviewStatementOfDoneContext(t *testing.T) {
 	}
 }
 
+// TestReviewMisbehavingHandlersLeaveCleanPool: handlers that leave rows
+// open, prepare statements and keep them, panic with rows open, or use
+// their transaction from a goroutine that outlives them: nothing of theirs
+// commits, the pool's connections all come back, none inside a
+// transaction, and a later request on the same one-connection pool
+// commits exactly its own row.
+func TestReviewMisbehavingHandlersLeaveCleanPool(t *testing.T) {
+	forBoth(t, testReviewMisbehavingHandlersLeaveCleanPool)
+}
+
+func testReviewMisbehavingHandlersLeaveCleanPool(t *testing.T) {
+	r := openReview(t, 1)
+	watch := r.side(t)
+	ctx := context.Background()
+	late := make(chan func(), 16)
+	var lateWG sync.WaitGroup
+	for _, oneTx := range []bool{false, true} {
+		for name, handle := range map[string]func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string){
+			"rows left open": func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+				rows, err := tx.QueryContext(req.Context(), `SELECT generate_series(1, 100000)`)
+				if err != nil {
+					panic(err)
+				}
+				rows.Next()
+				w.WriteHeader(201)
+			},
+			"stmt rows left open": func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+				st, err := tx.PrepareContext(req.Context(), `SELECT generate_series(1, $1::int)`)
+				if err != nil {
+					panic(err)
+				}
+				rows, err := st.QueryContext(req.Context(), 100000)
+				if err != nil {
+					panic(err)
+				}
+				rows.Next()
+				w.WriteHeader(201)
+			},
+			"panic with rows open": func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+				st, err := tx.PrepareContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`)
+				if err != nil {
+					panic(err)
+				}
+				if _, err := st.ExecContext(req.Context(), key+"/stmt"); err != nil {
+					panic(err)
+				}
+				rows, err := tx.QueryContext(req.Context(), `SELECT generate_series(1, 100000)`)
+				if err != nil {
+					panic(err)
+				}
+				rows.Next()
+				panic("handler failed")
+			},
+			"late goroutine": func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+				st, err := tx.PrepareContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`)
+				if err != nil {
+					panic(err)
+				}
+				rows, err := tx.QueryContext(req.Context(), `SELECT generate_series(1, 100000)`)
+				if err != nil {
+					panic(err)
+				}
+				rows.Next()
+				rows.Close()
+				qrows, err := st.QueryContext(req.Context(), key+"/stmt-query")
+				if err != nil {
+					panic(err)
+				}
+				qrows.Close()
+				lateWG.Add(1)
+				late <- func() {
+					defer lateWG.Done()
+					for range 20 {
+						_, _ = st.ExecContext(ctx, key+"/late-stmt")
+						_, _ = tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/late")
+						if rows, err := tx.QueryContext(ctx, `SELECT 1`); err == nil {
+							rows.Close()
+						}
+						time.Sleep(time.Millisecond)
+					}
+				}
+				w.WriteHeader(201)
+			},
+		} {
+			t.Run(fmt.Sprintf("%s,onetx=%v", name, oneTx), func(t *testing.T) {
+				key := fmt.Sprintf("k-%s-%v", strings.ReplaceAll(name, " ", "-"), oneTx)
+				h := serve(r.db, idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+					if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, key+"/1"); err != nil {
+						http.Error(w, err.Error(), 500)
+						return
+					}
+					handle(w, req, tx, key)
+				})
+				finished := make(chan struct{})
+				go func() {
+					defer close(finished)
+					defer func() { _ = recover() }()
+					sendKey(h, key)
+				}()
+				select {
+				case <-finished:
+				case <-time.After(20 * time.Second):
+					t.Fatal("the request hangs")
+				}
+				select {
+				case f := <-late:
+					go f()
+				default:
+				}
+				lateWG.Wait()
+				want := 0
+				if name == "late goroutine" {
+					want = 2 // its own rows, with its 201; none of the late ones
+				}
+				assert.Equal(t, want, countWrites(t, watch, key)-countLate(t, watch, key), "rows committed")
+				assert.Equal(t, 0, countLate(t, watch, key), "late rows committed")
+				assert.Equal(t, 0, r.db.Stats().InUse, "connections in use after the request")
+				var inTx int
+				require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+					WHERE datname = current_database() AND state LIKE 'idle in transaction%'`).Scan(&inTx))
+				assert.Equal(t, 0, inTx, "connections idle in a transaction")
+				// The pool's one connection is clean: a write outside any
+				// transaction commits at once.
+				_, err := r.db.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, key+"-after/1")
+				require.NoError(t, err)
+				assert.Equal(t, 1, countWrites(t, watch, key+"-after"), "a write after the request")
+			})
+		}
+	}
+}
+
+func countLate(t *testing.T, c *pgx.Conn, key string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, c.QueryRow(context.Background(),
+		`SELECT count(*) FROM writes WHERE name LIKE $1 || '/late%'`, key).Scan(&n))
+	return n
+}
+
+// TestReviewFailuresInAndAtCommit: a statement that fails inside a
+// savepoint rolled back, a statement that fails and aborts the
+// transaction (then 2xx, 4xx stored), a deferred constraint that fails
+// the COMMIT: the client's answer matches what committed, on both
+// transactions, in both modes of claim.
+func TestReviewFailuresInAndAtCommit(t *testing.T) { forBoth(t, testReviewFailuresInAndAtCommit) }
+
+func testReviewFailuresInAndAtCommit(t *testing.T) {
+	r := openReview(t, 2)
+	watch := r.side(t)
+	ctx := context.Background()
+	_, err := r.db.ExecContext(ctx, `CREATE TABLE deferred (v int, CONSTRAINT deferred_v UNIQUE (v) DEFERRABLE INITIALLY DEFERRED);
+		INSERT INTO deferred VALUES (1)`)
+	require.NoError(t, err)
+	insert := func(req *http.Request, tx sqlstore.Tx, name string) error {
+		_, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, name)
+		return err
+	}
+	for _, tt := range []struct {
+		name   string
+		handle func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string)
+		status int // the client's
+		rows   int
+		keySt  string // "" for none
+	}{
+		{"savepoint", func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+			_, err := tx.ExecContext(req.Context(), `SAVEPOINT a`)
+			require.NoError(t, err)
+			require.Error(t, insert(req, tx, key+"/1"), "a duplicate")
+			_, err = tx.ExecContext(req.Context(), `ROLLBACK TO SAVEPOINT a`)
+			require.NoError(t, err)
+			require.NoError(t, insert(req, tx, key+"/2"))
+			w.WriteHeader(201)
+		}, 201, 2, "completed"},
+		{"aborted then 201", func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+			require.Error(t, insert(req, tx, key+"/1"), "a duplicate")
+			w.WriteHeader(201)
+		}, 500, 1, "released"},
+		{"aborted then 422", func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+			require.Error(t, insert(req, tx, key+"/1"), "a duplicate")
+			w.WriteHeader(422)
+		}, 422, 0, "completed"},
+		{"deferred constraint", func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx, key string) {
+			_, err := tx.ExecContext(req.Context(), `INSERT INTO deferred VALUES (1)`)
+			require.NoError(t, err)
+			w.WriteHeader(201)
+		}, 500, 0, "released"},
+	} {
+		for _, oneTx := range []bool{false, true} {
+			t.Run(fmt.Sprintf("%s,onetx=%v", tt.name, oneTx), func(t *testing.T) {
+				key := fmt.Sprintf("k-%s-%v", strings.ReplaceAll(tt.name, " ", "-"), oneTx)
+				h := serve(r.db, idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+					require.NoError(t, insert(req, tx, key+"/1"))
+					tt.handle(w, req, tx, key)
+				})
+				rec := sendKey(h, key)
+				assert.Equal(t, tt.status, rec.Code, "%s", rec.Body.String())
+				rows := tt.rows
+				if tt.rows == 1 && tt.status == 500 {
+					rows = 0
+				}
+				assert.Equal(t, rows, countWrites(t, watch, key), "rows committed")
+				var st string
+				_ = watch.QueryRow(ctx, `SELECT status FROM idempotency_keys WHERE idempotency_key = $1`, key).Scan(&st)
+				want := tt.keySt
+				if oneTx && want == "released" {
+					want = "" // its key went with the rollback
+				}
+				assert.Equal(t, want, st, "the key")
+				assert.Equal(t, 0, r.db.Stats().InUse)
+			})
+		}
+	}
+}
+
 // TestReviewHandlerSetsIsolation: in two commits, the handler's first
 // statement begins the transaction, and may set its isolation level, as
 // on a *sql.Tx: nothing the store sends with the BEGIN may take a
