@@ -546,3 +546,106 @@ func testReviewHandlerSetsIsolation(t *testing.T) {
 	assert.Equal(t, "serializable", level)
 	assert.Equal(t, 1, countWrites(t, watch, "k"))
 }
+
+// TestReviewConcurrentKeyAndHammer: one key sent concurrently (in one
+// transaction and in two commits) makes exactly one committed row; and a
+// goroutine of the handler's that hammers its transaction (statements,
+// rows, a prepared statement) while the middleware completes it either
+// runs inside the transaction or fails: whatever ran before the
+// completion commits with it, nothing after, and the pool comes back
+// clean.
+func TestReviewConcurrentKeyAndHammer(t *testing.T) { forBoth(t, testReviewConcurrentKeyAndHammer) }
+
+func testReviewConcurrentKeyAndHammer(t *testing.T) {
+	r := openReview(t, 4)
+	watch := r.side(t)
+	ctx := context.Background()
+	for _, oneTx := range []bool{false, true} {
+		t.Run(fmt.Sprintf("concurrent,onetx=%v", oneTx), func(t *testing.T) {
+			key := fmt.Sprintf("c-%v", oneTx)
+			var mu sync.Mutex
+			ran := 0
+			h := serve(r.db, idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+				mu.Lock()
+				ran++
+				n := ran
+				mu.Unlock()
+				if _, err := tx.ExecContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint(key, "/", n)); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				w.WriteHeader(201)
+			})
+			var wg sync.WaitGroup
+			codes := make([]int, 12)
+			for i := range codes {
+				wg.Go(func() { codes[i] = sendKey(h, key).Code })
+			}
+			wg.Wait()
+			ok := 0
+			for _, c := range codes {
+				if c == 201 {
+					ok++
+				}
+			}
+			assert.Equal(t, 1, countWrites(t, watch, key), "rows committed; codes %v", codes)
+			assert.GreaterOrEqual(t, ok, 1, "codes %v", codes)
+		})
+		t.Run(fmt.Sprintf("hammer,onetx=%v", oneTx), func(t *testing.T) {
+			for i := range 10 {
+				key := fmt.Sprintf("h-%v-%d", oneTx, i)
+				var stop sync.WaitGroup
+				var mu sync.Mutex
+				var okNames []string // the hammer's writes that succeeded
+				h := serve(r.db, idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, req *http.Request, tx sqlstore.Tx) {
+					st, err := tx.PrepareContext(req.Context(), `INSERT INTO writes (name) VALUES ($1)`)
+					if err != nil {
+						http.Error(w, err.Error(), 500)
+						return
+					}
+					stop.Go(func() {
+						for j := range 400 {
+							name := fmt.Sprintf("%s/x%d", key, j)
+							var err error
+							switch j % 3 {
+							case 0:
+								_, err = st.ExecContext(ctx, name)
+							case 1:
+								_, err = tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
+							case 2:
+								var rows *sql.Rows
+								if rows, err = tx.QueryContext(ctx, `INSERT INTO writes (name) VALUES ($1) RETURNING name`, name); err == nil {
+									for rows.Next() {
+									}
+									err = rows.Close()
+								}
+							}
+							if err == nil {
+								mu.Lock()
+								okNames = append(okNames, name)
+								mu.Unlock()
+							}
+						}
+					})
+					time.Sleep(time.Duration(i) * time.Millisecond)
+					w.WriteHeader(201)
+				})
+				rec := sendKey(h, key)
+				stop.Wait()
+				n := countWrites(t, watch, key)
+				if rec.Code == 201 {
+					// Every write that succeeded before the completion
+					// committed; none after (they fail).
+					assert.Equal(t, len(okNames), n, "request %d: rows committed, writes that succeeded", i)
+				} else {
+					assert.Equal(t, 0, n, "request %d got %d: rows committed", i, rec.Code)
+				}
+				assert.Equal(t, 0, r.db.Stats().InUse)
+			}
+			var inTx int
+			require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE datname = current_database() AND state LIKE 'idle in transaction%'`).Scan(&inTx))
+			assert.Equal(t, 0, inTx, "connections idle in a transaction")
+		})
+	}
+}
