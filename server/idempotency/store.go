@@ -373,9 +373,12 @@ type Tx interface {
 	// the key, or another error when the writes or the outcome could not
 	// be committed: one wrapping [ErrInvalidStatus] for a status outside
 	// 100 to 599, [ErrInvalidText] for a header or content type a store
-	// cannot keep. After an error the key stays started; the key of a
-	// claim made in one transaction ([Claim.OneTransaction]), which
-	// Complete writes, completed, with the outcome, is absent.
+	// cannot keep. After an error the key stays started, or, when the
+	// connection was lost under a commit that may still be on its way, is
+	// released under the claim's token (so that the commit, should it
+	// arrive, is fenced; the caller's Release then returns ErrFenced);
+	// the key of a claim made in one transaction ([Claim.OneTransaction]),
+	// which Complete writes, completed, with the outcome, is absent.
 	Complete(ctx context.Context, resp StoredResponse) error
 	// Rollback abandons the unit of work and its writes; the key stays
 	// started, or, for a claim made in one transaction, goes with them.

@@ -47,6 +47,39 @@ func (c *cutConn) Read(b []byte) (int, error) {
 	return n, err
 }
 
+// cutConns are the client sockets of a pool of one connection, which the
+// test can cut all at once.
+type cutConns struct {
+	mu    sync.Mutex
+	conns []*cutConn
+}
+
+// onePool configures a pool of one connection whose sockets are c's.
+func (c *cutConns) onePool(cfg *pgxpool.Config) {
+	cfg.MaxConns = 1
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		nc, err := (&net.Dialer{}).DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		cc := &cutConn{Conn: nc}
+		c.mu.Lock()
+		c.conns = append(c.conns, cc)
+		c.mu.Unlock()
+		return cc, nil
+	}
+}
+
+// cutAll cuts every socket opened so far.
+func (c *cutConns) cutAll() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, cc := range c.conns {
+		cc.cut.Store(true)
+		_ = cc.Conn.Close()
+	}
+}
+
 // TestLostCommitReadAfterItEnds (found by a review): Complete learns whether a COMMIT whose answer was lost landed from
 // the key (hasStatusUnder, FOR SHARE). In two-commit mode the key row
 // exists and FOR SHARE waits for the committing transaction; in one
@@ -76,23 +109,9 @@ func TestLostCommitReadAfterItEnds(t *testing.T) {
 }
 
 func reviewCommitLost(t *testing.T, oneTx bool) {
-	var mu sync.Mutex
-	var conns []*cutConn
+	conns := &cutConns{}
 	var s *service
-	s = newService(t, idempotency.Options{OneTransaction: oneTx}, func(cfg *pgxpool.Config) {
-		cfg.MaxConns = 1
-		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-			c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-			if err != nil {
-				return nil, err
-			}
-			cc := &cutConn{Conn: c}
-			mu.Lock()
-			conns = append(conns, cc)
-			mu.Unlock()
-			return cc, nil
-		}
-	}, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+	s = newService(t, idempotency.Options{OneTransaction: oneTx}, conns.onePool, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
 		if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
 			http.Error(w, err.Error(), 500)
 			return
@@ -117,12 +136,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 			_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 				WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
 			if n > 0 {
-				mu.Lock()
-				for _, c := range conns {
-					c.cut.Store(true)
-					_ = c.Conn.Close()
-				}
-				mu.Unlock()
+				conns.cutAll()
 				return
 			}
 			time.Sleep(5 * time.Millisecond)
@@ -144,6 +158,109 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 		time.Sleep(50 * time.Millisecond)
 	}
 	t.Logf("key rows %v, rows %v", s.keyRows(t, "k"), s.committed(t, "k"))
+	s.mustMatch(t, "k", status, "a")
+	if status >= 500 && len(s.committed(t, "k")) > 0 {
+		t.Errorf("the client got %d (\"nothing of this request was committed\") but the row and key committed: %v", status, s.keyRows(t, "k"))
+	}
+}
+
+// TestLostBatchBeforeItRuns (found by a review of sqlstore's pipeline, the
+// same in pgstore): in two commits the completion travels with the COMMIT
+// in one batch, and the connection may be lost while the batch has not
+// run yet: on its way, or, here, waiting on the server for a table lock
+// ("lock": a side transaction holds SHARE on the key table, as a CREATE
+// INDEX would) or in a trigger ("sleep"). A read of the key (FOR SHARE)
+// does not wait for a completion that has not locked the row: it read
+// "started", the client got 500 "nothing of this request was committed",
+// and then the batch ran and committed the row and the 201. Complete now
+// releases the key under its token first: a completion that runs later is
+// fenced and commits nothing ("sleep": the release runs first); one that
+// ran first makes the release wait for its COMMIT, and the store reports
+// it committed ("lock").
+func TestLostBatchBeforeItRuns(t *testing.T) {
+	for _, delay := range []string{"lock", "sleep"} {
+		t.Run(delay, func(t *testing.T) { lostBatch(t, delay) })
+	}
+}
+
+func lostBatch(t *testing.T, delay string) {
+	conns := &cutConns{}
+	var s *service
+	var slow func(ctx context.Context, tx pgx.Tx)
+	s = newService(t, idempotency.Options{}, conns.onePool, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+		if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+			http.Error(w, err.Error(), 500)
+			return
+		}
+		if slow != nil {
+			slow(r.Context(), tx)
+		}
+		w.WriteHeader(201)
+	})
+	ctx := context.Background()
+	_, err := s.pool.Exec(ctx, `
+CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN IF current_setting('review.slow', true) = 'on' THEN PERFORM pg_sleep(2); END IF; RETURN NULL; END $$;
+CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION review_slow()`)
+	require.NoError(t, err)
+	status, _ := s.send("warm") // the one connection prepares the statements of a request
+	require.Equal(t, 201, status)
+
+	url := s.pool.Config().ConnConfig.ConnString()
+	side, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer side.Close(ctx)
+	var sideTx pgx.Tx
+	wait := `wait_event_type = 'Lock'`
+	if delay == "lock" {
+		sideTx, err = side.Begin(ctx)
+		require.NoError(t, err)
+		slow = func(ctx context.Context, _ pgx.Tx) {
+			_, err := sideTx.Exec(ctx, `LOCK TABLE idempotency_keys IN SHARE MODE`)
+			require.NoError(t, err)
+		}
+	} else {
+		wait = `wait_event = 'PgSleep'`
+		slow = func(ctx context.Context, tx pgx.Tx) {
+			_, err := tx.Exec(ctx, `SET LOCAL review.slow = 'on'`)
+			require.NoError(t, err)
+		}
+	}
+	watch, err := pgx.Connect(ctx, url)
+	require.NoError(t, err)
+	defer watch.Close(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+			var n int
+			_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE `+wait+` AND datname = current_database() AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
+			if n > 0 {
+				conns.cutAll()
+				if sideTx != nil {
+					time.Sleep(time.Second)
+					_ = sideTx.Commit(ctx) // the batch goes on, on the server
+				}
+				return
+			}
+		}
+		if sideTx != nil {
+			_ = sideTx.Rollback(ctx)
+		}
+	}()
+	status, _ = s.send("k")
+	<-done
+	// Let the old backend finish what it received.
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		var n int
+		require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
+		if n == 0 {
+			break
+		}
+	}
+	t.Logf("client got %d; key rows %v, rows %v; logs: %s", status, s.keyRows(t, "k"), s.committed(t, "k"), s.logs.String())
 	s.mustMatch(t, "k", status, "a")
 	if status >= 500 && len(s.committed(t, "k")) > 0 {
 		t.Errorf("the client got %d (\"nothing of this request was committed\") but the row and key committed: %v", status, s.keyRows(t, "k"))

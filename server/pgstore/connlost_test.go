@@ -289,10 +289,11 @@ func TestCompleteConnLost(t *testing.T) {
 // handler that wrote a row, just before the completion and its COMMIT are
 // sent: the handler's transaction dies with its connection, so nothing of
 // it may be committed, and Complete must not report success: it returns
-// an error, the key stays started with no row, and the middleware's
-// release of the key succeeds (the retry of the request runs it again).
-// Taken over meanwhile, nothing is committed either, and the release is
-// fenced.
+// an error, and the key is released under the claim's token with no row
+// (Complete releases it, so that a completion still on its way is fenced:
+// TestLostBatchBeforeItRuns), which leaves the middleware's release
+// nothing to do (fenced; the retry of the request runs it again). Taken
+// over meanwhile, nothing is committed either, and the release is fenced.
 func TestCompleteInTxConnLost(t *testing.T) {
 	ctx := context.Background()
 	for _, tt := range []struct {
@@ -310,13 +311,22 @@ func TestCompleteInTxConnLost(t *testing.T) {
 			err := completeLost(t, s, c, true)
 			k.check(t)
 			status, ours, row := lostState(t, pool, c)
-			if err == nil || status != "started" || row || ours == tt.takenOver {
-				t.Errorf("Complete = %v; key %s (ours: %v), row committed: %v; want an error, started (ours: %v), no row",
-					err, status, ours, row, !tt.takenOver)
+			want := "released"
+			if tt.takenOver {
+				want = "started"
 			}
-			rerr := s.Release(ctx, c, idempotency.ReleaseFailed)
-			if tt.takenOver != errors.Is(rerr, idempotency.ErrFenced) || (!tt.takenOver && rerr != nil) {
-				t.Errorf("Release after the lost completion: %v (taken over: %v)", rerr, tt.takenOver)
+			if err == nil || status != want || row || ours == tt.takenOver {
+				t.Errorf("Complete = %v; key %s (ours: %v), row committed: %v; want an error, %s (ours: %v), no row",
+					err, status, ours, row, want, !tt.takenOver)
+			}
+			if rerr := s.Release(ctx, c, idempotency.ReleaseFailed); !errors.Is(rerr, idempotency.ErrFenced) {
+				t.Errorf("Release after the lost completion: %v, want ErrFenced (released by Complete, or taken over)", rerr)
+			}
+			if !tt.takenOver {
+				again := mustClaim(t, s, lostReq, idempotency.Claimed).Claim
+				if again.OperationID != c.OperationID {
+					t.Errorf("retry under operation %s, want %s", again.OperationID, c.OperationID)
+				}
 			}
 		})
 	}
@@ -621,9 +631,11 @@ func TestCompleteConnCut(t *testing.T) {
 // PostgreSQL. Complete reports success if and only if the key is completed
 // and the handler's row committed, together. Cut before the pipeline
 // reached PostgreSQL, nothing is committed (the transaction dies with its
-// connection): Complete fails, the key stays started, free for the
-// middleware to release. Cut after the COMMIT was sent, with its answer
-// lost, Complete learns from the key that it committed, and succeeds.
+// connection): Complete fails, and releases the key under the claim's
+// token (a completion still on its way is then fenced), which leaves the
+// middleware's release nothing to do. Cut after the COMMIT was sent, with
+// its answer lost, Complete learns from the key that it committed, and
+// succeeds.
 func TestCompleteInTxConnCut(t *testing.T) {
 	ctx := context.Background()
 	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
@@ -648,11 +660,11 @@ func TestCompleteInTxConnCut(t *testing.T) {
 			checkReplay(t, w.store)
 			return
 		}
-		if status != "started" || !ours || row {
-			t.Errorf("after the failed completion: key %s (ours: %v), row %v; want started, ours, no row", status, ours, row)
+		if status != "released" || !ours || row {
+			t.Errorf("after the failed completion: key %s (ours: %v), row %v; want released, ours, no row", status, ours, row)
 		}
-		if err := w.store.Release(ctx, c, idempotency.ReleaseFailed); err != nil {
-			t.Errorf("Release after the failed completion: %v", err)
+		if err := w.store.Release(ctx, c, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
+			t.Errorf("Release after the failed completion: %v, want ErrFenced (Complete released the key)", err)
 		}
 		again := mustClaim(t, w.store, lostReq, idempotency.Claimed).Claim
 		if again.OperationID != c.OperationID {

@@ -463,11 +463,16 @@ func (u *unit) renew(ctx context.Context) error {
 // token, which only this completion can have done, and Complete succeeds.
 //
 // With one, it is keysql.CompleteInTxSQL and COMMIT in one round trip. When the
-// connection broke under them, whether they committed is learnt from the
-// key: completed under this claim's token means committed, writes and
-// all (PostgreSQL commits both or neither); otherwise nothing was, and
-// Complete returns the error (the middleware then releases the key, which
-// waits for a commit still under way, and fails if it landed). A
+// connection broke under them, they may not have run yet (the batch on its
+// way, or waiting on the server for a lock), or be running, or have
+// committed. Complete first releases the key under this claim's token: a
+// completion that runs later is then fenced and commits nothing, and one
+// that ran holds the key's row until its transaction ended, which the
+// release waits for. Fenced, the release leaves it to the key: completed
+// under this claim's token means committed, writes and all (PostgreSQL
+// commits both or neither); otherwise nothing was, and Complete returns
+// the error. (A claim in one transaction waits for its advisory lock
+// instead, then reads the key.) A
 // transaction that the handler ended itself (see [TxFromContext]) fails
 // the completion, whatever the status: what it wrote may have been
 // committed, and no outcome can be stored with it.
@@ -577,10 +582,26 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	u.giveBack(ctx, conn) // broken: the pool drops it
 	var ours bool
 	lctx := context.WithoutCancel(ctx)
+	if u.inTx == nil {
+		// The completion travelled with the COMMIT, and may not have run
+		// yet (the batch still on its way, or waiting on the server for a
+		// lock): a read would not wait for it (TestLostBatchBeforeItRuns).
+		// Release the key under the claim's token first: a completion
+		// that runs later is fenced and commits nothing; one that ran
+		// holds the key's row until its transaction ends, and the release
+		// then finds the key completed under the token (committed, which
+		// the read below tells) or still started.
+		switch rerr := u.store.ownedUpdate(lctx, u.claim, keysql.ReleaseSQL, []any{false}, ""); {
+		case rerr == nil:
+			return err // released: nothing of the request commits
+		case !errors.Is(rerr, idempotency.ErrFenced):
+			return err
+		}
+	}
 	if lerr := u.store.onLiveConn(lctx, func(q querier) (err error) {
 		if u.inTx == nil {
-			// The key's row is ours, locked by the COMMIT while it runs:
-			// the read waits for it.
+			// The release above was fenced: the key's row is no longer
+			// started under this claim's token.
 			ours, err = hasStatusUnder(lctx, q, u.claim, idempotency.StatusCompleted)
 			return err
 		}

@@ -24,13 +24,16 @@ import (
 // connection.
 //
 // A *sql.Tx ends whatever the handler left running when it ends (its rows,
-// its statements); a *sql.Conn does not, and its Close waits for them. So
-// the rows of the handler's queries run under a context that the request's
-// end cancels, and the handler's prepared statements are stand-ins of
-// rowDB whose queries run through the unit (see handedStmt); both end
-// with the request. Rows left open when the handler answers fail the
-// completion, as on a *sql.Tx, and a statement sent while rows are open
-// fails at once rather than finding the connection busy.
+// its statements); a *sql.Conn does not, and its Close waits for them. So,
+// in both modes, the rows of the handler's queries run under a context
+// that the request's end cancels, and the handler's prepared statements
+// are stand-ins of rowDB whose queries run through the unit (see
+// handedStmt); both end with the request. The store also knows which rows
+// are open: the driver's connection cannot take a statement while they
+// are (pgx's resets the open rows' state on such a statement, which made
+// a later Rows.Next panic), so the handler's next statement fails with
+// errRowsOpen, and rows left open when the handler answers fail the
+// completion.
 
 // dbtx runs a handler's statements: the *sql.Tx of the request, or the
 // *sql.Conn of its piped transaction.
@@ -40,8 +43,8 @@ type dbtx interface {
 	PrepareContext(ctx context.Context, query string) (*sql.Stmt, error)
 }
 
-// errRowsOpen is the error of a statement of a piped transaction sent
-// while rows of the transaction are open.
+// errRowsOpen is the error of a statement of the request's transaction
+// sent while rows of the transaction are open.
 var errRowsOpen = errors.New("sqlstore: rows of the request's transaction are open: close them before its next statement")
 
 // runOn runs stmts on conn in one round trip (see sqlpipe.Runner.Run). An
@@ -50,7 +53,7 @@ var errRowsOpen = errors.New("sqlstore: rows of the request's transaction are op
 func (s *Store) runOn(ctx context.Context, conn *sql.Conn, stmts ...sqlpipe.Stmt) (i int, err error) {
 	rerr := conn.Raw(func(dc any) error {
 		i, err = s.pipe.Run(ctx, dc, stmts...)
-		if err != nil && code(err) == "" && s.pipe.Closed(dc) && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+		if err != nil && code(err) == "" && s.pipe.Status(dc) == sqlpipe.Closed && !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
 			err = errors.Join(errConnLost, err)
 		}
 		return nil
@@ -62,19 +65,21 @@ func (s *Store) runOn(ctx context.Context, conn *sql.Conn, stmts ...sqlpipe.Stmt
 }
 
 // giveBack returns conn to the pool when it is idle (open, outside any
-// transaction), after a ROLLBACK if it is in one; otherwise it closes it,
-// and PostgreSQL rolls back whatever it had begun.
+// transaction), after a ROLLBACK if it is in one; otherwise (closed, still
+// in a transaction, or busy with rows the handler left open, which a
+// statement sent now could break under the handler's hands) it closes it,
+// once those rows are closed, and PostgreSQL rolls back whatever it had
+// begun. The caller has canceled the handler's rows.
 func (s *Store) giveBack(conn *sql.Conn) {
 	_ = conn.Raw(func(dc any) error {
-		if s.pipe.Idle(dc) {
+		switch s.pipe.Status(dc) {
+		case sqlpipe.Idle:
 			return nil
-		}
-		if s.pipe.Closed(dc) {
-			return driver.ErrBadConn
-		}
-		_, _ = s.pipe.Run(context.Background(), dc, sqlpipe.Stmt{SQL: "ROLLBACK"})
-		if s.pipe.Idle(dc) {
-			return nil
+		case sqlpipe.InTx:
+			_, _ = s.pipe.Run(context.Background(), dc, sqlpipe.Stmt{SQL: "ROLLBACK"})
+			if s.pipe.Status(dc) == sqlpipe.Idle {
+				return nil
+			}
 		}
 		return driver.ErrBadConn // database/sql closes it
 	})

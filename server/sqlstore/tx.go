@@ -77,21 +77,25 @@ var (
 // types: the *sql.Rows of QueryContext and the *sql.Stmt of PrepareContext
 // are database/sql's; when the request ends they are closed, and a late
 // use fails with database/sql's own error (context.Canceled from Rows.Err,
-// "statement is closed"), not with ErrUnitEnded. Rows the handler leaves
-// open when it answers fail the completion, so nothing of the request is
-// committed. The transaction's round trips: the BEGIN and the first
-// statement take one each (pgstore sends them together); the completion
-// and the COMMIT take one each, or one together on pgx's stdlib with
+// "statement is closed"), not with ErrUnitEnded. While rows of the
+// transaction are open (QueryContext's, or those of a prepared
+// statement's query), its next statement fails at once, as the connection
+// cannot take one, and rows still open when the handler answers fail the
+// completion, so nothing of the request is committed. The rows of a
+// prepared statement's query report each column's database type name,
+// scan type and nullability, not its length or decimal size. The
+// transaction's round trips: the BEGIN and the first statement take one
+// each (pgstore sends them together); the completion and the COMMIT take
+// one each, or one together on pgx's stdlib with
 // server/sqlstore/pgxpipeline imported, which also sends the BEGIN of a
-// claim in one transaction with the claim, as pgstore does. (With the
-// pipeline, the store runs the transaction on a *sql.Conn, and a statement
-// sent while rows of the transaction are open fails at once rather than
-// finding the connection busy.) The transaction runs in the database's
-// default isolation level; under REPEATABLE READ or SERIALIZABLE, a lease
-// renewal while it is open makes the completion fail with a serialization
-// failure (nothing is committed, and the key is released), where pgstore,
-// which reads the level with the BEGIN, stops renewing instead: such a
-// handler must answer within a third of the lock timeout.
+// claim in one transaction with the claim, as pgstore does (the store then
+// runs the transaction on a *sql.Conn rather than as a *sql.Tx). The
+// transaction runs in the database's default isolation level; under
+// REPEATABLE READ or SERIALIZABLE, a lease renewal while it is open makes
+// the completion fail with a serialization failure (nothing is committed,
+// and the key is released), where pgstore, which reads the level with the
+// BEGIN, stops renewing instead: such a handler must answer within a
+// third of the lock timeout.
 //
 // A write that fails aborts the transaction, as in any PostgreSQL
 // transaction: a stored 4xx outcome is then stored alone, while a 2xx or
@@ -165,7 +169,7 @@ func (u *unit) enter(ctx context.Context) (dbtx, error) {
 		u.mu.Unlock()
 		return nil, u.err
 	}
-	if u.tx == nil && u.rowsOpenLocked() {
+	if u.rowsOpenLocked() {
 		u.mu.Unlock()
 		return nil, errRowsOpen
 	}
@@ -212,7 +216,11 @@ func (u *unit) begin(ctx context.Context) {
 // rolled back. When the connection broke under the COMMIT, whether it
 // committed is learnt from the key: completed under this claim's token
 // means committed, writes and all; otherwise nothing was, and Complete
-// returns the error (the middleware then releases the key).
+// returns the error (the middleware then releases the key). A piped
+// completion, sent with its COMMIT, may not have run yet when the
+// connection broke, so the key is released under the claim's token first,
+// as pgstore does: a completion that runs later is fenced, and one that
+// ran makes the release wait for its end.
 func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) error {
 	u.mu.Lock()
 	defer u.mu.Unlock()
@@ -272,7 +280,7 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 // aborted it) and the outcome, a 4xx, is to be stored alone, as pgstore
 // stores it. The caller holds u.mu.
 func (u *unit) commitLocked(ctx context.Context, query string, status int, args []any) (done bool, _ error) {
-	if u.tx == nil && u.rowsOpenLocked() {
+	if u.rowsOpenLocked() {
 		u.rollbackLocked()
 		return true, fmt.Errorf("sqlstore: the handler answered %d but left rows of its transaction open; nothing was committed", status)
 	}
@@ -347,6 +355,7 @@ func (u *unit) commitLocked(ctx context.Context, query string, status int, args 
 // COMMIT's error (or that of a connection that broke under either), may
 // hide a COMMIT that landed. The caller holds u.mu.
 func (u *unit) sendCompletion(ctx context.Context, query string, args []any) (ended bool, err error) {
+	u.endHandedLocked()
 	if u.tx != nil {
 		if _, err := (on{u.store, u.tx}).ExecContext(ctx, query, args...); err != nil {
 			return false, err
@@ -356,7 +365,6 @@ func (u *unit) sendCompletion(ctx context.Context, query string, args []any) (en
 		u.conn, u.tx = nil, nil
 		return true, err
 	}
-	u.endHandedLocked()
 	i, err := u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: query, Args: args}, sqlpipe.Stmt{SQL: "COMMIT"})
 	if err != nil && i == 0 && code(err) != "" && !keysql.ConnEnded(code(err)) {
 		return false, err
@@ -384,17 +392,15 @@ func (u *unit) Rollback(context.Context) error {
 // rollbackLocked rolls back the transaction, if it began, and gives back
 // its connection. The caller holds u.mu.
 func (u *unit) rollbackLocked() {
+	u.endHandedLocked()
 	switch {
 	case u.tx != nil:
 		_ = u.tx.Rollback()
 		u.conn.Close()
 		u.conn, u.tx = nil, nil
 	case u.conn != nil:
-		u.endHandedLocked()
 		u.store.giveBack(u.conn) // rolls back
 		u.conn = nil
-	default:
-		u.endHandedLocked()
 	}
 }
 
@@ -440,9 +446,6 @@ func (t handlerTx) ExecContext(ctx context.Context, query string, args ...any) (
 // database/sql's, closed when the request ends.
 func (t handlerTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
 	return with(ctx, t, query, func(q dbtx) (*sql.Rows, error) {
-		if t.u.tx != nil {
-			return q.QueryContext(ctx, query, args...)
-		}
 		return t.u.query(ctx, func(ctx context.Context) (*sql.Rows, error) { return q.QueryContext(ctx, query, args...) })
 	})
 }
@@ -458,10 +461,5 @@ func (t handlerTx) QueryRowContext(ctx context.Context, query string, args ...an
 // PrepareContext prepares query in the request's transaction. The
 // statement is closed when the request ends.
 func (t handlerTx) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
-	return with(ctx, t, query, func(q dbtx) (*sql.Stmt, error) {
-		if t.u.tx != nil {
-			return q.PrepareContext(ctx, query)
-		}
-		return t.u.prepare(ctx, q, query)
-	})
+	return with(ctx, t, query, func(q dbtx) (*sql.Stmt, error) { return t.u.prepare(ctx, q, query) })
 }

@@ -33,13 +33,26 @@ type Runner interface {
 	// (of the round trip's end). PostgreSQL runs none of the statements
 	// after one that failed.
 	Run(ctx context.Context, driverConn any, stmts ...Stmt) (i int, err error)
-	// Idle reports whether driverConn is open, not busy and outside any
-	// transaction: fit to go back to the pool.
-	Idle(driverConn any) bool
-	// Closed reports whether driverConn is closed: a round trip that
-	// failed on it may have run, in part or whole.
-	Closed(driverConn any) bool
+	// Status reports the state of driverConn.
+	Status(driverConn any) Status
 }
+
+// Status is the state of a driver connection.
+type Status int
+
+const (
+	// Idle: open, not busy, outside any transaction: fit to go back to
+	// the pool.
+	Idle Status = iota
+	// InTx: open, not busy, in a transaction (or a failed one).
+	InTx
+	// Busy: open, and a statement's results are being read (rows left
+	// open); no other statement may be sent on it.
+	Busy
+	// Closed: a round trip that failed on it may have run, in part or
+	// whole.
+	Closed
+)
 
 var runners sync.Map // reflect.Type of a driver.Driver → Runner
 

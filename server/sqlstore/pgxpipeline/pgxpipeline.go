@@ -69,16 +69,18 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 	return len(stmts), br.Close()
 }
 
-func (runner) Idle(driverConn any) bool {
+func (runner) Status(driverConn any) sqlpipe.Status {
 	c, err := conn(driverConn)
 	if err != nil {
-		return false
+		return sqlpipe.Closed
 	}
-	pc := c.PgConn()
-	return !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() == 'I'
-}
-
-func (runner) Closed(driverConn any) bool {
-	c, err := conn(driverConn)
-	return err != nil || c.IsClosed()
+	switch pc := c.PgConn(); {
+	case pc.IsClosed():
+		return sqlpipe.Closed
+	case pc.IsBusy():
+		return sqlpipe.Busy
+	case pc.TxStatus() == 'I':
+		return sqlpipe.Idle
+	}
+	return sqlpipe.InTx
 }

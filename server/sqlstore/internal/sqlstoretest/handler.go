@@ -480,3 +480,46 @@ func testSerializableRenewal(t *testing.T, driver string) {
 	assert.Equal(t, "started", keyStatus(t, db, "key-1"))
 	require.NoError(t, s.Release(ctx, c, idempotency.ReleaseFailed))
 }
+
+// testStatementWhileRowsOpen: a statement sent while rows of the
+// transaction are open (of QueryContext, or of a prepared statement's
+// query) fails at once and leaves the rows as they were, here before
+// their first Next: pgx's driver would have reset the open rows' state,
+// and their first Next then panicked (index out of range), found by a
+// review's goroutine hammering a transaction. Once the rows are closed,
+// the transaction goes on and commits with the outcome.
+func testStatementWhileRowsOpen(t *testing.T, driver string) {
+	db := Open(t, driver)
+	s := sqlstore.New(db)
+	ctx := context.Background()
+	u, hctx := unit(t, s, "key-1")
+	tx, _ := sqlstore.TxFromContext(hctx)
+	st, err := tx.PrepareContext(hctx, `SELECT g FROM generate_series(1, $1::int) g`)
+	require.NoError(t, err)
+	for name, query := range map[string]func() (*sql.Rows, error){
+		"QueryContext":         func() (*sql.Rows, error) { return tx.QueryContext(hctx, `SELECT g FROM generate_series(1, 3) g`) },
+		"a prepared statement": func() (*sql.Rows, error) { return st.QueryContext(hctx, 3) },
+	} {
+		rows, err := query()
+		require.NoError(t, err, name)
+		_, err = tx.ExecContext(hctx, `INSERT INTO writes (name) VALUES ('key-1/early')`)
+		require.ErrorContains(t, err, "rows of the request's transaction are open", name)
+		var got []int
+		for rows.Next() {
+			var g int
+			require.NoError(t, rows.Scan(&g))
+			got = append(got, g)
+		}
+		require.NoError(t, rows.Err(), name)
+		require.NoError(t, rows.Close(), name)
+		assert.Equal(t, []int{1, 2, 3}, got, name)
+	}
+	require.NoError(t, write(hctx, "key-1/1"), "a write once the rows are closed")
+	require.NoError(t, u.Complete(ctx, idempotency.StoredResponse{Status: 201}))
+	ok, err := written(ctx, db, "key-1/1")
+	require.NoError(t, err)
+	assert.True(t, ok, "the write committed with the outcome")
+	ok, err = written(ctx, db, "key-1/early")
+	require.NoError(t, err)
+	assert.False(t, ok, "the refused write")
+}

@@ -35,6 +35,7 @@ func Run(t *testing.T, driver string) {
 		{"RefusesEndOfTransaction", testRefusesEnd},
 		{"LateUseAfterRequest", testLateUse},
 		{"QueryRowLeavesNothingPending", testQueryRowUnscanned},
+		{"StatementWhileRowsOpen", testStatementWhileRowsOpen},
 		{"CancelMidStatement", testCancelMidStatement},
 		{"ConnectionLostUnderClaim", testConnLost},
 		{"SideBySideWithPgstore", testSideBySide},
