@@ -9,18 +9,15 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/sqlstore"
-	"github.com/idemkit/idem/server/sqlstore/internal/sqlstoretest"
 )
 
 // reviewConn is a client socket the test can cut (reads fail with io.EOF
@@ -61,28 +58,11 @@ func TestLostCommitReadAfterItEnds(t *testing.T) { forBoth(t, testLostCommitRead
 func testLostCommitReadAfterItEnds(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
 		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
-			_, url := sqlstoretest.OpenURL(t, "pgx")
-			cfg, err := pgx.ParseConfig(url)
-			require.NoError(t, err)
-			var mu sync.Mutex
-			var logs strings.Builder
-			var conns []*reviewConn
-			cfg.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-				c, err := (&net.Dialer{}).DialContext(ctx, network, addr)
-				if err != nil {
-					return nil, err
-				}
-				rc := &reviewConn{Conn: c}
-				mu.Lock()
-				conns = append(conns, rc)
-				mu.Unlock()
-				return rc, nil
-			}
-			db := stdlib.OpenDB(*cfg)
-			defer db.Close()
-			db.SetMaxOpenConns(1)
+			rdb := openReview(t, 1)
+			db, url := rdb.db, rdb.url
+			var logs syncBuf
 			ctx := context.Background()
-			_, err = db.ExecContext(ctx, `
+			_, err := db.ExecContext(ctx, `
 CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
 CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
@@ -110,12 +90,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 					_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
 						WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
 					if n > 0 {
-						mu.Lock()
-						for _, c := range conns {
-							c.cut.Store(true)
-							_ = c.Conn.Close()
-						}
-						mu.Unlock()
+						rdb.cut()
 						return
 					}
 				}
@@ -141,9 +116,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 			var rows int
 			require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM writes WHERE name LIKE 'k/%'`).Scan(&rows))
 			t.Logf("client got %d (%s); rows committed %d", rec.Code, strings.TrimSpace(rec.Body.String()), rows)
-			mu.Lock()
 			t.Logf("logs: %s", logs.String())
-			mu.Unlock()
 			if ok := rec.Code >= 200 && rec.Code < 300; ok != (rows == 1) {
 				t.Errorf("the client got %d, and %d rows are committed", rec.Code, rows)
 			}
