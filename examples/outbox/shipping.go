@@ -96,10 +96,12 @@ func (s *shippingAPI) lose(w http.ResponseWriter) bool {
 	if err != nil {
 		return false
 	}
-	conn.Close()
+	// Counted before the close: the caller learns of the loss from the
+	// close, and may look at the count the moment it does.
 	s.mu.Lock()
 	s.lost++
 	s.mu.Unlock()
+	conn.Close()
 	return true
 }
 
