@@ -273,8 +273,9 @@ func (s *MemoryStore) Renew(ctx context.Context, c Claim) error {
 
 // Release implements [Store.Release]: the key is marked released, with
 // kind, and keeps its operation ID, fingerprint and creation time (and its
-// token, which no longer owns it: ownership needs a started key). A claim
-// in one transaction is forgotten, and its staged writes with it.
+// token, which no longer owns it: ownership needs a started key). A key
+// c released already is left as it is. A claim in one transaction is
+// forgotten, and its staged writes with it.
 func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) error {
 	if err := ctx.Err(); err != nil {
 		return err
@@ -290,6 +291,9 @@ func (s *MemoryStore) Release(ctx context.Context, c Claim, kind ReleaseKind) er
 	}
 	k := s.owned(c)
 	if k == nil {
+		if k := s.keys[keyRef{c.ClientID, c.Key}]; k != nil && k.token == c.Token && k.rec.Status == StatusReleased {
+			return nil // released by c already
+		}
 		return ErrFenced
 	}
 	k.rec.Status = StatusReleased

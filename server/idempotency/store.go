@@ -334,8 +334,11 @@ type Store interface {
 	// panics, failed completions, clean shutdown). kind says which request
 	// that may be: any, or only the same one (see [ReleaseKind]). The key
 	// expires its retention after the release. It returns ErrFenced when c
-	// no longer owns the key (taken over, completed, released, expired and
-	// claimed anew); then it changes nothing.
+	// no longer owns the key (taken over, completed, released by an
+	// operator, expired and claimed anew); then it changes nothing. A key
+	// c released already (an earlier Release, or Tx.Complete after a lost
+	// commit) is left as it is, and Release returns nil: releasing is
+	// idempotent, as renewing is.
 	//
 	// The key is marked [StatusReleased], not deleted: it keeps its
 	// OperationID and creation time, so the retry of the same request
@@ -376,7 +379,7 @@ type Tx interface {
 	// cannot keep. After an error the key stays started, or, when the
 	// connection was lost under a commit that may still be on its way, is
 	// released under the claim's token (so that the commit, should it
-	// arrive, is fenced; the caller's Release then returns ErrFenced);
+	// arrive, is fenced; the caller's Release then returns nil);
 	// the key of a claim made in one transaction ([Claim.OneTransaction]),
 	// which Complete writes, completed, with the outcome, is absent.
 	Complete(ctx context.Context, resp StoredResponse) error

@@ -176,7 +176,8 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 // releases the key under its token first: a completion that runs later is
 // fenced and commits nothing ("sleep": the release runs first); one that
 // ran first makes the release wait for its COMMIT, and the store reports
-// it committed ("lock").
+// it committed ("lock"). The middleware's release of the key that
+// Complete released counts as one (EventReleased), as any release does.
 func TestLostBatchBeforeItRuns(t *testing.T) {
 	for _, delay := range []string{"lock", "sleep"} {
 		t.Run(delay, func(t *testing.T) { lostBatch(t, delay) })
@@ -187,7 +188,13 @@ func lostBatch(t *testing.T, delay string) {
 	conns := &cutConns{}
 	var s *service
 	var slow func(ctx context.Context, tx pgx.Tx)
-	s = newService(t, idempotency.Options{}, conns.onePool, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+	var released atomic.Int32
+	count := func(e idempotency.Event) {
+		if e == idempotency.EventReleased {
+			released.Add(1)
+		}
+	}
+	s = newService(t, idempotency.Options{OnEvent: count}, conns.onePool, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
 		if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
 			http.Error(w, err.Error(), 500)
 			return
@@ -264,5 +271,12 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 	s.mustMatch(t, "k", status, "a")
 	if status >= 500 && len(s.committed(t, "k")) > 0 {
 		t.Errorf("the client got %d (\"nothing of this request was committed\") but the row and key committed: %v", status, s.keyRows(t, "k"))
+	}
+	want := int32(0) // completed: nothing released
+	if status >= 500 {
+		want = 1 // released by Complete; the middleware's Release counts it
+	}
+	if got := released.Load(); got != want {
+		t.Errorf("the client got %d; %d EventReleased counted, want %d", status, got, want)
 	}
 }

@@ -361,11 +361,21 @@ func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
 // can have done, so Release succeeds. A key that is neither (completed, or
 // claimed again under another token meanwhile) is
 // [idempotency.ErrFenced], as without the retry.
+//
+// A key this claim released already (an earlier Release, or Complete
+// after a lost commit) is left as it is, and Release returns nil: the
+// statement updates nothing, and one more read tells the two apart, on
+// this rare path only.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
 	if c.OneTransaction {
 		return s.units.Release(ctx, c)
 	}
-	return s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
+	err := s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
+	if !errors.Is(err, idempotency.ErrFenced) {
+		return err
+	}
+	released, rerr := hasStatusUnder(ctx, s.pool, c, idempotency.StatusReleased)
+	return keysql.Fenced(released, interpretError(rerr))
 }
 
 // ownedUpdate runs sql, an UPDATE of c's key under c's token ($1 to $3,

@@ -11,6 +11,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -137,7 +138,13 @@ BEGIN IF current_setting('review.slow', true) = 'on' THEN PERFORM pg_sleep(2); E
 CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION review_slow()`)
 	require.NoError(t, err)
 	var slow func(tx sqlstore.Tx)
-	h := idempotency.Middleware(sqlstore.New(r.db), idempotency.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))})(http.HandlerFunc(
+	var released atomic.Int32
+	count := func(e idempotency.Event) {
+		if e == idempotency.EventReleased {
+			released.Add(1)
+		}
+	}
+	h := idempotency.Middleware(sqlstore.New(r.db), idempotency.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil)), OnEvent: count})(http.HandlerFunc(
 		func(w http.ResponseWriter, req *http.Request) {
 			tx, _ := sqlstore.TxFromContext(req.Context())
 			key := req.Header.Get("Idempotency-Key")
@@ -214,6 +221,15 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 	}
 	if (rows == 1) != (status == "completed") {
 		t.Errorf("%d rows are committed, and the key is %q", rows, status)
+	}
+	// A key released, by Complete after the lost batch or by the
+	// middleware, is one EventReleased.
+	want := int32(0)
+	if status == "released" {
+		want = 1
+	}
+	if got := released.Load(); got != want {
+		t.Errorf("the key is %q; %d EventReleased counted, want %d", status, got, want)
 	}
 }
 

@@ -309,12 +309,19 @@ func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
 // keysql.ReleaseSQL, as pgstore's does: the row is marked released, and
 // keeps its operation ID. When the connection broke under it, it runs once
 // more, and a key then found released under this claim's token was
-// released by the lost statement.
+// released by the lost statement. A key this claim released already (an
+// earlier Release, or Complete after a lost commit) is left as it is, and
+// Release returns nil, as pgstore's.
 func (s *Store) Release(ctx context.Context, c idempotency.Claim, kind idempotency.ReleaseKind) error {
 	if c.OneTransaction {
 		return s.units.Release(ctx, c)
 	}
-	return s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
+	err := s.ownedUpdate(ctx, c, keysql.ReleaseSQL, []any{kind == idempotency.ReleaseRejected}, idempotency.StatusReleased)
+	if !errors.Is(err, idempotency.ErrFenced) {
+		return err
+	}
+	released, rerr := hasStatusUnder(ctx, on{s: s}, c, idempotency.StatusReleased)
+	return keysql.Fenced(released, interpretError(rerr))
 }
 
 // ownedUpdate runs query, an UPDATE of c's key under c's token ($1 to $3,

@@ -464,3 +464,34 @@ func testReleaseFenced(t *testing.T, b Backend) {
 		t.Errorf("after Release of a completed key: status %q, want completed", rec.Status)
 	}
 }
+
+// testReleaseTwice releases a key twice under one claim: the second
+// release succeeds and changes nothing (the middleware releases a key that
+// Complete released already after a lost commit). The key stays released
+// as failed (the second release, as rejected, would let another request
+// claim it), and once the same request claimed it again, the first claim
+// owns nothing.
+func testReleaseTwice(t *testing.T, b Backend) {
+	ctx := context.Background()
+	req := request("cli_a", "key-1", "a")
+	first := claim(t, b.Store, req, idempotency.Claimed).Claim
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseFailed); err != nil {
+		t.Fatalf("Release: %v", err)
+	}
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseRejected); err != nil {
+		t.Errorf("second Release under the same claim: %v, want nil", err)
+	}
+	if rec := peek(t, b.Store, req); rec.Status != idempotency.StatusReleased {
+		t.Errorf("after the second release: status %q, want released", rec.Status)
+	}
+	second := claim(t, b.Store, req, idempotency.Claimed).Claim
+	if second.OperationID != first.OperationID {
+		t.Errorf("claim after two releases: operation %q, want the released %q", second.OperationID, first.OperationID)
+	}
+	if err := b.Store.Release(ctx, first, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
+		t.Errorf("Release of the first claim after the key was claimed again: %v, want ErrFenced", err)
+	}
+	if rec := peek(t, b.Store, req); rec.Status != idempotency.StatusStarted {
+		t.Errorf("after a fenced release: status %q, want started", rec.Status)
+	}
+}

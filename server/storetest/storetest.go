@@ -99,6 +99,7 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"ReleasedKeyOtherFingerprintVersion", testReleasedOtherVersion},
 		{"ReleasedKeyClaimRace", testReleasedClaimRace},
 		{"ReleaseFenced", testReleaseFenced},
+		{"ReleaseTwice", testReleaseTwice},
 		// Retention and purge.
 		{"RetentionExpiresCompletedKey", testRetentionCompleted},
 		{"RetentionCountsFromCompletion", testRetentionFromCompletion},
