@@ -51,10 +51,14 @@ bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)
 
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzParse -fuzztime 30s ./internal/keyheader
-	$(GO) test -run '^$$' -fuzz FuzzParseRetryAfter -fuzztime 30s .
-	$(GO) test -run '^$$' -fuzz FuzzInsertKeyField -fuzztime 30s .
-	$(GO) test -run '^$$' -fuzz FuzzFingerprint -fuzztime 30s ./server
+	$(GO) test -run '^$$' -fuzz '^FuzzParse$$' -fuzztime 30s ./internal/keyheader
+	$(GO) test -run '^$$' -fuzz '^FuzzParseRetryAfter$$' -fuzztime 30s .
+	$(GO) test -run '^$$' -fuzz '^FuzzInsertKeyField$$' -fuzztime 30s .
+	$(GO) test -run '^$$' -fuzz '^FuzzPeekBody$$' -fuzztime 30s .
+	$(GO) test -run '^$$' -fuzz '^FuzzFingerprint$$' -fuzztime 30s ./server/idempotency
+	$(GO) test -run '^$$' -fuzz '^FuzzCanonicalDifferential$$' -fuzztime 30s ./server/idempotency
+	$(GO) test -run '^$$' -fuzz '^FuzzSealOpen$$' -fuzztime 30s ./server/idempotency
+	$(GO) test -run '^$$' -fuzz '^FuzzScanSQL$$' -fuzztime 30s ./server/internal/keysql
 
 scenarios:
 	$(GO) run ./examples/scenarios

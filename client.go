@@ -52,7 +52,8 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // [Replayed]). A non-2xx answer is returned as an [*APIError], with the
 // start of its body (64 KiB, read for one second at most); the
 // Transport's own errors ([*KeyReuseError], [*InProgressError],
-// [*RetryError]) come back inside a *url.Error, reachable with errors.As.
+// [*KeyExpiredError], [*RetryError]) come back inside a *url.Error,
+// reachable with errors.As.
 //
 // A POST or PATCH whose ctx pins no key ([WithKey]) gets a new key
 // ([NewKey]) pinned for the call: every attempt and every redirect of the

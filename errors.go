@@ -118,9 +118,9 @@ type InProgressError struct {
 	reason string // why the waiting stopped, for Error
 }
 
-// Error returns a message with the key, why the waiting stopped and what to do.
 func (*InProgressError) namesRequest() {}
 
+// Error returns a message with the key, why the waiting stopped and what to do.
 func (e *InProgressError) Error() string {
 	why := ""
 	if e.reason != "" {
@@ -167,12 +167,12 @@ type KeyReuseError struct {
 	earlierNotSent bool // no attempt before the 422 reached the server
 }
 
+func (*KeyReuseError) namesRequest() {}
+
 // Error returns a message that names the key, the method and URL, says
 // once what went wrong, and ends with the server's detail, if any:
 //
 //	idem: POST https://api.example.com/v1/payments with idempotency key 8e03…: the key was used for a different request (a bug in the caller): The key was first used with another request body.
-func (*KeyReuseError) namesRequest() {}
-
 func (e *KeyReuseError) Error() string {
 	why := "a bug in the caller"
 	if e.outcome() == OutcomeUnknown {

@@ -62,6 +62,9 @@ type KeyExpiredError struct {
 
 func (*KeyExpiredError) namesRequest() {}
 
+// Error returns a message that names the key, the method and URL and the
+// first-sent time, says that the outcome can no longer be looked up and
+// what to do, and ends with the server's detail, if any.
 func (e *KeyExpiredError) Error() string {
 	msg := fmt.Sprintf("idem: %s %s: key %q expired: the operation was first sent at %s, longer ago than the server keeps keys, and its outcome can no longer be looked up; check whether it took effect before sending it again with a new key",
 		e.Method, e.URL, e.Key, e.FirstSent.UTC().Format(time.RFC3339))

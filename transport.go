@@ -62,6 +62,10 @@ const maxDrainTime = time.Second
 //     [*InProgressError] when that runs out.
 //   - 422 to a keyed request means the key was used for another request:
 //     RoundTrip returns a [*KeyReuseError] without retrying.
+//   - 410 Gone to a keyed request, with the problem type of an expired
+//     key, means the server no longer keeps the key of an operation first
+//     sent longer ago than its retention: RoundTrip returns a
+//     [*KeyExpiredError] (the outcome is unknown) without retrying.
 //   - A [Transport.Provider] reads the answers of an API that speaks
 //     otherwise, such as Stripe's 400 idempotency_error (key reuse) or
 //     PayPal's 422 UNPROCESSABLE_ENTITY (a refused request, returned).
@@ -130,7 +134,7 @@ type Transport struct {
 	// [PayPal]: where it takes the key, and what its answers for a reused
 	// key, a request still running, "retry" and "do not retry" look like
 	// (see [Provider]). The zero value is the IETF draft's dialect, the
-	// table above. KeyHeader, KeyBodyField, KeyFormat and Classify set on
+	// rules of the [Transport] documentation (docs/retries.md). KeyHeader, KeyBodyField, KeyFormat and Classify set on
 	// the Transport win over the Provider's.
 	Provider Provider
 
@@ -209,9 +213,9 @@ type Transport struct {
 	// next. It must not read or close the response body.
 	OnAttempt func(Attempt)
 
-	// Logger, if not nil, receives one record per attempt: Debug for the
-	// last successful one, Info for a retry, Warn when the operation gives
-	// up. Records carry the key and attempt number; never a body.
+	// Logger, if not nil, receives one record per attempt: Info for a
+	// retry, Warn for the last one when the operation ends on an error or
+	// a status of 400 or more, Debug for the last one otherwise. Records carry the key and attempt number; never a body.
 	Logger *slog.Logger
 
 	budgetOnce sync.Once
@@ -238,7 +242,7 @@ type Attempt struct {
 	// outcome called for no retry, or why no retry could be made:
 	// "attempts exhausted", "retry budget exhausted", "conflict budget
 	// exhausted", "wait would pass MaxElapsedTime", "422 Unprocessable
-	// Entity: key used for another request", and so on. A verdict of the
+	// Content: key used for another request", and so on. A verdict of the
 	// Provider or Classify names them: "400 Bad Request (Stripe)".
 	Reason string
 }
@@ -304,7 +308,8 @@ var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.
 
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
-// [*KeyReuseError], [*InProgressError] or [*RetryError], or, for an unkeyed
+// [*KeyReuseError], [*InProgressError], [*KeyExpiredError] or
+// [*RetryError], or, for an unkeyed
 // request, the error of a single attempt that is not retried. It always
 // closes req.Body.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {

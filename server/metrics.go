@@ -25,7 +25,7 @@ import (
 //	idem_mismatches_total          422s: a key reused with another request
 //	idem_keys_released_total       keys freed after an outcome that is not stored
 //	idem_completions_fenced_total  completions rolled back because of a takeover
-//	idem_requests_rejected_total   keyed requests refused before the claim (400, 401, 413)
+//	idem_requests_rejected_total   keyed requests refused before the claim (400, 401, 413, 415)
 //	idem_leases_renewed_total      leases of running requests renewed
 //	idem_leases_lost_total         running requests whose key was taken over
 //	idem_keys_purged_total         expired keys deleted by the purge job
@@ -82,7 +82,7 @@ func NewMetrics() *Metrics {
 	event(idempotency.EventMismatch, "idem_mismatches_total", "Requests answered 422 because the key was used with another request.")
 	event(idempotency.EventReleased, "idem_keys_released_total", "Keys released after an outcome that is not stored.")
 	event(idempotency.EventFenced, "idem_completions_fenced_total", "Completions rolled back because the request was taken over.")
-	event(idempotency.EventRejected, "idem_requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413).")
+	event(idempotency.EventRejected, "idem_requests_rejected_total", "Keyed requests refused before the claim (400, 401, 413, 415).")
 	event(idempotency.EventRenewed, "idem_leases_renewed_total", "Leases of running requests renewed.")
 	event(idempotency.EventLeaseLost, "idem_leases_lost_total", "Running requests whose key was taken over (their renewals stopped reaching the store); their handler was cancelled.")
 	event(idempotency.EventCancelled, "idem_requests_cancelled_total", "Keyed requests whose context ended (a deadline, a shutdown) before their handler answered; answered 503, nothing stored.")

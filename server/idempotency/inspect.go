@@ -90,8 +90,8 @@ type ListFilter struct {
 
 // Limits of [ListFilter.Limit].
 const (
-	DefaultListLimit = 100
-	MaxListLimit     = 1000
+	DefaultListLimit = 100  // the limit of a filter that sets none
+	MaxListLimit     = 1000 // the highest limit a store honours
 )
 
 // EffectiveLimit returns the number of keys a store's List returns at

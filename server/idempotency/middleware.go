@@ -19,6 +19,8 @@ import (
 
 // Defaults of [Options].
 const (
+	// DefaultKeyHeader is the header of the key ([Options.KeyHeader]), the
+	// IETF draft's and Stripe's.
 	DefaultKeyHeader = "Idempotency-Key"
 	// DefaultLockTimeout is short because a live request renews its lease
 	// every third of it: it bounds only how long a crashed request's key
@@ -28,9 +30,9 @@ const (
 	// and well below the SDK's default conflict budget (30s), so a
 	// client waiting out the 409s of a crashed key gets through in one call.
 	DefaultLockTimeout  = 10 * time.Second
-	DefaultRetention    = 24 * time.Hour
-	DefaultRetryAfter   = time.Second
-	DefaultMaxBodyBytes = 1 << 20
+	DefaultRetention    = 24 * time.Hour // how long a finished key is kept ([Options.Retention])
+	DefaultRetryAfter   = time.Second    // the Retry-After of a 409 ([Options.RetryAfter])
+	DefaultMaxBodyBytes = 1 << 20        // the largest request body read, 1 MiB ([Options.MaxBodyBytes])
 	// DefaultFirstSentHeader is the header of the first-sent time, from
 	// OASIS Repeatable Requests 1.0, as Azure's APIs use it.
 	DefaultFirstSentHeader = "Repeatability-First-Sent"
@@ -62,8 +64,8 @@ type Options struct {
 	// the middleware renews the lease every third of it ([Store.Renew]),
 	// so a slow request keeps its key however long it takes; a key whose
 	// owner stopped renewing it (crashed, or cut off from the store) for
-	// this long is taken over by a retry with the same request (Step 4 of
-	// the design: the first request is presumed dead). It is stored with
+	// this long is taken over by a retry with the same request (the first
+	// request is presumed dead). It is stored with
 	// each key, so replicas with different settings agree. If zero, 10s
 	// ([DefaultLockTimeout]) is used; if negative, a started key is never
 	// taken over (nor renewed).

@@ -11,8 +11,8 @@ import (
 
 // Defaults of [Purger].
 const (
-	DefaultPurgeInterval = time.Minute
-	DefaultPurgeBatch    = 500
+	DefaultPurgeInterval = time.Minute // [Purger.Interval]
+	DefaultPurgeBatch    = 500         // [Purger.Batch]
 	// DefaultPurgeDutyCycle is the share of its time a purge spends
 	// deleting while it works through a backlog; see
 	// [Purger.DutyCycle].

@@ -15,8 +15,8 @@ const (
 	// retries of its client before the sweeper takes it: six default lock
 	// timeouts, longer than the SDK's backoff between two attempts.
 	DefaultSweepGrace    = time.Minute
-	DefaultSweepInterval = 10 * time.Second
-	DefaultSweepBatch    = 100
+	DefaultSweepInterval = 10 * time.Second // [Sweeper.Interval]
+	DefaultSweepBatch    = 100              // [Sweeper.Batch]
 )
 
 // ErrNotSweepable is returned by [Sweeper] on a [Store] that does not

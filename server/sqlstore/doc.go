@@ -61,9 +61,9 @@
 //   - A first execution costs five round trips where pgstore's costs three:
 //     the claim, the BEGIN, the handler's statements, the completion and
 //     the COMMIT (pgstore sends the BEGIN with the first statement and the
-//     completion with the COMMIT), and about 1.15 times pgstore's CPU on
-//     pgx's stdlib, 1.3 in one transaction (BEGIN and claim apart too),
-//     1.5 on lib/pq, a good part of it lib/pq's own cost (BENCHMARKS.md,
+//     completion with the COMMIT), and 1.14 to 1.32 times pgstore's CPU
+//     on pgx's stdlib, 1.29 to 1.35 in one transaction (BEGIN and claim
+//     apart too), 1.5 on lib/pq, a good part of it lib/pq's own cost (BENCHMARKS.md,
 //     "sqlstore against pgstore").
 //   - On pgx's stdlib, a service that imports server/sqlstore/pgxpipeline
 //     sends the completion with the COMMIT, and a claim in one transaction
