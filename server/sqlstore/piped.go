@@ -196,14 +196,14 @@ func (stmtProxy) Query([]driver.Value) (driver.Rows, error)  { return nil, errRo
 
 func (p stmtProxy) ExecContext(ctx context.Context, args []driver.NamedValue) (driver.Result, error) {
 	h := p.h
-	return with(ctx, handlerTx{h.u}, "", func(dbtx) (driver.Result, error) {
+	return with(ctx, handlerTx{h.u}, "", false, func(dbtx) (driver.Result, error) {
 		return h.real.ExecContext(ctx, namedArgs(args)...)
 	})
 }
 
 func (p stmtProxy) QueryContext(ctx context.Context, args []driver.NamedValue) (driver.Rows, error) {
 	h := p.h
-	return with(ctx, handlerTx{h.u}, "", func(dbtx) (driver.Rows, error) {
+	return with(ctx, handlerTx{h.u}, "", false, func(dbtx) (driver.Rows, error) {
 		rows, err := h.u.query(ctx, func(ctx context.Context) (*sql.Rows, error) {
 			return h.real.QueryContext(ctx, namedArgs(args)...)
 		})

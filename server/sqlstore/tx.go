@@ -3,8 +3,10 @@ package sqlstore
 import (
 	"context"
 	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -86,10 +88,11 @@ var (
 // scan type and nullability, not its length or decimal size. The
 // transaction's round trips: the BEGIN and the first statement take one
 // each (pgstore sends them together); the completion and the COMMIT take
-// one each, or one together on pgx's stdlib with
-// server/sqlstore/pgxpipeline imported, which also sends the BEGIN of a
-// claim in one transaction with the claim, as pgstore does (the store then
-// runs the transaction on a *sql.Conn rather than as a *sql.Tx). The
+// one each. On pgx's stdlib with server/sqlstore/pgxpipeline imported,
+// the store sends them as pgstore does (it then runs the transaction on a
+// *sql.Conn rather than as a *sql.Tx): the BEGIN with a first ExecContext
+// that has arguments (taken as database/sql hands them to pgx), or with
+// the claim in one transaction; the completion with the COMMIT. The
 // transaction runs in the database's default isolation level; under
 // REPEATABLE READ or SERIALIZABLE, a lease renewal while it is open makes
 // the completion fail with a serialization failure (nothing is committed,
@@ -135,6 +138,10 @@ type unit struct {
 	conn *sql.Conn   // nil until the handler's first statement; while set, the transaction is open on it
 	tx   *sql.Tx     // on conn; nil when the store pipes the transaction (see piped.go)
 	err  error       // the transaction failed to begin: returned by every later statement
+	// pending: the store pipes the transaction and holds conn, but has
+	// not sent its BEGIN yet: it goes with the handler's first statement
+	// when that is an ExecContext the driver can pipe (see execFirst).
+	pending bool
 
 	// A piped transaction's rows and statements handed to the handler,
 	// which end with the request (see piped.go).
@@ -153,8 +160,11 @@ func (u *unit) q() dbtx {
 
 // enter holds u for one call of the handler's, beginning the transaction
 // if need be: it fails when another call holds u, when the request is
-// over, or when the transaction could not begin. exit releases it.
-func (u *unit) enter(ctx context.Context) (dbtx, error) {
+// over, or when the transaction could not begin. exit releases it. A
+// piped transaction's BEGIN is left pending for exec, the handler's
+// ExecContext, which sends it with its statement (execFirst), and sent
+// now for any other call.
+func (u *unit) enter(ctx context.Context, exec bool) (dbtx, error) {
 	if !u.mu.TryLock() {
 		return nil, errTxBusy
 	}
@@ -164,6 +174,9 @@ func (u *unit) enter(ctx context.Context) (dbtx, error) {
 	}
 	if u.conn == nil && u.err == nil {
 		u.begin(ctx)
+	}
+	if u.pending && !exec {
+		u.sendBegin(ctx)
 	}
 	if u.err != nil {
 		u.mu.Unlock()
@@ -189,12 +202,7 @@ func (u *unit) begin(ctx context.Context) {
 		return
 	}
 	if u.store.pipe != nil {
-		if _, err := conn.ExecContext(context.WithoutCancel(ctx), "BEGIN"); err != nil {
-			u.store.giveBack(conn)
-			u.err = interpretError(err)
-			return
-		}
-		u.conn = conn
+		u.conn, u.pending = conn, true // BEGIN: see enter
 		return
 	}
 	tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
@@ -204,6 +212,65 @@ func (u *unit) begin(ctx context.Context) {
 		return
 	}
 	u.conn, u.tx = conn, tx
+}
+
+// sendBegin sends the pending BEGIN of a piped transaction alone. An
+// error leaves the transaction unable to begin. The caller holds u.mu.
+func (u *unit) sendBegin(ctx context.Context) {
+	u.pending = false
+	if _, err := u.conn.ExecContext(context.WithoutCancel(ctx), "BEGIN"); err != nil {
+		u.beginFailed(err)
+	}
+}
+
+// beginFailed gives back the connection of a transaction whose BEGIN
+// failed, and leaves the transaction unable to begin.
+func (u *unit) beginFailed(err error) {
+	u.store.giveBack(u.conn)
+	u.conn = nil
+	u.err = interpretError(err)
+}
+
+// execFirst runs the handler's first statement, an ExecContext, with the
+// pending BEGIN of a piped transaction, in one round trip (pgstore's BEGIN
+// travels with the first statement too), or after it when the driver
+// must send the statement alone. The caller holds u.mu.
+func (u *unit) execFirst(ctx context.Context, query string, args []any) (sql.Result, error) {
+	u.pending = false
+	var n int64
+	i, err := u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: "BEGIN"},
+		sqlpipe.Stmt{SQL: query, Args: plainArgs(args), Affected: &n, Handler: true})
+	switch {
+	case errors.Is(err, sqlpipe.ErrAlone):
+		if u.sendBegin(ctx); u.err != nil {
+			return nil, u.err
+		}
+		return u.conn.ExecContext(ctx, query, args...)
+	case err != nil && i == 0:
+		u.beginFailed(err)
+		return nil, u.err
+	case err != nil:
+		return nil, err
+	}
+	return driver.RowsAffected(n), nil
+}
+
+// plainArgs returns args as database/sql hands them to a driver that takes
+// every value as it is (pgx's stdlib): sql.NamedArg by its value.
+func plainArgs(args []any) []any {
+	var out []any
+	for i, a := range args {
+		if na, ok := a.(sql.NamedArg); ok {
+			if out == nil {
+				out = slices.Clone(args)
+			}
+			out[i] = na.Value
+		}
+	}
+	if out == nil {
+		return args
+	}
+	return out
 }
 
 // Complete implements [idempotency.Tx.Complete].
@@ -416,8 +483,9 @@ func refuse(query string) error {
 }
 
 // with runs f on the request's transaction, holding the unit, unless
-// query would end the transaction.
-func with[T any](ctx context.Context, t handlerTx, query string, f func(q dbtx) (T, error)) (T, error) {
+// query would end the transaction. exec says f is ExecContext's, which
+// sends a pending BEGIN itself (see unit.enter).
+func with[T any](ctx context.Context, t handlerTx, query string, exec bool, f func(q dbtx) (T, error)) (T, error) {
 	var zero T
 	if err := refuse(query); err != nil {
 		return zero, err
@@ -429,7 +497,7 @@ func with[T any](ctx context.Context, t handlerTx, query string, f func(q dbtx) 
 		// the transaction unable to begin.
 		return zero, err
 	}
-	q, err := t.u.enter(ctx)
+	q, err := t.u.enter(ctx, exec)
 	if err != nil {
 		return zero, err
 	}
@@ -439,13 +507,18 @@ func with[T any](ctx context.Context, t handlerTx, query string, f func(q dbtx) 
 
 // ExecContext runs query in the request's transaction.
 func (t handlerTx) ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error) {
-	return with(ctx, t, query, func(q dbtx) (sql.Result, error) { return q.ExecContext(ctx, query, args...) })
+	return with(ctx, t, query, true, func(q dbtx) (sql.Result, error) {
+		if t.u.pending {
+			return t.u.execFirst(ctx, query, args)
+		}
+		return q.ExecContext(ctx, query, args...)
+	})
 }
 
 // QueryContext runs query in the request's transaction. The rows are
 // database/sql's, closed when the request ends.
 func (t handlerTx) QueryContext(ctx context.Context, query string, args ...any) (*sql.Rows, error) {
-	return with(ctx, t, query, func(q dbtx) (*sql.Rows, error) {
+	return with(ctx, t, query, false, func(q dbtx) (*sql.Rows, error) {
 		return t.u.query(ctx, func(ctx context.Context) (*sql.Rows, error) { return q.QueryContext(ctx, query, args...) })
 	})
 }
@@ -454,12 +527,12 @@ func (t handlerTx) QueryContext(ctx context.Context, query string, args ...any) 
 // first row at once (see TxFromContext).
 func (t handlerTx) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
 	r := &readRow{u: t.u}
-	_, r.err = with(ctx, t, query, func(q dbtx) (struct{}, error) { return struct{}{}, r.read(ctx, q, query, args) })
+	_, r.err = with(ctx, t, query, false, func(q dbtx) (struct{}, error) { return struct{}{}, r.read(ctx, q, query, args) })
 	return r.row()
 }
 
 // PrepareContext prepares query in the request's transaction. The
 // statement is closed when the request ends.
 func (t handlerTx) PrepareContext(ctx context.Context, query string) (*sql.Stmt, error) {
-	return with(ctx, t, query, func(q dbtx) (*sql.Stmt, error) { return t.u.prepare(ctx, q, query) })
+	return with(ctx, t, query, false, func(q dbtx) (*sql.Stmt, error) { return t.u.prepare(ctx, q, query) })
 }

@@ -10,6 +10,7 @@ package sqlpipe
 import (
 	"context"
 	"database/sql/driver"
+	"errors"
 	"reflect"
 	"sync"
 )
@@ -22,7 +23,22 @@ type Stmt struct {
 	// the driver scans (a row that is not there is an error wrapping
 	// sql.ErrNoRows); nil for a statement whose rows are not read.
 	Dest []any
+	// Affected, if not nil, receives the number of rows the statement
+	// affected (of a statement whose rows are not read).
+	Affected *int64
+	// Handler marks a statement of the handler's, with the arguments it
+	// gave database/sql (sql.NamedArg unwrapped): Run sends it as the
+	// driver sends it alone, or sends nothing and returns ErrAlone when it
+	// cannot do that in one round trip with others.
+	Handler bool
 }
+
+// ErrAlone is returned by [Runner.Run], which sent nothing, when a
+// handler's statement must be sent alone: the driver would send it
+// otherwise in a round trip of its own (pgx's stdlib sends a statement
+// without arguments in the simple protocol, which takes several statements
+// in one text; arguments may carry the driver's options).
+var ErrAlone = errors.New("sqlpipe: the statement must be sent alone")
 
 // Runner runs statements on the connections of one driver.
 type Runner interface {

@@ -7,12 +7,17 @@
 // database/sql sends one statement per round trip, so sqlstore alone sends
 // a transaction's BEGIN, and its COMMIT, in round trips of their own. With
 // this package, every store made by sqlstore.New on a pgx *sql.DB sends
-// the BEGIN with the claim of a key claimed in one transaction, and the
-// completion with the COMMIT, in one pgx batch each (as pgstore does): a
-// keyed first execution takes two round trips fewer in one transaction,
-// and one fewer in two commits, which is most of what sqlstore cost over
-// pgstore (BENCHMARKS.md, "sqlstore against pgstore"). The handler's own
-// statements still go through database/sql, on the same connection.
+// the BEGIN with the claim of a key claimed in one transaction, or with
+// the handler's first statement when that is an ExecContext with
+// arguments, and the completion with the COMMIT, in one pgx batch each (as
+// pgstore does): a keyed first execution takes pgstore's three round
+// trips, two fewer than without, which was all of what sqlstore cost over
+// pgstore (BENCHMARKS.md, "sqlstore against pgstore"). The handler's
+// other statements go through database/sql, on the same connection; its
+// first ExecContext goes to pgx with the arguments database/sql would
+// have handed it (a first statement without arguments, which pgx sends
+// in the simple protocol, or with pgx's query options, goes alone after
+// the BEGIN).
 //
 // It changes nothing for the handler, nor for other drivers; it works
 // behind a pooler in transaction mode wherever pgx does (the statements are
@@ -24,6 +29,7 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/idemkit/idem/server/internal/sqlpipe"
@@ -52,6 +58,9 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 	}
 	b := &pgx.Batch{}
 	for _, st := range stmts {
+		if st.Handler && !batchable(st.Args) {
+			return 0, sqlpipe.ErrAlone
+		}
 		b.Queue(st.SQL, st.Args...)
 	}
 	br := c.SendBatch(ctx, b)
@@ -59,7 +68,11 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 		if st.Dest != nil {
 			err = br.QueryRow().Scan(st.Dest...)
 		} else {
-			_, err = br.Exec()
+			var tag pgconn.CommandTag
+			tag, err = br.Exec()
+			if st.Affected != nil {
+				*st.Affected = tag.RowsAffected()
+			}
 		}
 		if err != nil {
 			br.Close()
@@ -67,6 +80,25 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 		}
 	}
 	return len(stmts), br.Close()
+}
+
+// batchable reports whether a handler's statement with args is sent in a
+// batch as pgx's stdlib sends it alone (pgx.Conn.Exec): not without
+// arguments, which Exec sends in the simple protocol (one text that may
+// hold several statements), nor with pgx's options among them (a
+// QueryExecMode, a QueryRewriter such as pgx.NamedArgs), which a batch
+// does not take as Exec does.
+func batchable(args []any) bool {
+	if len(args) == 0 {
+		return false
+	}
+	for _, a := range args {
+		switch a.(type) {
+		case pgx.QueryExecMode, pgx.QueryRewriter:
+			return false
+		}
+	}
+	return true
 }
 
 func (runner) Status(driverConn any) sqlpipe.Status {

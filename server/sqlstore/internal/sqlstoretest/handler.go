@@ -523,3 +523,93 @@ func testStatementWhileRowsOpen(t *testing.T, driver string) {
 	require.NoError(t, err)
 	assert.False(t, ok, "the refused write")
 }
+
+// testFirstStatements: whatever the handler's first statement, it runs in
+// the key's transaction as it would alone, and tells what it did (a piped
+// transaction sends its BEGIN with a first ExecContext that has
+// arguments, and alone before any other): the rows it affected; several
+// statements in one text without arguments; a first statement that fails,
+// after which the transaction is aborted and nothing commits; a query
+// first.
+func testFirstStatements(t *testing.T, driver string) {
+	db := Open(t, driver)
+	store := sqlstore.New(db)
+	for _, tt := range []struct {
+		name   string
+		first  func(ctx context.Context, tx sqlstore.Tx, key string) error
+		status int // the answer: 201 when first succeeded, else 500
+		rows   int // committed
+	}{
+		{"insert", func(ctx context.Context, tx sqlstore.Tx, key string) error {
+			res, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1), ($2)`, key+"/a", key+"/b")
+			return affected(res, err, 2)
+		}, 201, 2},
+		{"update of nothing", func(ctx context.Context, tx sqlstore.Tx, key string) error {
+			res, err := tx.ExecContext(ctx, `UPDATE writes SET name = name WHERE name = $1`, key+"/none")
+			if err := affected(res, err, 0); err != nil {
+				return err
+			}
+			_, err = tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/a")
+			return err
+		}, 201, 1},
+		{"two statements in one text", func(ctx context.Context, tx sqlstore.Tx, key string) error {
+			_, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ('`+key+`/a'); INSERT INTO writes (name) VALUES ('`+key+`/b')`)
+			return err
+		}, 201, 2},
+		{"failing", func(ctx context.Context, tx sqlstore.Tx, key string) error {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1), ($1)`, key+"/a"); err == nil {
+				return errors.New("a duplicate row was inserted")
+			}
+			_, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/b")
+			if err == nil || !strings.Contains(err.Error(), "25P02") && !strings.Contains(err.Error(), "aborted") {
+				return fmt.Errorf("the statement after a failed one: %v, want the transaction aborted", err)
+			}
+			return errors.New("failed as it should")
+		}, 500, 0},
+		{"query first", func(ctx context.Context, tx sqlstore.Tx, key string) error {
+			var n int
+			if err := tx.QueryRowContext(ctx, `SELECT count(*) FROM writes WHERE name = $1`, key+"/a").Scan(&n); err != nil || n != 0 {
+				return fmt.Errorf("count %d, %v", n, err)
+			}
+			res, err := tx.ExecContext(ctx, `INSERT INTO writes (name) VALUES ($1)`, key+"/a")
+			return affected(res, err, 1)
+		}, 201, 1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			key := "first-" + strings.ReplaceAll(tt.name, " ", "-")
+			var firstErr error
+			s := newService(db, store, idempotency.Options{}, func(w http.ResponseWriter, r *http.Request, tx sqlstore.Tx) {
+				if firstErr = tt.first(r.Context(), tx, key); firstErr != nil {
+					http.Error(w, firstErr.Error(), 500)
+					return
+				}
+				w.WriteHeader(201)
+			})
+			rec, p := send(s.h, key)
+			require.Nil(t, p)
+			if tt.status == 201 {
+				assert.NoError(t, firstErr)
+			} else {
+				assert.EqualError(t, firstErr, "failed as it should")
+			}
+			assert.Equal(t, tt.status, rec.Code)
+			assert.Equal(t, tt.rows, rows(t, db, key), "rows committed")
+			want := "completed"
+			if tt.status >= 500 {
+				want = "released"
+			}
+			assert.Equal(t, want, keyStatus(t, db, key))
+		})
+	}
+}
+
+// affected returns err, or an error unless res affected want rows.
+func affected(res sql.Result, err error, want int64) error {
+	if err != nil {
+		return err
+	}
+	if n, err := res.RowsAffected(); err != nil || n != want {
+		return fmt.Errorf("rows affected %d, %v; want %d", n, err, want)
+	}
+	return nil
+}

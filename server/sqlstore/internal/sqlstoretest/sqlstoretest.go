@@ -30,6 +30,7 @@ func Run(t *testing.T, driver string) {
 		{"OpenKeysIndexOptIn", testOpenIndexOptIn},
 		{"OpenKeysIndexInvalid", testOpenIndexInvalid},
 		{"HandlerRowsFollowOutcome", testHandlerRows},
+		{"FirstStatements", testFirstStatements},
 		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
 		{"ResponseByteForByte", testResponseFidelity},
 		{"RefusesEndOfTransaction", testRefusesEnd},
