@@ -381,12 +381,20 @@ func TestClientPinsOneKeyPerCall(t *testing.T) {
 	})
 
 	t.Run("http.Client.Timeout", func(t *testing.T) {
+		arrived := make(chan struct{}, 8)
 		url, requests := apiServer(t, func(w http.ResponseWriter, r *http.Request) {
+			arrived <- struct{}{} // recorded
 			<-r.Context().Done()
 		})
 		c := newClient(t, url)
-		c.HTTPClient.Timeout = 50 * time.Millisecond
+		// Long enough for the request to reach the server on a busy
+		// machine; the handler holds it past the timeout.
+		c.HTTPClient.Timeout = time.Second
 		_, err := c.Post(context.Background(), "/v1/payments", payment{Amount: 5}, nil)
+		select {
+		case <-arrived:
+		case <-time.After(10 * time.Second):
+		}
 		reqs := requests()
 		if len(reqs) == 0 {
 			t.Fatalf("err = %v and no request reached the server", err)

@@ -276,7 +276,11 @@ func TestHTTP2LostConnectionIsRetried(t *testing.T) {
 	assert.Contains(t, first.Error(), "client connection lost", "the first attempt should have died of unanswered pings")
 	mu.Lock()
 	defer mu.Unlock()
-	require.Len(t, keys, 2)
+	// Two attempts, or more: a busy machine may answer a ping of the
+	// healthy retry's connection late too.
+	require.GreaterOrEqual(t, len(keys), 2)
 	assert.NotEmpty(t, keys[0])
-	assert.Equal(t, keys[0], keys[1], "the retry must send the same key")
+	for _, k := range keys[1:] {
+		assert.Equal(t, keys[0], k, "every retry must send the same key")
+	}
 }

@@ -373,11 +373,11 @@ func TestAttemptTimeoutIsRetriedAndSlowBodyIsNotCut(t *testing.T) {
 		}
 		w.WriteHeader(201)
 		w.(http.Flusher).Flush()
-		time.Sleep(120 * time.Millisecond) // a body slower than the attempt timeout
+		time.Sleep(600 * time.Millisecond) // a body slower than the attempt timeout
 		io.WriteString(w, "paid")
 	}))
 	p := fastPolicy
-	p.AttemptTimeout = 50 * time.Millisecond
+	p.AttemptTimeout = 250 * time.Millisecond // a retry's headers come well within it, even on a busy machine
 	var reasons []string
 	tr := newTransport(t, p)
 	tr.OnAttempt = func(a Attempt) { reasons = append(reasons, errorReason(a.Err)) }
@@ -388,7 +388,9 @@ func TestAttemptTimeoutIsRetriedAndSlowBodyIsNotCut(t *testing.T) {
 	if got := readAll(t, resp); got != "paid" {
 		t.Errorf("body = %q, want the whole slow body", got)
 	}
-	if calls.Load() != 2 || reasons[0] != "attempt timed out" {
+	// At least two calls: a retry slowed past the timeout by a busy
+	// machine is retried in its turn.
+	if calls.Load() < 2 || reasons[0] != "attempt timed out" {
 		t.Errorf("calls = %d, reasons = %v; want a timed-out attempt then success", calls.Load(), reasons)
 	}
 }

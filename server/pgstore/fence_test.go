@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -189,7 +190,10 @@ func TestCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
 // the build's advisory lock.
 func TestCreateOpenKeysIndexCancelledBuildEnds(t *testing.T) {
 	ctx := context.Background()
-	pool := widePool(t, 4)
+	// The build's sessions are told from those of other tests (other
+	// packages build the index too, at the same time) by their name.
+	const app = "pgstore-cancelled-build-test"
+	pool := widePool(t, 4, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["application_name"] = app })
 	writer, err := pool.Begin(ctx)
 	require.NoError(t, err)
 	defer writer.Rollback(ctx)
@@ -207,7 +211,7 @@ func TestCreateOpenKeysIndexCancelledBuildEnds(t *testing.T) {
 	}
 	var before int
 	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-		WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid()`).Scan(&before))
+		WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid() AND application_name = $1`, app).Scan(&before))
 	require.Equal(t, 1, before, "the build, waiting for the writer")
 	cancel()
 	t.Log(<-built)
@@ -217,7 +221,7 @@ func TestCreateOpenKeysIndexCancelledBuildEnds(t *testing.T) {
 	var left int
 	for range 50 {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid()`).Scan(&left))
+			WHERE query LIKE 'CREATE INDEX CONCURRENTLY%' AND pid <> pg_backend_pid() AND application_name = $1`, app).Scan(&left))
 		if left == 0 {
 			break
 		}
@@ -225,7 +229,7 @@ func TestCreateOpenKeysIndexCancelledBuildEnds(t *testing.T) {
 	}
 	assert.Zero(t, left, "backends still building the index after CreateOpenKeysIndex returned")
 	var locks int
-	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks
-		WHERE locktype = 'advisory' AND classid = $1 AND granted`, 0x1de5).Scan(&locks))
+	require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid)
+		WHERE l.locktype = 'advisory' AND l.classid = $1 AND l.granted AND a.application_name = $2`, 0x1de5, app).Scan(&locks))
 	assert.Zero(t, locks, "sessions holding the build's advisory lock after CreateOpenKeysIndex returned")
 }

@@ -162,7 +162,7 @@ func TestRunInMemory(t *testing.T) {
 // payment finishes and is answered, and its key is completed, not left
 // started.
 func TestRunGracefulStop(t *testing.T) {
-	url, _, stop := start(t, []string{"-processor-delay", "300ms", "-api-keys", "tok_1:acme"}, nil)
+	url, _, stop := start(t, []string{"-processor-delay", "1s", "-api-keys", "tok_1:acme"}, nil)
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr}
@@ -180,7 +180,12 @@ func TestRunGracefulStop(t *testing.T) {
 		}
 		done <- result{resp.StatusCode, b, nil}
 	}()
-	time.Sleep(100 * time.Millisecond) // the request is at the processor
+	// Stop once the request is in (claimed, at the processor).
+	for deadline := time.Now().Add(10 * time.Second); metric(t, client, url, "idem_keys_claimed_total") < 1; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the payment was not claimed within 10s")
+		}
+	}
 	stopped := make(chan error)
 	go func() { stopped <- stop() }()
 	r := <-done
@@ -598,7 +603,9 @@ func TestRunFaults(t *testing.T) {
 		t.Errorf("-drop-answer 1: %d keys completed, want 1 (the answer is stored, then lost)", got)
 	}
 
-	url, _, _ = start(t, []string{"-hold-after-write", "400ms", "-retention", "100ms"}, nil)
+	// The retry comes within the retention counted from the completion
+	// (one second, on a busy machine too), not from the claim.
+	url, _, _ = start(t, []string{"-hold-after-write", "1500ms", "-retention", "1s"}, nil)
 	post(t, client, url, "sk_test_demo", "k1", body)
 	if resp, b := post(t, client, url, "sk_test_demo", "k1", body); resp.Header.Get("Idempotent-Replayed") != "true" {
 		t.Errorf("retry of a payment held past the retention: %d %s, want the replay", resp.StatusCode, b)
