@@ -9,6 +9,8 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -238,8 +240,12 @@ func (u *unit) beginFailed(err error) {
 func (u *unit) execFirst(ctx context.Context, query string, args []any) (sql.Result, error) {
 	u.pending = false
 	var n int64
-	i, err := u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: "BEGIN"},
-		sqlpipe.Stmt{SQL: query, Args: plainArgs(args), Affected: &n, Handler: true})
+	var i int
+	err := sqlpipe.ErrAlone // database/sql refuses the arguments itself
+	if plain, ok := plainArgs(args); ok {
+		i, err = u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: "BEGIN"},
+			sqlpipe.Stmt{SQL: query, Args: plain, Affected: &n, Handler: true})
+	}
 	switch {
 	case errors.Is(err, sqlpipe.ErrAlone):
 		if u.sendBegin(ctx); u.err != nil {
@@ -256,11 +262,16 @@ func (u *unit) execFirst(ctx context.Context, query string, args []any) (sql.Res
 }
 
 // plainArgs returns args as database/sql hands them to a driver that takes
-// every value as it is (pgx's stdlib): sql.NamedArg by its value.
-func plainArgs(args []any) []any {
+// every value as it is (pgx's stdlib): sql.NamedArg by its value. ok is
+// false when database/sql would refuse them (a name that does not begin
+// with a letter).
+func plainArgs(args []any) (_ []any, ok bool) {
 	var out []any
 	for i, a := range args {
 		if na, ok := a.(sql.NamedArg); ok {
+			if r, _ := utf8.DecodeRuneInString(na.Name); na.Name != "" && !unicode.IsLetter(r) {
+				return nil, false
+			}
 			if out == nil {
 				out = slices.Clone(args)
 			}
@@ -268,9 +279,9 @@ func plainArgs(args []any) []any {
 		}
 	}
 	if out == nil {
-		return args
+		return args, true
 	}
-	return out
+	return out, true
 }
 
 // Complete implements [idempotency.Tx.Complete].
