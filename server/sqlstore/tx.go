@@ -246,7 +246,15 @@ func (u *unit) execFirst(ctx context.Context, query string, args []any) (sql.Res
 		i, err = u.store.runOn(ctx, u.conn, sqlpipe.Stmt{SQL: "BEGIN"},
 			sqlpipe.Stmt{SQL: query, Args: plain, Affected: &n, Handler: true})
 	}
+	var notSent *sqlpipe.NotSentError
 	switch {
+	case errors.As(err, &notSent):
+		// Nothing ran: the transaction has not begun, and the handler's
+		// next statement begins it, as it goes on in a *sql.Tx whose
+		// statement failed before it was sent.
+		u.store.giveBack(u.conn)
+		u.conn = nil
+		return nil, notSent.Err
 	case errors.Is(err, sqlpipe.ErrAlone):
 		if u.sendBegin(ctx); u.err != nil {
 			return nil, u.err

@@ -40,6 +40,16 @@ type Stmt struct {
 // in one text; arguments may carry the driver's options).
 var ErrAlone = errors.New("sqlpipe: the statement must be sent alone")
 
+// NotSentError is the error of [Runner.Run] when a handler's statement
+// failed before anything of the round trip ran on the server (its
+// arguments could not be encoded): Err is the error the driver returns
+// for the statement sent alone. The connection, which ran nothing, may
+// have been closed.
+type NotSentError struct{ Err error }
+
+func (e *NotSentError) Error() string { return e.Err.Error() }
+func (e *NotSentError) Unwrap() error { return e.Err }
+
 // Runner runs statements on the connections of one driver.
 type Runner interface {
 	// Run sends stmts on driverConn (what database/sql's Conn.Raw hands

@@ -26,7 +26,9 @@ package pgxpipeline
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -76,10 +78,34 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 		}
 		if err != nil {
 			br.Close()
+			if i == 0 {
+				err = notSent(c, err)
+			}
 			return i, err
 		}
 	}
 	return len(stmts), br.Close()
+}
+
+// notSent returns err, the error of a batch's first statement, as a
+// *sqlpipe.NotSentError when nothing of the batch ran on the server: pgx
+// encodes the arguments of a batch sent in a pipeline once its statements
+// are prepared, and closes the connection when one fails (the statements
+// before it were queued); in the other modes, it fails before sending,
+// and the connection stays open outside any transaction.
+func notSent(c *pgx.Conn, err error) error {
+	var pre pgx.ErrPreprocessingBatch
+	if errors.As(err, &pre) {
+		if strings.HasPrefix(pre.Error(), "error preprocessing batch (build)") {
+			return &sqlpipe.NotSentError{Err: pre.Unwrap()}
+		}
+		return err
+	}
+	var pgErr *pgconn.PgError
+	if pc := c.PgConn(); !errors.As(err, &pgErr) && !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() == 'I' {
+		return &sqlpipe.NotSentError{Err: err}
+	}
+	return err
 }
 
 // batchable reports whether a handler's statement with args is sent in a
