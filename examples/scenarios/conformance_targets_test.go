@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
@@ -329,4 +330,32 @@ func TestConformanceRetentionLate(t *testing.T) {
 	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/payments", "-token", "sk_one", "-retention", "3s", "-wait")
 	require.NoError(t, err)
 	assert.Regexp(t, `^not checkable \(K5 again was answered [0-9]+\.[0-9]+s after K5 was sent, past the 3s retention: it may have come too late\)$`, got["retention"])
+}
+
+// TestConformanceInFlightDuplicateFirst checks the in-flight row when the
+// duplicate reaches the API before the first request (a slow network
+// under the first): the API runs the duplicate and answers the first 409
+// with Retry-After, which conforms: the request that came while the other
+// ran got the 409.
+func TestConformanceInFlightDuplicateFirst(t *testing.T) {
+	api := newOrdersAPI(t)
+	var mu sync.Mutex
+	delayed := false
+	ts := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		mu.Lock()
+		first := string(body) == slowOrderBody && !delayed
+		delayed = delayed || first
+		mu.Unlock()
+		if first {
+			time.Sleep(3 * inFlightAfter) // the duplicate, due inFlightAfter later, gets there first
+		}
+		api.ServeHTTP(w, r)
+	}))
+	defer ts.Close()
+	_, got, err := checkTarget(t, "-target", ts.URL+"/v1/orders", "-header", "X-Api-Key: k1", "-header2", "X-Api-Key: k2",
+		"-body", orderBody, "-slow-body", slowOrderBody)
+	require.NoError(t, err)
+	assert.Regexp(t, `^conforms \(409 Conflict, .*Retry-After: .*, to the first request, which arrived second\)$`, got["in flight"])
 }
