@@ -59,10 +59,12 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 		return 0, err
 	}
 	b := &pgx.Batch{}
+	handler := false
 	for _, st := range stmts {
 		if st.Handler && !batchable(st.Args) {
 			return 0, sqlpipe.ErrAlone
 		}
+		handler = handler || st.Handler
 		b.Queue(st.SQL, st.Args...)
 	}
 	br := c.SendBatch(ctx, b)
@@ -78,7 +80,7 @@ func (runner) Run(ctx context.Context, driverConn any, stmts ...sqlpipe.Stmt) (i
 		}
 		if err != nil {
 			br.Close()
-			if i == 0 {
+			if i == 0 && handler {
 				err = notSent(c, err)
 			}
 			return i, err
