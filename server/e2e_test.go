@@ -555,7 +555,7 @@ func testTakeoverThroughSDK(t *testing.T, newStorage newStorageFunc) {
 // testRacingTakers lets ten retries race for one stale key: one takes it
 // over, the others see it started or completed.
 func testRacingTakers(t *testing.T, newStorage newStorageFunc) {
-	const lock = 300 * time.Millisecond
+	const lock = time.Second // the winner renews or completes within it while nine others queue for connections
 	crash := &crashOnce{n: 1}
 	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge, ProcessorDelay: 20 * time.Millisecond})
 	if r := ts.send(t, keyed("k-race", payment)); r.err == nil {
@@ -610,7 +610,7 @@ func (s *cutOffRenewals) Renew(ctx context.Context, c idempotency.Claim) error {
 // writing its payment and answers 409 (its completion would be fenced):
 // one payment, one charge.
 func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
-	const lock = 300 * time.Millisecond
+	const lock = time.Second // the taker, whose renewals are cut off too, completes within it
 	block := newBlocker(1)
 	storage := newStorage(t)
 	keys := &cutOffRenewals{Store: storage.Keys}
@@ -930,7 +930,7 @@ func testWaitForCompletion(t *testing.T, newStorage newStorageFunc) {
 		want       int
 	}{
 		{"replay", 10 * time.Second, 200 * time.Millisecond, http.StatusCreated},
-		{"timeout", 100 * time.Millisecond, 600 * time.Millisecond, http.StatusConflict},
+		{"timeout", 100 * time.Millisecond, 0, http.StatusConflict}, // held until the duplicate has its answer
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			block := newBlocker(1)
@@ -938,11 +938,16 @@ func testWaitForCompletion(t *testing.T, newStorage newStorageFunc) {
 			first := make(chan reply)
 			go func() { first <- ts.send(t, keyed("k-wait", payment)) }()
 			<-block.reached
-			go func() {
-				time.Sleep(tt.hold)
-				close(block.release)
-			}()
+			if tt.hold > 0 {
+				go func() {
+					time.Sleep(tt.hold)
+					close(block.release)
+				}()
+			}
 			dup := ts.mustSend(t, keyed("k-wait", payment))
+			if tt.hold == 0 {
+				close(block.release)
+			}
 			f := <-first
 			if dup.status != tt.want {
 				t.Fatalf("duplicate: %d, want %d", dup.status, tt.want)

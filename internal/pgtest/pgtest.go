@@ -61,7 +61,8 @@ func URL(t testing.TB) string {
 
 // SchemaURL creates a schema with a unique name and returns a connection
 // string whose search_path is that schema, for code under test that opens
-// its own connections (a server started with -database-url, say). The schema
+// its own connections (a server started with -database-url, say), and
+// whose application_name is the schema's name too (see withSession). The schema
 // and everything in it are dropped when the test ends.
 func SchemaURL(t testing.TB) string {
 	t.Helper()
@@ -78,7 +79,7 @@ func SchemaURL(t testing.TB) string {
 			t.Errorf("pgtest: %v", err)
 		}
 	})
-	return withSearchPath(base, schema)
+	return withSession(base, schema)
 }
 
 // Pool returns a pool whose connections use a fresh schema of their own as
@@ -135,19 +136,25 @@ func schemaName(testName string) string {
 	return "pgtest_" + prefix + "_" + hex.EncodeToString(b[:])
 }
 
-// withSearchPath adds search_path=schema to a connection string in either of
-// the forms pgx accepts: pgx sends unknown settings as run-time parameters.
-func withSearchPath(conn, schema string) string {
+// withSession adds search_path=schema and application_name=schema to a
+// connection string in either of the forms pgx and lib/pq accept (pgx
+// sends unknown settings as run-time parameters). The application name
+// tells the test's sessions from other tests' in pg_stat_activity:
+// packages run at the same time against one database, so a test that
+// looks at sessions filters on application_name =
+// current_setting('application_name').
+func withSession(conn, schema string) string {
 	if strings.HasPrefix(conn, "postgres://") || strings.HasPrefix(conn, "postgresql://") {
 		u, err := url.Parse(conn)
 		if err == nil {
 			q := u.Query()
 			q.Set("search_path", schema)
+			q.Set("application_name", schema)
 			u.RawQuery = q.Encode()
 			return u.String()
 		}
 	}
-	return conn + " search_path=" + schema // schema names are plain identifiers
+	return conn + " search_path=" + schema + " application_name=" + schema // schema names are plain identifiers
 }
 
 // ping connects to conn once and runs a trivial query.
@@ -190,7 +197,7 @@ func MainPool(name string) (*pgxpool.Pool, func(), error) {
 	if err := execOnce(ctx, base, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
 		return nil, nil, fmt.Errorf("pgtest: create schema %s: %w", schema, err)
 	}
-	pool, err := pgxpool.New(ctx, withSearchPath(base, schema))
+	pool, err := pgxpool.New(ctx, withSession(base, schema))
 	if err != nil {
 		_ = dropSchema(ctx, base, schema)
 		return nil, nil, fmt.Errorf("pgtest: open pool: %w", err)

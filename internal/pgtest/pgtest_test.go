@@ -82,17 +82,24 @@ func TestSchemaURLSetsSearchPath(t *testing.T) {
 	if !strings.HasPrefix(schema, "pgtest_testschemaurlsetssearchpath_") {
 		t.Errorf("current_schema() = %q, want the test's own schema", schema)
 	}
+	var app string
+	if err := conn.QueryRow(ctx, "SELECT current_setting('application_name')").Scan(&app); err != nil {
+		t.Fatal(err)
+	}
+	if app != schema {
+		t.Errorf("application_name = %q, want the schema's name %q", app, schema)
+	}
 }
 
-func TestWithSearchPath(t *testing.T) {
+func TestWithSession(t *testing.T) {
 	tests := []struct{ in, want string }{
-		{"postgres://u@h:1/db?sslmode=disable", "postgres://u@h:1/db?search_path=s&sslmode=disable"},
-		{"postgresql://u@h/db", "postgresql://u@h/db?search_path=s"},
-		{"host=/tmp/x port=5 user=u", "host=/tmp/x port=5 user=u search_path=s"},
+		{"postgres://u@h:1/db?sslmode=disable", "postgres://u@h:1/db?application_name=s&search_path=s&sslmode=disable"},
+		{"postgresql://u@h/db", "postgresql://u@h/db?application_name=s&search_path=s"},
+		{"host=/tmp/x port=5 user=u", "host=/tmp/x port=5 user=u search_path=s application_name=s"},
 	}
 	for _, tt := range tests {
-		if got := withSearchPath(tt.in, "s"); got != tt.want {
-			t.Errorf("withSearchPath(%q) = %q, want %q", tt.in, got, tt.want)
+		if got := withSession(tt.in, "s"); got != tt.want {
+			t.Errorf("withSession(%q) = %q, want %q", tt.in, got, tt.want)
 		}
 	}
 }

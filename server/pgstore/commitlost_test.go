@@ -134,7 +134,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 		for time.Now().Before(deadline) {
 			var n int
 			_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
+				WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND application_name = current_setting('application_name')`).Scan(&n)
 			if n > 0 {
 				conns.cutAll()
 				return
@@ -151,7 +151,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 	for waitCtx.Err() == nil {
 		var n int
 		require.NoError(t, s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n))
+			WHERE wait_event = 'PgSleep' AND application_name = current_setting('application_name')`).Scan(&n))
 		if n == 0 {
 			break
 		}
@@ -242,7 +242,7 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 			var n int
 			_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE `+wait+` AND datname = current_database() AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
+				WHERE `+wait+` AND application_name = current_setting('application_name') AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
 			if n > 0 {
 				conns.cutAll()
 				if sideTx != nil {
@@ -262,7 +262,7 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		var n int
 		require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
+			WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
 		if n == 0 {
 			break
 		}

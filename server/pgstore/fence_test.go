@@ -164,7 +164,8 @@ func TestCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
 	for {
 		var waiting bool
 		require.NoError(t, pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE query LIKE 'CREATE INDEX IF NOT EXISTS%' AND wait_event_type = 'Lock')`).Scan(&waiting))
+			WHERE query LIKE 'CREATE INDEX IF NOT EXISTS%' AND wait_event_type = 'Lock'
+				AND application_name = current_setting('application_name'))`).Scan(&waiting))
 		if waiting {
 			break
 		}

@@ -88,7 +88,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 				for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 					var n int
 					_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-						WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND datname = current_database()`).Scan(&n)
+						WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND application_name = current_setting('application_name')`).Scan(&n)
 					if n > 0 {
 						rdb.cut()
 						return
@@ -108,7 +108,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 			for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 				var n int
 				require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-					WHERE wait_event = 'PgSleep' AND datname = current_database()`).Scan(&n))
+					WHERE wait_event = 'PgSleep' AND application_name = current_setting('application_name')`).Scan(&n))
 				if n == 0 {
 					break
 				}

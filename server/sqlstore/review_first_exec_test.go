@@ -62,7 +62,7 @@ func settled(t *testing.T, watch *pgx.Conn, except ...*pgx.Conn) {
 	for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
 		var n int
 		require.NoError(t, watch.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND NOT pid = ANY($1) AND state <> 'idle'`, pids).Scan(&n))
+			WHERE application_name = current_setting('application_name') AND NOT pid = ANY($1) AND state <> 'idle'`, pids).Scan(&n))
 		if n == 0 {
 			return
 		}
@@ -76,7 +76,7 @@ func waitFor(watch *pgx.Conn, cond string) bool {
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 		var n int
 		_ = watch.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND `+cond).Scan(&n)
+			WHERE application_name = current_setting('application_name') AND `+cond).Scan(&n)
 		if n > 0 {
 			return true
 		}

@@ -186,7 +186,7 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
 			var n int
 			_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE `+wait+` AND datname = current_database() AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
+				WHERE `+wait+` AND application_name = current_setting('application_name') AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
 			if n > 0 {
 				r.cut() // the batch's connection is lost while it waits
 				if sideTx != nil {
@@ -206,7 +206,7 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		var n int
 		require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
+			WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
 		if n == 0 {
 			break
 		}
@@ -662,7 +662,7 @@ func idleInTx(t *testing.T, watch *pgx.Conn) int {
 	var n int
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		require.NoError(t, watch.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND state LIKE 'idle in transaction%'`).Scan(&n))
+			WHERE application_name = current_setting('application_name') AND state LIKE 'idle in transaction%'`).Scan(&n))
 		if n == 0 || time.Now().After(deadline) {
 			return n
 		}

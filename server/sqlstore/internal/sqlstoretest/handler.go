@@ -376,11 +376,13 @@ func testCancelMidStatement(t *testing.T, driver string) {
 	assert.Equal(t, 1, rows(t, db, "key-1"), "rows after the retry")
 }
 
-// waitRunning waits until a statement holding text runs on the database.
+// waitRunning waits until a statement holding text runs on a session of
+// the test's (see pgtest.SchemaURL's application_name).
 func waitRunning(db *sql.DB, text string) {
 	for range 1000 {
 		var n int
-		_ = db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()`, text).Scan(&n)
+		_ = db.QueryRow(`SELECT count(*) FROM pg_stat_activity WHERE state = 'active' AND query LIKE '%' || $1 || '%' AND pid <> pg_backend_pid()
+			AND application_name = current_setting('application_name')`, text).Scan(&n)
 		if n > 0 {
 			return
 		}
@@ -450,7 +452,8 @@ func testConnLost(t *testing.T, driver string) {
 	go func() { done <- s.Release(ctx, res.Claim, idempotency.ReleaseFailed) }()
 	waitRunning(db, "SET status = 'released'")
 	_, err = side.ExecContext(ctx, `SELECT pg_terminate_backend(pid, 5000) FROM pg_stat_activity
-		WHERE state = 'active' AND query LIKE '%SET status = ''released''%' AND pid <> pg_backend_pid()`)
+		WHERE state = 'active' AND query LIKE '%SET status = ''released''%' AND pid <> pg_backend_pid()
+			AND application_name = current_setting('application_name')`)
 	require.NoError(t, err)
 	require.NoError(t, lock.Rollback())
 	require.NoError(t, <-done, "a release whose connection ended under it")

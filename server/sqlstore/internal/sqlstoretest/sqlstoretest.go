@@ -118,6 +118,10 @@ func open(t testing.TB, driver, url string) *sql.DB {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { db.Close() })
+	// Bounded, as pgstore's test pools are: the suite's races (50 claims
+	// at once) run beside other packages' tests on one PostgreSQL, whose
+	// max_connections is 100 here.
+	db.SetMaxOpenConns(20)
 	return db
 }
 
