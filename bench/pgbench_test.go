@@ -21,8 +21,8 @@ var update = flag.Bool("update", false, "rewrite pgbench/*.sql from the SQL of .
 // reference server's payment and charge.
 var sqlSources = []string{"../server/postgres.go", "../server/internal/keysql/*.go"}
 
-// TestPgbenchScripts checks that pgbench/first.sql and
-// pgbench/first-async.sql still run the statements of one first execution
+// TestPgbenchScripts checks that pgbench/first.sql still runs the
+// statements of one first execution
 // of the reference server, as server/postgres.go and server/pgstore have
 // them, with the substitutions listed in pgbenchHeader, and
 // pgbench/unkeyed.sql those of an unkeyed one. Run with -update to rewrite
@@ -32,12 +32,8 @@ func TestPgbenchScripts(t *testing.T) {
 	if err != nil {
 		t.Fatalf("reading the server's SQL (run from bench/ in the idem repository): %v", err)
 	}
-	for _, async := range []bool{false, true} {
-		name := "pgbench/first.sql"
-		if async {
-			name = "pgbench/first-async.sql"
-		}
-		want, err := pgbenchScript(src, async)
+	for _, name := range []string{"pgbench/first.sql"} {
+		want, err := pgbenchScript(src)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -95,7 +91,7 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 `
 
 // pgbenchScript builds a pgbench script from the server's SQL constants.
-func pgbenchScript(src map[string]string, async bool) (string, error) {
+func pgbenchScript(src map[string]string) (string, error) {
 	// claimInsertSQL: what pgstore's Claim runs first, and all that a new
 	// key needs (claimReadSQL follows only for a key that has a row).
 	claim, err := goConst(src, "ClaimInsertSQL")
@@ -120,6 +116,7 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
+		9: "gen_random_uuid()",
 	})
 	if err != nil {
 		return "", fmt.Errorf("claimInsertSQL: %w", err)
@@ -141,25 +138,8 @@ func pgbenchScript(src map[string]string, async bool) (string, error) {
 	}
 	var b strings.Builder
 	b.WriteString(pgbenchHeader)
-	if async {
-		b.WriteString("--\n-- first-async.sql: the claim commits with synchronous_commit = off, as\n" +
-			"-- pgstore.Store.AsyncClaims does. The store sends the setting and the claim\n" +
-			"-- in one pipeline (one round trip); pgbench allows no \\gset in a pipeline,\n" +
-			"-- so here they run in BEGIN ... COMMIT: three more loopback round trips, no\n" +
-			"-- more WAL flushes.\n")
-	}
 	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
-	if async {
-		async, err := goConst(src, "AsyncCommitSQL")
-		if err != nil {
-			return "", err
-		}
-		b.WriteString("BEGIN;\n" + strings.TrimSpace(async) + ";\n")
-	}
 	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
-	if async {
-		b.WriteString("COMMIT;\n")
-	}
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
 	b.WriteString("\nBEGIN;\n-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
 	b.WriteString("-- showIsolationSQL (pgstore reads the isolation level with the first statement)\n" + strings.TrimSpace(show) + ";\n")

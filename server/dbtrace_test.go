@@ -63,67 +63,57 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //     The idempotency layer adds no round trip to it: the claim it adds is
 //     paid back by the BEGIN that pgstore pipelines with the INSERT, and
 //     the completion travels with the COMMIT.
-//
-// With -async-claims the claim is a batch (the SET of synchronous_commit and
-// the claim): still one round trip.
 func TestDBRoundTripsPerRequest(t *testing.T) {
 	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_1"}`
 	bad := `{"amount": -1, "currency": "usd", "customer": "cus_1"}` // 400 from the handler: released
-	for _, async := range []bool{false, true} {
-		name := "sync"
-		if async {
-			name = "async-claims" // the claim is a batch: still one round trip
+	t.Run("keyed", func(t *testing.T) {
+		trips := new(DBRoundTrips)
+		storage := NewPostgresStorage(tracedPool(t, trips))
+		ts := newTestServer(t, storage.Storage(), Config{DBRoundTrips: trips})
+		cases := []struct {
+			name       string
+			key        func(i int) string
+			body       string
+			wantStatus int
+			want       int64
+		}{
+			{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
+			{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 2},
+			{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
+			// The corrected request with the key of a 400: the claim
+			// fails to insert (claimInsertSQL), reads the released row
+			// (claimReadSQL), then replaces it (claimSQL), and the
+			// payment goes on as a first execution.
+			{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 6},
 		}
-		t.Run(name, func(t *testing.T) {
-			trips := new(DBRoundTrips)
-			storage := NewPostgresStorage(tracedPool(t, trips))
-			storage.Keys().AsyncClaims = async
-			ts := newTestServer(t, storage.Storage(), Config{DBRoundTrips: trips})
-			cases := []struct {
-				name       string
-				key        func(i int) string
-				body       string
-				wantStatus int
-				want       int64
-			}{
-				{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
-				{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 2},
-				{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
-				// The corrected request with the key of a 400: the claim
-				// fails to insert (claimInsertSQL), reads the released row
-				// (claimReadSQL), then replaces it (claimSQL), and the
-				// payment goes on as a first execution.
-				{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 6},
-			}
-			for _, c := range cases {
-				// The first send prepares the statements on the connection.
-				for i := range 2 {
-					before := trips.Total()
-					r := ts.mustSend(t, keyed(c.key(i), c.body))
-					if r.status != c.wantStatus {
-						t.Fatalf("%s: status %d, want %d", c.name, r.status, c.wantStatus)
-					}
-					if got := trips.Total() - before; i == 1 && got != c.want {
-						t.Errorf("%s: %d round trips, want %d", c.name, got, c.want)
-					}
+		for _, c := range cases {
+			// The first send prepares the statements on the connection.
+			for i := range 2 {
+				before := trips.Total()
+				r := ts.mustSend(t, keyed(c.key(i), c.body))
+				if r.status != c.wantStatus {
+					t.Fatalf("%s: status %d, want %d", c.name, r.status, c.wantStatus)
+				}
+				if got := trips.Total() - before; i == 1 && got != c.want {
+					t.Errorf("%s: %d round trips, want %d", c.name, got, c.want)
 				}
 			}
-			if n := ts.counter(t, "idem_db_round_trips_total"); n != float64(trips.Total()) {
-				t.Errorf("idem_db_round_trips_total = %v, want %d", n, trips.Total())
+		}
+		if n := ts.counter(t, "idem_db_round_trips_total"); n != float64(trips.Total()) {
+			t.Errorf("idem_db_round_trips_total = %v, want %d", n, trips.Total())
+		}
+		resp, err := http.Get(ts.URL + "/metrics")
+		if err != nil {
+			t.Fatal(err)
+		}
+		text, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		for _, kind := range []string{"query", "batch", "prepare", "connect"} {
+			if !strings.Contains(string(text), `idem_db_round_trips_total{kind="`+kind+`"}`) {
+				t.Errorf("/metrics lacks idem_db_round_trips_total{kind=%q}", kind)
 			}
-			resp, err := http.Get(ts.URL + "/metrics")
-			if err != nil {
-				t.Fatal(err)
-			}
-			text, _ := io.ReadAll(resp.Body)
-			resp.Body.Close()
-			for _, kind := range []string{"query", "batch", "prepare", "connect"} {
-				if !strings.Contains(string(text), `idem_db_round_trips_total{kind="`+kind+`"}`) {
-					t.Errorf("/metrics lacks idem_db_round_trips_total{kind=%q}", kind)
-				}
-			}
-		})
-	}
+		}
+	})
 
 	t.Run("unkeyed", func(t *testing.T) {
 		trips := new(DBRoundTrips)

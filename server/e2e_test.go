@@ -1003,9 +1003,17 @@ func testPurgeThenReuse(t *testing.T, newStorage newStorageFunc) {
 	if got := ts.counter(t, "idem_keys_purged_total"); got != 5 {
 		t.Errorf("purged counter %v, want 5", got)
 	}
+	// The same request under the purged key derives the same operation:
+	// the processor finds its charge, and the payment stands.
 	r := ts.mustSend(t, keyed("k-purge-0", payment))
 	if r.status != http.StatusCreated || r.replayed() {
 		t.Errorf("purged key reused: %d replayed=%v", r.status, r.replayed())
+	}
+	if n := ts.charges.created.Load(); n != 5 {
+		t.Errorf("%d charges after the same request under a purged key, want 5", n)
+	}
+	if n := ts.payments(t); n != 5 {
+		t.Errorf("%d payments after the same request under a purged key, want 5", n)
 	}
 }
 

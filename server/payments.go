@@ -256,9 +256,18 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 	// Inside the key's unit of work: it commits with the stored outcome.
 	if err := a.store.CreatePayment(ctx, p); err != nil {
 		if errors.Is(err, ErrDuplicatePayment) && o.key != "" {
-			// The payment of this operation is already stored: a retry
-			// took the key over while this request ran, and committed
-			// first. This request's completion would be fenced anyway.
+			// The payment of this operation is already stored: its key's
+			// row was lost (a failover, a restore, a purge) and this is
+			// the operation run again under the same derived operation
+			// ID, or a retry took the key over while this request ran
+			// and committed first (this request's completion is fenced
+			// then). Either way the operation's answer is that payment.
+			if stored, err := a.store.GetPayment(ctx, o.clientID, p.ID); err == nil && stored.OperationID == o.operation {
+				log.Warn("payments: the operation's payment is stored already; answering with it", "payment", stored.ID)
+				w.Header().Set("Location", "/v1/payments/"+stored.ID)
+				writeJSON(w, http.StatusCreated, resource(stored))
+				return
+			}
 			log.Warn("payments: the operation's payment was stored by a retry that took the key over")
 			w.Header().Set("Retry-After", "1")
 			writeProblem(w, r, idempotency.ProblemKeyInUse, http.StatusConflict,

@@ -37,12 +37,15 @@ func (s *PostgresStorage) Storage() Storage {
 // Keys returns the key store, to set its options before first use.
 func (s *PostgresStorage) Keys() *pgstore.Store { return s.keys }
 
-// insertPaymentSQL inserts one payment. A payment without CreatedAt gets
-// the current time.
+// insertPaymentSQL inserts one payment, or nothing when its ID or its
+// (client, operation) is taken: a duplicate fails no transaction, so the
+// handler can still answer with the stored payment and have that stored
+// with the key. A payment without CreatedAt gets the current time.
 const insertPaymentSQL = `
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, nullif($7, '')::uuid, nullif($8, ''), coalesce($9, now()))`
+VALUES ($1, $2, $3, $4, $5, $6, nullif($7, '')::uuid, nullif($8, ''), coalesce($9, now()))
+ON CONFLICT DO NOTHING`
 
 // CreatePayment implements [PaymentStore]: inside a request that owns its
 // key, in the request's transaction ([pgstore.TxFromContext]); anywhere
@@ -54,8 +57,11 @@ func (s *PostgresStorage) CreatePayment(ctx context.Context, p Payment) error {
 	}
 	created := pgtype.Timestamptz{Time: p.CreatedAt, Valid: !p.CreatedAt.IsZero()}
 	insert := func(tx pgx.Tx) error {
-		_, err := tx.Exec(ctx, insertPaymentSQL, p.ID, p.ClientID, p.Customer, p.Amount, p.Currency,
+		tag, err := tx.Exec(ctx, insertPaymentSQL, p.ID, p.ClientID, p.Customer, p.Amount, p.Currency,
 			p.IdempotencyKey, p.OperationID, p.ChargeID, created)
+		if err == nil && tag.RowsAffected() == 0 {
+			return ErrDuplicatePayment
+		}
 		return err
 	}
 	var err error

@@ -19,7 +19,7 @@ var (
 	ErrNotFound = errors.New("server: not found")
 	// ErrDuplicatePayment is returned by [PaymentStore.CreatePayment] for a
 	// payment that repeats the ID or the (client, operation) of a stored
-	// one; nothing is stored then.
+	// one; nothing is stored then, and the request's unit of work goes on.
 	ErrDuplicatePayment = errors.New("server: duplicate payment")
 )
 
@@ -125,6 +125,9 @@ func (m *MemoryStorage) CreatePayment(ctx context.Context, p Payment) error {
 	if p.CreatedAt.IsZero() {
 		p.CreatedAt = time.Now()
 	}
+	if m.taken(p) {
+		return ErrDuplicatePayment
+	}
 	if m.keys.Stage(ctx, func() error { return m.insert(p) }) {
 		return nil
 	}
@@ -141,13 +144,26 @@ func checkPaymentText(p Payment) error {
 	return nil
 }
 
+// taken reports whether p repeats a stored payment's ID or (client,
+// operation).
+func (m *MemoryStorage) taken(p Payment) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.takenLocked(p)
+}
+
+func (m *MemoryStorage) takenLocked(p Payment) bool {
+	_, dup := m.payments[p.ID]
+	return dup || (p.OperationID != "" && m.paymentOp[[2]string{p.ClientID, p.OperationID}])
+}
+
 // insert stores p unless it repeats a stored payment's ID or (client,
 // operation).
 func (m *MemoryStorage) insert(p Payment) error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	op := [2]string{p.ClientID, p.OperationID}
-	if _, dup := m.payments[p.ID]; dup || (p.OperationID != "" && m.paymentOp[op]) {
+	if m.takenLocked(p) {
 		return ErrDuplicatePayment
 	}
 	m.payments[p.ID] = p

@@ -25,7 +25,7 @@
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-VALUES (:client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+VALUES (:client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
     statement_timestamp(), statement_timestamp(), :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
             THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING

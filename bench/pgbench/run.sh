@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Runs the SQL of one first execution of the reference server (first.sql,
-# or first-async.sql with ASYNC=1) with pgbench: the physical limit of the
+# Runs the SQL of one first execution of the reference server (first.sql)
+# with pgbench: the physical limit of the
 # "first" scenario of cmd/loadtest on the same database and concurrency.
 # SCRIPT=unkeyed runs unkeyed.sql instead, the SQL of the "unkeyed"
 # scenario; ratio.sh compares the two.
@@ -16,8 +16,7 @@ conc=${2:-8}
 secs=${3:-10}
 dir=$(cd "$(dirname "$0")" && pwd)
 script=$dir/${SCRIPT:-first}.sql
-if [[ ${ASYNC:-0} == 1 ]]; then script=$dir/first-async.sql; fi
-[[ -f $script ]] || { echo "run.sh: no script $script (SCRIPT: first, first-async or unkeyed)" >&2; exit 2; }
+[[ -f $script ]] || { echo "run.sh: no script $script (SCRIPT: first or unkeyed)" >&2; exit 2; }
 pgbench=$(command -v pgbench || ls /usr/lib/postgresql/*/bin/pgbench | tail -1)
 
 # shellcheck source=vars.sh

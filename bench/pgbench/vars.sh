@@ -1,4 +1,4 @@
-# The pgbench variables of the generated scripts (first.sql, first-async.sql,
+# The pgbench variables of the generated scripts (first.sql,
 # unkeyed.sql): the values the server sends for a demo payment (see
 # server/postgres.go); fp is a SHA-256, as bytea hex input. Sourced by
 # pgbench/run.sh and pgcost/run.sh, which pass "${pgbench_vars[@]}".

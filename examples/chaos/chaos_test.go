@@ -49,9 +49,6 @@ func TestChaos(t *testing.T) {
 		t.Skip("the chaos test runs for about 30s; skipped with -short")
 	}
 	t.Run("default", func(t *testing.T) { testChaos(t, "") })
-	// The servers' batched claims (pgstore.Store.BatchClaims), with
-	// asynchronous claims, through the same faults.
-	t.Run("batched", func(t *testing.T) { testChaos(t, "-batch-claims -async-claims") })
 }
 
 func testChaos(t *testing.T, serverArgs string) {

@@ -293,7 +293,9 @@ func TestConformanceMaxPaymentsSameAnswers(t *testing.T) {
 
 // lateKeys delays by lateBy every request whose key it first saw over
 // lateAfter ago: the probe of the retention row within the retention
-// reaches the server only after the retention.
+// reaches the server only after the retention. Each request without a
+// first-sent time gets the time it arrives, as a client that reuses a key
+// for a new operation sends: the server that forgot the key runs it anew.
 func lateKeys(h http.Handler, lateAfter, lateBy time.Duration) http.Handler {
 	var mu sync.Mutex
 	seen := map[string]time.Time{}
@@ -307,6 +309,9 @@ func lateKeys(h http.Handler, lateAfter, lateBy time.Duration) http.Handler {
 		mu.Unlock()
 		if ok && key != "" && time.Since(first) > lateAfter {
 			time.Sleep(lateBy)
+		}
+		if r.Header.Get("Repeatability-First-Sent") == "" {
+			r.Header.Set("Repeatability-First-Sent", time.Now().UTC().Format(http.TimeFormat))
 		}
 		h.ServeHTTP(w, r)
 	})

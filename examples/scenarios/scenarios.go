@@ -96,10 +96,10 @@ var scenarios = []scenario{
 	},
 	{
 		name:   "retention",
-		title:  "the key expires after retention; the same key starts a new operation",
+		title:  "the key expires after retention; its operation asked again charges once, a new first-sent time starts a new one",
 		server: func(c *server.Config) { c.Retention = retention },
 		run:    expiry,
-		want:   expected{2, 2, "the same key after retention is a new payment"},
+		want:   expected{2, 2, "the same operation after retention is its payment; a new first-sent time is a new payment"},
 	},
 	{
 		name:  "retention-resume",
@@ -375,18 +375,21 @@ func crash(ctx context.Context, e *env) error {
 const retention = time.Second
 
 // expiry: within retention a retry gets the replay; once the key has
-// expired, the same key is a new operation (as Stripe documents for keys
-// older than 24 hours).
+// expired, the same operation (the same key and first-sent time) asked
+// again derives the same operation ID, and gets its payment, charged
+// once; the same key with a new first-sent time is a new operation (as
+// Stripe documents for keys older than 24 hours).
 func expiry(ctx context.Context, e *env) error {
 	c := e.client(e.transport(policy))
 	cus := customer("retention")
 	in := payment{Amount: 4200, Currency: "usd", Customer: cus}
 	ctx = idem.WithKey(ctx, idem.NewKey())
-	first, _, err := e.pay(ctx, c, "first", in)
+	op := idem.WithFirstSent(ctx, time.Now())
+	first, _, err := e.pay(op, c, "first", in)
 	if err != nil {
 		return err
 	}
-	again, resp, err := e.pay(ctx, c, "retry", in)
+	again, resp, err := e.pay(op, c, "retry", in)
 	if err != nil {
 		return err
 	}
@@ -396,11 +399,20 @@ func expiry(ctx context.Context, e *env) error {
 	if err := sleep(ctx, wait); err != nil {
 		return err
 	}
-	later, resp, err := e.pay(ctx, c, "later", in)
+	later, _, err := e.pay(op, c, "later", in)
 	if err != nil {
 		return err
 	}
-	e.expect(!idem.Replayed(resp) && later.ID != first.ID, "after retention: new payment %s", later.ID)
+	e.expect(later.ID == first.ID, "after retention, the same operation: its payment %s", first.ID)
+	e.tl.note("the client waits %s again: the answer to its ask is kept for that long", wait)
+	if err := sleep(ctx, wait); err != nil {
+		return err
+	}
+	fresh, resp, err := e.pay(idem.WithFirstSent(ctx, time.Now().Add(time.Second)), c, "new", in)
+	if err != nil {
+		return err
+	}
+	e.expect(!idem.Replayed(resp) && fresh.ID != first.ID, "after retention, a new first-sent time: new payment %s", fresh.ID)
 	return e.expectStored(ctx, cus, 2, 2)
 }
 

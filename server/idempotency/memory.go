@@ -9,8 +9,6 @@ import (
 	"slices"
 	"sync"
 	"time"
-
-	"github.com/google/uuid"
 )
 
 // errTxDone is returned when a finished unit of work is used again.
@@ -161,7 +159,7 @@ func (s *MemoryStore) newKey(req ClaimRequest, now time.Time) *memKey {
 			FingerprintVersion: req.FingerprintVersion,
 			CreatedAt:          now,
 		},
-		operationID: uuid.NewString(), // a UUIDv4, like the PostgreSQL store's
+		operationID: req.OperationID(),
 	}
 	s.own(k, req, now)
 	return k

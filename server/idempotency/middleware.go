@@ -699,6 +699,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// (forever without a lease). Run to its end, it is released below
 		// if the client is gone.
 		res, err := m.store.Claim(context.WithoutCancel(ctx), req)
+		if errors.Is(err, ErrReadOnly) {
+			log.Error("idempotency: the key store's database is read-only: point this replica at the primary "+
+				"(a multi-host URL with target_session_attrs=read-write follows a failover)", "err", err)
+			w.Header().Set("Retry-After", m.retryAfter)
+			writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
+				"The server's key database is read-only for now (a failover, or maintenance), and nothing was done. Retry later with the same %s.", m.keyHeader))
+			return
+		}
 		if err != nil {
 			log.Error("idempotency: claim failed", "err", err)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
@@ -860,13 +868,17 @@ func (m *middleware) notRun(w http.ResponseWriter, r *http.Request) {
 
 // firstSentCheck reads the request's first-sent time into the check its
 // claim makes (see [Options.FirstSentHeader]); the zero check without the
-// header or with the policy off. bad, when not empty, says what is wrong
-// with the header: the detail of a 400.
+// header. With the policy off, only the time itself, which the operation
+// ID derives from, and never a 400. bad, when not empty, says what is
+// wrong with the header: the detail of a 400.
 func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad string) {
+	values := r.Header.Values(m.firstSentHeader)
 	if !m.firstSent {
+		if len(values) == 1 {
+			c.Sent, _ = http.ParseTime(strings.TrimSpace(values[0])) // zero when it does not parse
+		}
 		return c, ""
 	}
-	values := r.Header.Values(m.firstSentHeader)
 	switch len(values) {
 	case 0:
 		return c, ""
@@ -887,6 +899,7 @@ func (m *middleware) firstSentCheck(r *http.Request) (c FirstSentCheck, bad stri
 	return FirstSentCheck{
 		Stale:         now.Sub(sent) > m.retention-m.skew,
 		EarliestBegin: sent.Add(-m.skew),
+		Sent:          sent,
 	}, ""
 }
 

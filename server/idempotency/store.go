@@ -2,11 +2,14 @@ package idempotency
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"strconv"
 	"strings"
 	"time"
 	"unicode/utf8"
+
+	"github.com/google/uuid"
 )
 
 // Status is the state of a stored idempotency key.
@@ -81,6 +84,12 @@ var (
 	// section 15); every store refuses the same values, and [Middleware]
 	// never asks (see [ValidStatus]).
 	ErrInvalidStatus = errors.New("idempotency: status is not an HTTP status code (100 to 599)")
+	// ErrReadOnly is returned (wrapped) by a store whose database refuses
+	// writes: a standby in recovery, or a session or database with
+	// default_transaction_read_only. Nothing was written; [Middleware]
+	// answers a claim that gets it with 503 and Retry-After, and runs
+	// nothing.
+	ErrReadOnly = errors.New("idempotency: the store's database is read-only (a standby, or default_transaction_read_only is on)")
 	// ErrUnitEnded is returned (wrapped) by [Tx.Complete] when the
 	// handler ended its unit of work itself, behind the store's back (a
 	// COMMIT sent on the raw connection, say): what it wrote before may
@@ -136,6 +145,31 @@ type ClaimRequest struct {
 	OneTransaction bool
 }
 
+// operationSpace is the name space of the operation IDs that
+// [ClaimRequest.OperationID] derives (a version 5 UUID's namespace).
+var operationSpace = uuid.MustParse("44ca1d8f-53c5-4dc9-84cc-4e4417ee037c")
+
+// OperationID returns the operation that a claim of req begins when it
+// begins one (see [Claim.OperationID]): a UUID derived from the client,
+// the key, the fingerprint and the first-sent time (FirstSent.Sent), never
+// drawn at random. Every execution of one operation under one key gets the
+// same one, even after the key's row is gone (purged, lost in a failover,
+// restored from an older backup), so that work keyed by it downstream is
+// found, not done again; another request under a reused key, or the same
+// request first sent at another time, gets another. See docs/server.md,
+// "Operation IDs", for what this gives and what it cannot.
+func (req ClaimRequest) OperationID() string {
+	var b []byte
+	for _, f := range [][]byte{[]byte(req.ClientID), []byte(req.Key), req.Fingerprint} {
+		b = binary.AppendUvarint(b, uint64(len(f)))
+		b = append(b, f...)
+	}
+	if !req.FirstSent.Sent.IsZero() {
+		b = binary.AppendVarint(b, req.FirstSent.Sent.Unix())
+	}
+	return uuid.NewSHA1(operationSpace, b).String()
+}
+
 // FirstSentCheck is what the first-sent time of a request tells a
 // [Store.Claim] about the key it may have had: the claim returns
 // [Refused], changing nothing, when it would begin a new operation because
@@ -153,6 +187,10 @@ type FirstSentCheck struct {
 	// operation, and let go of before the client asked again. Zero: no
 	// such rule.
 	EarliestBegin time.Time
+	// Sent is the request's first-sent time, to the second; zero when it
+	// sent none. It is part of the operation's identity
+	// ([ClaimRequest.OperationID]).
+	Sent time.Time
 }
 
 // Outcome says what [Store.Claim] did.
@@ -220,14 +258,15 @@ type Claim struct {
 	ClientID string
 	Key      string
 	Token    int64
-	// OperationID identifies the logical operation behind the key. It is
-	// chosen at the first claim and kept across takeovers and across a
-	// release followed by a claim with the same fingerprint, so work keyed
-	// by it downstream (a card processor's idempotency key) is done once
-	// even when a request is taken over, or fails after that work and is
-	// retried. A key that expired and is used again, or that was released
-	// with [ReleaseRejected] and is claimed by another request, gets a new
-	// one.
+	// OperationID identifies the logical operation behind the key:
+	// [ClaimRequest.OperationID] of the claim that began it, kept across
+	// takeovers and across a release followed by a claim with the same
+	// fingerprint, so work keyed by it downstream (a card processor's
+	// idempotency key) is done once even when a request is taken over, or
+	// fails after that work and is retried. Being derived, not drawn, it is
+	// the same again when the key's row is lost and the same request
+	// claims the key anew. A key released with [ReleaseRejected] and
+	// claimed by another request gets another one.
 	OperationID string
 	// OneTransaction reports a claim made in its unit of work
 	// ([ClaimRequest.OneTransaction]). The store holds the unit of work

@@ -59,7 +59,8 @@ type raceState struct {
 	// outcome of the winner.
 	outcome idempotency.Outcome
 	// keepsOp: the winner of the variant keeps the key's operation ID
-	// (and creation time); otherwise it gets a new one.
+	// (and creation time); otherwise it begins its own request's
+	// (idempotency.ClaimRequest.OperationID), created now.
 	keepsOp func(v raceVariant) bool
 }
 
@@ -174,43 +175,32 @@ var raceMixes = []struct {
 	{"mixed", func(i int) raceVariant { return []raceVariant{variantA, variantB, variantAv2}[i%3] }},
 }
 
-// storeConfig is a claim mode of a Store.
-type storeConfig struct{ async, batch bool }
-
 // TestClaimRace races raceClaimers claims of one key, for every starting
-// state of the key and mix of requests, with every claim mode of the
-// store, and with the four modes at once (four stores on one table, as
-// replicas with different settings), raceRounds times on a fresh key
-// each, and checks the outcome against the contract of
-// idempotency.Store.Claim: at most one winner (exactly one when any
-// claimer may win, none of a variant that may not), with the outcome,
-// operation and token that end up on the row; every other claimer gets
-// Exists with a record that is either the winner's row or, for a claimer
-// that could not have won, the row as it was; no errors (a claim that
-// lost maxRaces races is one).
+// state of the key and mix of requests, on one store and on two stores on
+// one table (as replicas), raceRounds times on a fresh key each, and
+// checks the outcome against the contract of idempotency.Store.Claim: at
+// most one winner (exactly one when any claimer may win, none of a variant
+// that may not), with the outcome, operation and token that end up on the
+// row; every other claimer gets Exists with a record that is either the
+// winner's row or, for a claimer that could not have won, the row as it
+// was; no errors (a claim that lost maxRaces races is one).
 func TestClaimRace(t *testing.T) {
 	const raceClaimers, raceRounds = 32, 4
-	durable, async := storeConfig{false, false}, storeConfig{true, false}
-	batch, batchAsync := storeConfig{false, true}, storeConfig{true, true}
 	for _, mode := range []struct {
-		name    string
-		configs []storeConfig
+		name   string
+		stores int
 	}{
-		{"durable", []storeConfig{durable}},
-		{"async claims", []storeConfig{async}},
-		{"batch claims", []storeConfig{batch}},
-		{"batch async claims", []storeConfig{batchAsync}},
-		{"all modes at once", []storeConfig{durable, async, batch, batchAsync}},
+		{"one store", 1},
+		{"two stores", 2},
 	} {
 		t.Run(mode.name, func(t *testing.T) {
 			stmts := &claimStatements{}
 			pool := racePool(t, raceClaimers+2, stmts)
 			defer func() { t.Logf("statements: %s", stmts) }()
 			setup := pgstore.New(pool) // makes the starting states
-			stores := make([]*pgstore.Store, len(mode.configs))
-			for i, c := range mode.configs {
+			stores := make([]*pgstore.Store, mode.stores)
+			for i := range stores {
 				stores[i] = pgstore.New(pool)
-				stores[i].AsyncClaims, stores[i].BatchClaims = c.async, c.batch
 			}
 			for _, st := range raceStates() {
 				for _, mix := range raceMixes {
@@ -218,14 +208,7 @@ func TestClaimRace(t *testing.T) {
 						for round := range raceRounds {
 							key := fmt.Sprintf("key-%s-%s-%d", st.name, mix.name, round)
 							st.prepare(t, setup, pool, key)
-							// With BatchClaims alone, every other round
-							// holds a batch until all the claimers wait
-							// for the next one: they then meet in one.
-							var gather *claimStatements
-							if len(stores) == 1 && stores[0].BatchClaims && round%2 == 0 {
-								gather = stmts
-							}
-							raceRound(t, stores, pool, st, key, raceClaimers, mix.variant, gather)
+							raceRound(t, stores, pool, st, key, raceClaimers, mix.variant)
 							if t.Failed() {
 								return
 							}
@@ -258,12 +241,9 @@ func racePool(t *testing.T, conns int32, tracer pgx.QueryTracer) *pgxpool.Pool {
 }
 
 // raceRound runs one race of n claimers for key, made in state st, and
-// checks it; claimer i claims on stores[i%len(stores)]. With gather (the
-// tracer of the pool of one store with BatchClaims), a claim of another
-// key holds its batch until all n claims wait for the next batch, which
-// then holds them all.
+// checks it; claimer i claims on stores[i%len(stores)].
 func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st raceState, key string, n int,
-	variant func(i int) raceVariant, gather *claimStatements) {
+	variant func(i int) raceVariant) {
 	t.Helper()
 	before := readRaceRow(t, pool, key)
 
@@ -271,21 +251,6 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 	errs := make([]error, n)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second) // a hang fails, not blocks
 	defer cancel()
-	s := stores[0]
-	var plug *batchGate
-	plugErr := make(chan error, 1)
-	if gather != nil {
-		plug = gather.hold()
-		go func() {
-			_, err := s.Claim(ctx, raceRequest(key+"-plug", variantA))
-			plugErr <- err
-		}()
-		select {
-		case <-plug.arrived:
-		case <-ctx.Done():
-			t.Fatalf("%s: the plug's batch never started", key)
-		}
-	}
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i := range n {
@@ -295,16 +260,7 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 		})
 	}
 	close(start)
-	if plug != nil {
-		for pgstore.QueuedClaims(s) < n && ctx.Err() == nil {
-			time.Sleep(time.Millisecond)
-		}
-		close(plug.open)
-	}
 	wg.Wait()
-	if plug != nil {
-		require.NoError(t, <-plugErr, "%s: the plug's claim", key)
-	}
 
 	mayWin := false
 	for i := range n {
@@ -340,14 +296,15 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 		assert.Equal(t, v.version, after.version, "%s: fingerprint version on the row, winner %s", key, v.name)
 		assert.Equal(t, raceLease.Microseconds(), after.leaseUS, "%s: lease on the row", key)
 		assert.Equal(t, raceKeep.Microseconds(), after.keepUS, "%s: retention on the row", key)
-		assert.NotEmpty(t, c.OperationID)
+		if !before.present || !st.keepsOp(v) {
+			assert.Equal(t, raceRequest(key, v).OperationID(), c.OperationID, "%s: winner %s began another operation than its request's", key, v.name)
+		}
 		if before.present {
 			assert.Greater(t, c.Token, before.token, "%s: the winner's token is not newer than the key's", key)
 			if st.keepsOp(v) {
 				assert.Equal(t, before.operationID, c.OperationID, "%s: winner %s changed the operation", key, v.name)
 				assert.Equal(t, before.createdAt, after.createdAt, "%s: winner %s changed the creation time", key, v.name)
 			} else {
-				assert.NotEqual(t, before.operationID, c.OperationID, "%s: winner %s kept the operation", key, v.name)
 				assert.True(t, after.createdAt.After(before.createdAt),
 					"%s: winner %s kept the creation time %v (now %v)", key, v.name, before.createdAt, after.createdAt)
 			}
@@ -393,27 +350,10 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 
 // claimStatements counts the claim statements a pool runs, to show in
 // the log that the races took the retry paths: claimInsertSQL,
-// claimReadSQL, claimSQL, batchClaimSQL. Armed (see hold), it holds the next batch of claims
-// until released.
+// claimReadSQL, claimSQL.
 type claimStatements struct {
 	mu     sync.Mutex
 	counts map[string]int
-	gate   *batchGate // hold the next batch of claims
-}
-
-// batchGate holds a batch of claims: arrived is closed when it is held,
-// open lets it go.
-type batchGate struct {
-	arrived, open chan struct{}
-}
-
-// hold arms c to hold the next batch of claims.
-func (c *claimStatements) hold() *batchGate {
-	g := &batchGate{arrived: make(chan struct{}), open: make(chan struct{})}
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.gate = g
-	return g
 }
 
 func (c *claimStatements) add(sql string) {
@@ -425,8 +365,6 @@ func (c *claimStatements) add(sql string) {
 		kind = "claimReadSQL"
 	case strings.HasPrefix(strings.TrimSpace(sql), "INSERT INTO idempotency_keys") && strings.Contains(sql, "VALUES"):
 		kind = "claimInsertSQL"
-	case strings.Contains(sql, "FROM unnest("):
-		kind = "batchClaimSQL"
 	default:
 		return
 	}
@@ -449,25 +387,6 @@ func (c *claimStatements) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pg
 	return ctx
 }
 func (c *claimStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-func (c *claimStatements) TraceBatchStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceBatchStartData) context.Context {
-	for _, q := range d.Batch.QueuedQueries {
-		c.add(q.SQL)
-		if !strings.Contains(q.SQL, "FROM unnest(") {
-			continue
-		}
-		c.mu.Lock()
-		g := c.gate
-		c.gate = nil
-		c.mu.Unlock()
-		if g != nil {
-			close(g.arrived)
-			<-g.open
-		}
-	}
-	return ctx
-}
-func (c *claimStatements) TraceBatchQuery(context.Context, *pgx.Conn, pgx.TraceBatchQueryData) {}
-func (c *claimStatements) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData)     {}
 
 // recordIs reports whether rec shows row.
 func recordIs(rec *idempotency.Record, row raceRow) bool {

@@ -50,7 +50,7 @@ func (k *terminator) TraceQueryEnd(_ context.Context, _ *pgx.Conn, data pgx.Trac
 	k.failed(data.Err)
 }
 
-// TraceBatchStart fires on a batch that holds the statement (AsyncClaims).
+// TraceBatchStart fires on a batch that holds the statement.
 func (k *terminator) TraceBatchStart(ctx context.Context, conn *pgx.Conn, data pgx.TraceBatchStartData) context.Context {
 	for _, q := range data.Batch.QueuedQueries {
 		k.fire(ctx, conn, pgx.TraceQueryStartData{SQL: q.SQL, Args: q.Arguments})
@@ -146,35 +146,32 @@ var lostReq = idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-lost", Metho
 // retry finds the key started, and the key still has one owner.
 func TestClaimConnLost(t *testing.T) {
 	ctx := context.Background()
-	for _, async := range []bool{false, true} {
-		for _, tt := range []struct {
-			name      string
-			meanwhile func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
-			want      idempotency.Outcome
-		}{
-			{"before the commit", nil, idempotency.Claimed},
-			{"answer lost", rerun, idempotency.Exists},
-		} {
-			t.Run(map[bool]string{false: "sync", true: "async"}[async]+"/"+tt.name, func(t *testing.T) {
-				k := &terminator{prefix: "INSERT INTO idempotency_keys", meanwhile: tt.meanwhile}
-				s, pool := terminatedStore(t, k)
-				s.AsyncClaims = async
-				res, err := s.Claim(ctx, lostReq)
-				k.check(t)
-				if err != nil || res.Outcome != tt.want {
-					t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
+	for _, tt := range []struct {
+		name      string
+		meanwhile func(context.Context, *pgx.Conn, pgx.TraceQueryStartData) error
+		want      idempotency.Outcome
+	}{
+		{"before the commit", nil, idempotency.Claimed},
+		{"answer lost", rerun, idempotency.Exists},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			k := &terminator{prefix: "INSERT INTO idempotency_keys", meanwhile: tt.meanwhile}
+			s, pool := terminatedStore(t, k)
+			res, err := s.Claim(ctx, lostReq)
+			k.check(t)
+			if err != nil || res.Outcome != tt.want {
+				t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
+			}
+			if tt.want == idempotency.Exists {
+				// Started by the lost claim: no second owner.
+				if res.Record.Status != idempotency.StatusStarted {
+					t.Errorf("record status %s, want started", res.Record.Status)
 				}
-				if tt.want == idempotency.Exists {
-					// Started by the lost claim: no second owner.
-					if res.Record.Status != idempotency.StatusStarted {
-						t.Errorf("record status %s, want started", res.Record.Status)
-					}
-					return
-				}
-				mustComplete(t, s, res.Claim, "w_lost")
-				mustBeWritten(t, pool, "w_lost", true)
-			})
-		}
+				return
+			}
+			mustComplete(t, s, res.Claim, "w_lost")
+			mustBeWritten(t, pool, "w_lost", true)
+		})
 	}
 }
 
@@ -552,36 +549,33 @@ var cuts = []struct {
 // key still has one owner.
 func TestClaimConnCut(t *testing.T) {
 	ctx := context.Background()
-	for _, async := range []bool{false, true} {
-		for _, tt := range []struct {
-			name string
-			kind faultproxy.Kind
-			want idempotency.Outcome
-		}{
-			{"before the server", faultproxy.Reset, idempotency.Claimed},
-			{"answer lost", faultproxy.Drop, idempotency.Exists},
-		} {
-			for _, cut := range cuts {
-				t.Run(fmt.Sprintf("%s/%s/%s", map[bool]string{false: "sync", true: "async"}[async], tt.name, cut.name), func(t *testing.T) {
-					w := proxiedStore(t)
-					w.store.AsyncClaims = async
-					sprung := w.arm(t, tt.kind, cut.fin)
-					res, err := w.store.Claim(ctx, lostReq)
-					sprung()
-					w.rec.checkCut(t)
-					if err != nil || res.Outcome != tt.want {
-						t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
+	for _, tt := range []struct {
+		name string
+		kind faultproxy.Kind
+		want idempotency.Outcome
+	}{
+		{"before the server", faultproxy.Reset, idempotency.Claimed},
+		{"answer lost", faultproxy.Drop, idempotency.Exists},
+	} {
+		for _, cut := range cuts {
+			t.Run(tt.name+"/"+cut.name, func(t *testing.T) {
+				w := proxiedStore(t)
+				sprung := w.arm(t, tt.kind, cut.fin)
+				res, err := w.store.Claim(ctx, lostReq)
+				sprung()
+				w.rec.checkCut(t)
+				if err != nil || res.Outcome != tt.want {
+					t.Fatalf("Claim = %+v, %v; want outcome %v", res, err, tt.want)
+				}
+				if tt.want == idempotency.Exists {
+					if res.Record.Status != idempotency.StatusStarted {
+						t.Errorf("record status %s, want started", res.Record.Status)
 					}
-					if tt.want == idempotency.Exists {
-						if res.Record.Status != idempotency.StatusStarted {
-							t.Errorf("record status %s, want started", res.Record.Status)
-						}
-						return
-					}
-					mustComplete(t, w.store, res.Claim, "w_lost")
-					mustBeWritten(t, w.pool, "w_lost", true)
-				})
-			}
+					return
+				}
+				mustComplete(t, w.store, res.Claim, "w_lost")
+				mustBeWritten(t, w.pool, "w_lost", true)
+			})
 		}
 	}
 }

@@ -106,8 +106,8 @@ func TestRetentionCountsFromCompletion(t *testing.T) {
 		}
 		time.Sleep(keep + 200*time.Millisecond)
 		again := mustClaim(t, s, r, idempotency.Claimed).Claim
-		if again.OperationID == c.OperationID {
-			t.Errorf("expired key claimed under its old operation %s, want a new one", c.OperationID)
+		if again.OperationID != r.OperationID() {
+			t.Errorf("expired key claimed under operation %s, want the request's %s", again.OperationID, r.OperationID())
 		}
 		if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
 			t.Errorf("Purge past the retention = %d, %v; want 1 (the expired key, not the one claimed anew)", n, err)

@@ -63,40 +63,6 @@ type Store struct {
 	pool      *pgxpool.Pool
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index
 
-	// AsyncClaims makes claims commit without waiting for their WAL flush
-	// (synchronous_commit = off for the claim's own transaction only),
-	// which removes one disk flush per request. Defaults to false: every
-	// claim is durable when Claim returns. Set it before first use.
-	//
-	// It is safe when nothing durable can happen under a claim's
-	// [idempotency.Claim.OperationID] before a synchronous commit to the
-	// same database has flushed the WAL behind it. The reasoning: a claim
-	// is visible to other requests at once (a duplicate sees started and
-	// gets 409); if the database crashes before its commit record reaches
-	// disk, the claim is gone, and so is everything that depended on it,
-	// because any later synchronous commit (a write of the handler's, the
-	// completion) flushes the WAL up to itself, claim included. The
-	// client's retry then claims the key afresh. It is not safe when the
-	// handler calls an external system keyed by the operation ID right
-	// after the claim: the first claim of a key, lost in a crash, would
-	// give the retry a new operation ID, and so a second downstream key.
-	// (A lost claim of a released key is harmless: the durable released
-	// row keeps the operation ID for the retry.)
-	AsyncClaims bool
-
-	// BatchClaims gathers the claims that arrive while another batch of
-	// claims is running into one statement and one commit, which under
-	// concurrent load claims many new keys for the price of one (see
-	// keysql.BatchClaimSQL). It changes nothing else: a key that has a row, and
-	// every key of a batch that fails, is claimed by keysql.ClaimSQL as without
-	// it, and a claim waits for no timer, only for the batch before it.
-	// The price: a key that has a row (a replay, a duplicate, a retry
-	// after a release) costs two round trips, the batch's and keysql.ClaimSQL's,
-	// instead of one. Defaults to false. Set it before first use.
-	BatchClaims bool
-
-	claims batcher[*pendingClaim]
-
 	units keysql.Units[*unit] // the units of work of this process (see Renew)
 }
 
@@ -137,23 +103,13 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if req.FirstSent.Stale { // a stale request must not insert the key
 		return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 	}
-	claim := s.insertClaim
-	if s.BatchClaims {
-		claim = s.batchClaim
-	}
-	switch c, claimed, err := claim(ctx, req); {
+	switch c, claimed, err := s.insertClaim(ctx, req); {
 	case err != nil:
 		return idempotency.ClaimResult{}, err
 	case claimed:
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
 	}
-	sql := keysql.ClaimReadSQL
-	if s.BatchClaims {
-		// What the batch leaves needs keysql.ClaimSQL as often as not (a retry
-		// after a release), so no read first.
-		sql = keysql.ClaimSQL
-	}
-	return s.claimLoop(ctx, sql, req)
+	return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 }
 
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is false when
@@ -163,7 +119,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
 	insert := func(q querier) error {
 		var rows pgx.Rows
-		rows, err = s.query(ctx, q, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8])
+		rows, err = q.Query(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:9]...)
 		if err != nil {
 			return err
 		}
@@ -227,55 +183,7 @@ type querier interface {
 // claimOnce runs sql (keysql.ClaimReadSQL or keysql.ClaimSQL) once on q; found is false
 // when it returned no row.
 func (s *Store) claimOnce(ctx context.Context, q querier, sql string, req idempotency.ClaimRequest) (row keysql.ClaimRow, found bool, err error) {
-	if sql == keysql.ClaimReadSQL { // writes nothing: nothing to commit
-		return scanClaim(q.Query(ctx, sql, keysql.ClaimArgs(req)...))
-	}
-	return scanClaim(s.query(ctx, q, sql, keysql.ClaimArgs(req)))
-}
-
-// query runs a claim statement on q, after keysql.AsyncCommitSQL in the same
-// round trip with AsyncClaims. Closing the rows ends the batch.
-func (s *Store) query(ctx context.Context, q querier, sql string, args []any) (pgx.Rows, error) {
-	if !s.AsyncClaims {
-		return q.Query(ctx, sql, args...)
-	}
-	b := &pgx.Batch{}
-	b.Queue(keysql.AsyncCommitSQL)
-	b.Queue(sql, args...)
-	br := q.SendBatch(ctx, b)
-	if _, err := br.Exec(); err != nil {
-		br.Close()
-		return nil, err
-	}
-	rows, err := br.Query()
-	if err != nil {
-		br.Close()
-		return nil, err
-	}
-	return &batchRows{Rows: rows, br: br}, nil
-}
-
-// batchRows are the rows of the last statement of a batch: closing them
-// closes the batch, whose error Err then returns.
-type batchRows struct {
-	pgx.Rows
-	br  pgx.BatchResults
-	err error
-}
-
-func (r *batchRows) Close() {
-	r.Rows.Close()
-	if r.br != nil {
-		r.err = r.br.Close()
-		r.br = nil
-	}
-}
-
-func (r *batchRows) Err() error {
-	if err := r.Rows.Err(); err != nil {
-		return err
-	}
-	return r.err
+	return scanClaim(q.Query(ctx, sql, keysql.ClaimArgs(req)...))
 }
 
 // scanClaim reads the row of a claim statement from rows, as Query
@@ -496,6 +404,9 @@ func interpretError(err error) error {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && pgErr.Code == keysql.CharacterNotInRepertoire {
 		return fmt.Errorf("%w: %w", idempotency.ErrInvalidText, err)
+	}
+	if errors.As(err, &pgErr) && pgErr.Code == keysql.ReadOnlySQLTransaction {
+		return fmt.Errorf("%w: %w", idempotency.ErrReadOnly, err)
 	}
 	return fmt.Errorf("pgstore: %w", err)
 }

@@ -255,115 +255,98 @@ func (c *roundTrips) since(last *int64) int64 {
 // middleware (BEGIN, INSERT, COMMIT, on the same pool) is the baseline: the
 // layer adds at most one round trip to it, the claim, since the key's
 // completion travels with the COMMIT. A replay is the claim's insert,
-// which finds the key there, and the read of its row; with BatchClaims it
-// is the batch and claimSQL. Each store runs a first
+// which finds the key there, and the read of its row. Each store runs a first
 // request beforehand, so that the statements are prepared on the pool's one
 // connection.
 func TestRoundTrips(t *testing.T) {
 	ctx := context.Background()
-	for _, tt := range []struct {
-		name         string
-		async, batch bool
-		wantReplay   int64
-	}{
-		{"durable", false, false, 2},
-		{"async claims", true, false, 2},
-		{"batch claims", false, true, 2},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			rt := &roundTrips{}
-			s, pool := newStore(t, func(cfg *pgxpool.Config) {
-				cfg.MaxConns = 1
-				cfg.ConnConfig.Tracer = rt
-			})
-			s.AsyncClaims, s.BatchClaims = tt.async, tt.batch
-			var last int64
-			for i := range 2 {
-				rt.since(&last)
-				if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-					_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("plain", i))
-					return err
-				}); err != nil {
-					t.Fatal(err)
-				}
-				baseline := rt.since(&last)
+	const wantReplay = 2
 
-				r := req(fmt.Sprint("key-", i), "a")
-				c := mustClaim(t, s, r, idempotency.Claimed).Claim
-				claim := rt.since(&last)
-				tx, hctx := unitOf(t, s, c)
-				if err := write(hctx, fmt.Sprint("w", i)); err != nil {
-					t.Fatal(err)
-				}
-				handler := rt.since(&last)
-				if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
-					t.Fatal(err)
-				}
-				complete := rt.since(&last)
-				mustClaim(t, s, r, idempotency.Exists)
-				replay := rt.since(&last)
-				if i == 0 {
-					continue // statements prepared meanwhile
-				}
-				first := claim + handler + complete
-				t.Logf("round trips: %d for the handler's transaction alone; %d for a first execution "+
-					"(claim %d, handler %d, completion and COMMIT %d); %d for a replay",
-					baseline, first, claim, handler, complete, replay)
-				if baseline != 3 {
-					t.Errorf("the handler's transaction alone took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", baseline)
-				}
-				if claim != 1 || handler > 2 || complete != 1 || first > baseline+1 {
-					t.Errorf("a first execution took %d round trips (claim %d, handler's BEGIN and INSERT %d, completion and COMMIT %d); "+
-						"want 1, at most 2, 1: at most %d", first, claim, handler, complete, baseline+1)
-				}
-				if replay != tt.wantReplay {
-					t.Errorf("a replay took %d round trips, want %d", replay, tt.wantReplay)
-				}
-			}
-		})
+	rt := &roundTrips{}
+	s, pool := newStore(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = 1
+		cfg.ConnConfig.Tracer = rt
+	})
+	var last int64
+	for i := range 2 {
+		rt.since(&last)
+		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("plain", i))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		baseline := rt.since(&last)
+
+		r := req(fmt.Sprint("key-", i), "a")
+		c := mustClaim(t, s, r, idempotency.Claimed).Claim
+		claim := rt.since(&last)
+		tx, hctx := unitOf(t, s, c)
+		if err := write(hctx, fmt.Sprint("w", i)); err != nil {
+			t.Fatal(err)
+		}
+		handler := rt.since(&last)
+		if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
+			t.Fatal(err)
+		}
+		complete := rt.since(&last)
+		mustClaim(t, s, r, idempotency.Exists)
+		replay := rt.since(&last)
+		if i == 0 {
+			continue // statements prepared meanwhile
+		}
+		first := claim + handler + complete
+		t.Logf("round trips: %d for the handler's transaction alone; %d for a first execution "+
+			"(claim %d, handler %d, completion and COMMIT %d); %d for a replay",
+			baseline, first, claim, handler, complete, replay)
+		if baseline != 3 {
+			t.Errorf("the handler's transaction alone took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", baseline)
+		}
+		if claim != 1 || handler > 2 || complete != 1 || first > baseline+1 {
+			t.Errorf("a first execution took %d round trips (claim %d, handler's BEGIN and INSERT %d, completion and COMMIT %d); "+
+				"want 1, at most 2, 1: at most %d", first, claim, handler, complete, baseline+1)
+		}
+		if replay != wantReplay {
+			t.Errorf("a replay took %d round trips, want %d", replay, wantReplay)
+		}
 	}
 }
 
 // TestClaimRefusesInvalidText claims keys whose client, key, method or
 // path holds a NUL byte or invalid UTF-8, which PostgreSQL's text columns
-// refuse: Claim returns an error wrapping idempotency.ErrInvalidText, with
-// or without BatchClaims, and nothing is stored.
+// refuse: Claim returns an error wrapping idempotency.ErrInvalidText, and
+// nothing is stored.
 func TestClaimRefusesInvalidText(t *testing.T) {
 	ctx := context.Background()
-	for _, batch := range []bool{false, true} {
-		t.Run(fmt.Sprintf("batch=%v", batch), func(t *testing.T) {
-			s, pool := newStore(t, nil)
-			s.BatchClaims = batch
-			for _, bad := range []string{"a\x00b", "caf\xe9", "\xff"} {
-				for field, set := range map[string]func(*idempotency.ClaimRequest){
-					"client": func(r *idempotency.ClaimRequest) { r.ClientID = bad },
-					"key":    func(r *idempotency.ClaimRequest) { r.Key = bad },
-					"method": func(r *idempotency.ClaimRequest) { r.Method = bad },
-					"path":   func(r *idempotency.ClaimRequest) { r.Path = "/v1/orders/" + bad },
-				} {
-					r := req("key-1", "a")
-					set(&r)
-					res, err := s.Claim(ctx, r)
-					if !errors.Is(err, idempotency.ErrInvalidText) {
-						t.Errorf("Claim with %q in the %s = %+v, %v; want ErrInvalidText", bad, field, res, err)
-					}
-				}
+	s, pool := newStore(t, nil)
+	for _, bad := range []string{"a\x00b", "caf\xe9", "\xff"} {
+		for field, set := range map[string]func(*idempotency.ClaimRequest){
+			"client": func(r *idempotency.ClaimRequest) { r.ClientID = bad },
+			"key":    func(r *idempotency.ClaimRequest) { r.Key = bad },
+			"method": func(r *idempotency.ClaimRequest) { r.Method = bad },
+			"path":   func(r *idempotency.ClaimRequest) { r.Path = "/v1/orders/" + bad },
+		} {
+			r := req("key-1", "a")
+			set(&r)
+			res, err := s.Claim(ctx, r)
+			if !errors.Is(err, idempotency.ErrInvalidText) {
+				t.Errorf("Claim with %q in the %s = %+v, %v; want ErrInvalidText", bad, field, res, err)
 			}
-			var n int
-			if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&n); err != nil {
-				t.Fatal(err)
-			}
-			if n != 0 {
-				t.Errorf("%d keys stored, want none", n)
-			}
-			// Valid text that is not ASCII is kept as it is.
-			r := req("clé-ü-日本", "a")
-			r.Path = "/v1/orders/ü"
-			mustClaim(t, s, r, idempotency.Claimed)
-			if rec := mustClaim(t, s, r, idempotency.Exists).Record; rec.Key != r.Key || rec.Path != r.Path {
-				t.Errorf("record %+v, want key %q and path %q", rec, r.Key, r.Path)
-			}
-		})
+		}
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	if n != 0 {
+		t.Errorf("%d keys stored, want none", n)
+	}
+	// Valid text that is not ASCII is kept as it is.
+	r := req("clé-ü-日本", "a")
+	r.Path = "/v1/orders/ü"
+	mustClaim(t, s, r, idempotency.Claimed)
+	if rec := mustClaim(t, s, r, idempotency.Exists).Record; rec.Key != r.Key || rec.Path != r.Path {
+		t.Errorf("record %+v, want key %q and path %q", rec, r.Key, r.Path)
 	}
 }
 
@@ -448,44 +431,20 @@ func TestPurgeIsBounded(t *testing.T) {
 	}
 }
 
-// TestAsyncClaimIsLocal checks that AsyncClaims turns off synchronous
-// commit for the claim's transaction only: the connection goes back to the
-// pool with durable commits, for the completions that need them.
-func TestAsyncClaimIsLocal(t *testing.T) {
-	ctx := context.Background()
-	// Every statement below runs on the claim's connection.
-	s, pool := newStore(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
-	s.AsyncClaims = true
-	mustClaim(t, s, req("key-1", "a"), idempotency.Claimed)
-	var setting string
-	if err := pool.QueryRow(ctx, `SELECT current_setting('synchronous_commit')`).Scan(&setting); err != nil {
-		t.Fatal(err)
-	}
-	if setting != "on" {
-		t.Errorf("synchronous_commit after an async claim = %q, want on", setting)
-	}
-}
-
-// benchClaims runs op once per iteration on a fresh store, durable and
-// with AsyncClaims, each time with a claim request for a new key.
+// benchClaims runs op once per iteration on a fresh store, each time with
+// a claim request for a new key.
 func benchClaims(b *testing.B, op func(b *testing.B, s *pgstore.Store, r idempotency.ClaimRequest, i int)) {
-	for _, async := range []bool{false, true} {
-		name := map[bool]string{false: "sync", true: "async"}[async]
-		b.Run(name, func(b *testing.B) {
-			s, _ := newStore(b, nil)
-			s.AsyncClaims = async
-			b.ReportAllocs()
-			i := 0
-			for b.Loop() {
-				i++
-				op(b, s, req(fmt.Sprint("key-", i), "a"), i)
-			}
-		})
+	s, _ := newStore(b, nil)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		i++
+		op(b, s, req(fmt.Sprint("key-", i), "a"), i)
 	}
 }
 
-// BenchmarkClaim measures the claim of a new key, which commits one row:
-// durably (one WAL flush) or with AsyncClaims.
+// BenchmarkClaim measures the claim of a new key, which commits one row
+// durably (one WAL flush).
 func BenchmarkClaim(b *testing.B) {
 	benchClaims(b, func(b *testing.B, s *pgstore.Store, r idempotency.ClaimRequest, _ int) {
 		if _, err := s.Claim(context.Background(), r); err != nil {

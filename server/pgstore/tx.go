@@ -502,9 +502,10 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 			return err
 		}
 	}
-	var header any // SQL NULL when there is nothing to replay
-	if len(resp.Header) > 0 {
-		header = resp.Header
+	header, err := keysql.HeaderArg(resp.Header)
+	if err != nil {
+		u.rollbackLocked(ctx)
+		return err
 	}
 	c := u.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}

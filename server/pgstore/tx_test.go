@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -482,5 +483,26 @@ func TestFirstStatementRoundTrips(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// refuseAtCommit makes every transaction that inserts a row into table
+// whose column is value fail at its commit, after the statement has
+// returned its rows: a deferred constraint trigger.
+func refuseAtCommit(t *testing.T, pool *pgxpool.Pool, table, column, value string) {
+	t.Helper()
+	_, err := pool.Exec(context.Background(), fmt.Sprintf(`
+		CREATE FUNCTION refuse_%[1]s() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN
+			IF NEW.%[2]s = %[3]s THEN
+				RAISE EXCEPTION 'refused at commit';
+			END IF;
+			RETURN NULL;
+		END $$;
+		CREATE CONSTRAINT TRIGGER refuse_%[1]s AFTER INSERT ON %[1]s
+			DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_%[1]s()`,
+		table, column, "'"+strings.ReplaceAll(value, "'", "''")+"'"))
+	if err != nil {
+		t.Fatal(err)
 	}
 }

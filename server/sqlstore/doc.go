@@ -78,8 +78,7 @@
 //   - Claims in one transaction ([idempotency.Options.OneTransaction]) are
 //     pgstore's (an advisory lock taken without waiting, the key inserted,
 //     completed, by the completion in the handler's commit; see pgstore's
-//     package documentation), but for the round trips above. Nor are
-//     pgstore's AsyncClaims and BatchClaims offered. The store is an
+//     package documentation), but for the round trips above. The store is an
 //     [idempotency.Inspector] and an [idempotency.Sweepable], on pgstore's
 //     statements, for the operators' API and the sweeper, once
 //     [CreateOpenKeysIndex] made the index they walk.

@@ -20,6 +20,19 @@ func TestPgxStdlib(t *testing.T) {
 	sqlstoretest.Run(t, "pgx")
 }
 
+// TestPgxQueryModes runs the conformance suite on pgx's database/sql
+// driver in each of pgx's other query modes (its default,
+// cache_statement, runs in TestPgxStdlib): exec and simple_protocol are
+// the ones a pooler in transaction mode needs.
+func TestPgxQueryModes(t *testing.T) {
+	unpiped(t)
+	for _, mode := range []string{"cache_describe", "describe_exec", "exec", "simple_protocol"} {
+		t.Run(mode, func(t *testing.T) {
+			sqlstoretest.Conformance(t, "pgx", "default_query_exec_mode="+mode)
+		})
+	}
+}
+
 // TestPgxPiped runs them on pgx's database/sql driver with
 // server/sqlstore/pgxpipeline, which this test binary imports: the
 // request's transaction piped (BEGIN with the claim in one transaction,

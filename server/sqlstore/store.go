@@ -219,7 +219,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
 	err = s.run(ctx, func(q querier) error {
-		err := q.QueryRowContext(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8]...).Scan(&c.Token, &c.OperationID)
+		err := q.QueryRowContext(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:9]...).Scan(&c.Token, &c.OperationID)
 		if errors.Is(err, sql.ErrNoRows) { // the key has a row
 			claimed = false
 			return nil
@@ -427,20 +427,6 @@ func (h header) Scan(src any) error {
 	return json.Unmarshal(text, h.m)
 }
 
-// headerArg is the parameter of the response headers: their JSON as text,
-// which PostgreSQL reads into the jsonb column (a []byte would be sent as
-// bytea by lib/pq), or SQL NULL when there are none.
-func headerArg(m map[string]string) (any, error) {
-	if len(m) == 0 {
-		return nil, nil
-	}
-	b, err := json.Marshal(m)
-	if err != nil {
-		return nil, err
-	}
-	return string(b), nil
-}
-
 // sqlState is the SQLSTATE of a PostgreSQL error, as both drivers report
 // it (pgconn.PgError and pq.Error have the method), without importing
 // either.
@@ -468,12 +454,14 @@ func interpretError(err error) error {
 	switch {
 	case err == nil:
 		return nil
-	case errors.Is(err, errConnLost), errors.Is(err, idempotency.ErrInvalidText):
+	case errors.Is(err, errConnLost), errors.Is(err, idempotency.ErrInvalidText), errors.Is(err, idempotency.ErrReadOnly):
 		return err
 	case connBroken(err):
 		return fmt.Errorf("%w: %w", errConnLost, err)
 	case code(err) == keysql.CharacterNotInRepertoire:
 		return fmt.Errorf("%w: %w", idempotency.ErrInvalidText, err)
+	case code(err) == keysql.ReadOnlySQLTransaction:
+		return fmt.Errorf("%w: %w", idempotency.ErrReadOnly, err)
 	}
 	return fmt.Errorf("sqlstore: %w", err)
 }

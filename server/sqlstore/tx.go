@@ -354,7 +354,7 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 			return nil, err
 		}
 	}
-	header, err := headerArg(resp.Header)
+	header, err := keysql.HeaderArg(resp.Header)
 	if err != nil {
 		return nil, err
 	}

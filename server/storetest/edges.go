@@ -35,7 +35,7 @@ func holdUnit(t *testing.T, b Backend, req idempotency.ClaimRequest, name string
 func testHeldUnitRetention(t *testing.T, b Backend) {
 	judged(t, func(key string) bool {
 		req := with(request("cli_a", key, "a"), long, retention)
-		c, tx := holdUnit(t, b, req, key+"-w")
+		_, tx := holdUnit(t, b, req, key+"-w")
 		start := time.Now()
 		if err := tx.Complete(context.Background(), created("ord_1")); err != nil {
 			t.Fatalf("Complete of a unit of work held past the retention: %v", err)
@@ -51,8 +51,11 @@ func testHeldUnitRetention(t *testing.T, b Backend) {
 		}
 		mustBeWritten(t, b, key+"-w", true)
 		time.Sleep(pause)
-		if again := claim(t, b.Store, req, idempotency.Claimed).Claim; again.OperationID == c.OperationID {
-			t.Errorf("key a retention after its completion kept its operation %q", again.OperationID)
+		// A new operation on the key; the same request derives the same
+		// operation ID (see idempotency.ClaimRequest.OperationID).
+		if again := claim(t, b.Store, req, idempotency.Claimed).Claim; again.OperationID != req.OperationID() {
+			t.Errorf("key a retention after its completion claimed under operation %q, want the request's %q",
+				again.OperationID, req.OperationID())
 		}
 		return true
 	})

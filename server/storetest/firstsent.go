@@ -89,7 +89,8 @@ func testFirstSentExpired(t *testing.T, b Backend) {
 		t.Fatal(err)
 	}
 	time.Sleep(pause)
-	later := idempotency.FirstSentCheck{EarliestBegin: time.Now().Add(time.Minute)}
+	sent := time.Now().Add(time.Minute)
+	later := idempotency.FirstSentCheck{EarliestBegin: sent, Sent: sent}
 	third := claim(t, b.Store, withCheck(req, later), idempotency.Claimed).Claim
 	if third.OperationID == second.OperationID {
 		t.Errorf("a request first sent after the expired operation resumed it (%s)", third.OperationID)

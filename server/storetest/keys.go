@@ -495,3 +495,34 @@ func testReleaseTwice(t *testing.T, b Backend) {
 		t.Errorf("after a fenced release: status %q, want started", rec.Status)
 	}
 }
+
+// testOperationIDDerived: a claim that begins an operation begins the
+// request's own (idempotency.ClaimRequest.OperationID), never one drawn
+// at random: claimed again after its row is gone (here: purged once
+// expired), the same request gets the same operation ID, so a downstream
+// keyed by it dedupes; the same request first sent at another time gets
+// another.
+func testOperationIDDerived(t *testing.T, b Backend) {
+	sent := time.Now().Add(-time.Minute).Truncate(time.Second)
+	req := with(withCheck(request("cli_a", "key", "a"), idempotency.FirstSentCheck{Sent: sent}), 0, time.Millisecond)
+	c := claim(t, b.Store, req, idempotency.Claimed).Claim
+	if c.OperationID != req.OperationID() {
+		t.Fatalf("claim of a new key began operation %q, want the request's %q", c.OperationID, req.OperationID())
+	}
+	if err := complete(t, b, c, created("o1"), "w1"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(pause)
+	if n, err := b.Store.Purge(context.Background(), 10); n != 1 || err != nil {
+		t.Fatalf("Purge of the expired key: %d, %v; want 1", n, err)
+	}
+	again := claim(t, b.Store, req, idempotency.Claimed).Claim
+	if again.OperationID != c.OperationID {
+		t.Errorf("the same request, claimed after its key was purged, began operation %q; want %q again",
+			again.OperationID, c.OperationID)
+	}
+	other := withCheck(request("cli_a", "key-2", "a"), idempotency.FirstSentCheck{Sent: sent.Add(time.Second)})
+	if claim(t, b.Store, other, idempotency.Claimed).Claim.OperationID == withCheck(other, idempotency.FirstSentCheck{Sent: sent}).OperationID() {
+		t.Error("two first-sent times derived one operation ID")
+	}
+}

@@ -82,6 +82,7 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"FingerprintMismatch", testFingerprintMismatch},
 		{"ConcurrentClaims", testConcurrentClaims},
 		{"KeysScopedByClient", testKeysScopedByClient},
+		{"OperationIDDerived", testOperationIDDerived},
 		// Leases, takeovers and fencing.
 		{"TakeoverAfterLockTimeout", testTakeover},
 		{"TakeoverRace", testTakeoverRace},
@@ -325,4 +326,21 @@ func judged(t *testing.T, check func(key string) bool) {
 // store saw less than d.
 func before(start time.Time, d time.Duration) bool {
 	return time.Since(start) < d
+}
+
+// begun returns when the operation on client's key began, as a request
+// with another body sees it: Exists, a mismatch, which changes nothing
+// (the key must be live: started with a live lease, completed, or
+// released as failed). Operation IDs are derived from the request
+// (idempotency.ClaimRequest.OperationID), so a new operation of the same
+// request is told from a resumed one by this time.
+func begun(t *testing.T, s idempotency.Store, client, key string) time.Time {
+	t.Helper()
+	return claim(t, s, request(client, key, "another body, to read the key"), idempotency.Exists).Record.CreatedAt
+}
+
+// begunAt is begun for req's client and key.
+func begunAt(t *testing.T, b Backend, req idempotency.ClaimRequest) time.Time {
+	t.Helper()
+	return begun(t, b.Store, req.ClientID, req.Key)
 }

@@ -8,7 +8,7 @@
 //	  -d amount=4200 -d currency=usd -d customer=cus_123
 //
 // Flags (see -h): -addr, -database-url (or DATABASE_URL), -db-max-conns,
-// -async-claims, -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
+// -api-keys (or IDEM_API_KEYS), -retention, -lock-timeout,
 // -purge-interval, -purge-batch, -purge-duty-cycle, -processor-delay,
 // -processor-failure-rate, -processor-url, -fail-after-write, -drop-answer,
 // -hold-after-write, -hold-rate, -first-sent-skew, -ignore-first-sent,
@@ -141,8 +141,6 @@ type options struct {
 	databaseURL          string
 	dbMaxConns           int
 	dbMaxConnsSet        bool // -db-max-conns was given
-	asyncClaims          bool
-	batchClaims          bool
 	apiKeys              string
 	retention            time.Duration
 	lockTimeout          time.Duration
@@ -188,12 +186,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"most PostgreSQL connections in the pool, shared by the claims, completions and the fake processor's charges; "+
 			"above pgxpool's max(4, NumCPU), which leaves requests queueing for a connection while the database waits on WAL flushes. "+
 			"A pool_max_conns in the DSN takes precedence (giving both is an error)")
-	fs.BoolVar(&o.asyncClaims, "async-claims", false,
-		"commit key claims without waiting for their WAL flush (synchronous_commit=off for the claim's transaction only): one disk flush less per payment. "+
-			"Safe here because nothing durable depends on a claim before a synchronous commit to the same database (the fake processor's charge, the completion) "+
-			"flushes the WAL behind it; a claim lost in a crash is claimed again by the retry (needs -database-url and the built-in processor)")
-	fs.BoolVar(&o.batchClaims, "batch-claims", false,
-		"claim the new keys of concurrent requests together, in one statement and one commit (see pgstore.Store.BatchClaims); needs -database-url")
 	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", idempotency.DefaultRetention,
@@ -328,15 +320,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-purge-duty-cycle %v: want a share in (0, 1]", o.purgeDutyCycle)
 	case o.dbMaxConns < 1 || o.dbMaxConns > math.MaxInt32:
 		return o, fmt.Errorf("-db-max-conns %d: want at least 1", o.dbMaxConns)
-	case o.databaseURL == "" && o.batchClaims:
-		return o, errors.New("-batch-claims needs -database-url: the in-memory store has no statements to batch")
-	case o.databaseURL == "" && o.asyncClaims:
-		return o, errors.New("-async-claims needs -database-url: the in-memory store has no commit to make asynchronous")
-	case o.asyncClaims && o.processorURL != "":
-		// See pgstore.Store.AsyncClaims: a claim lost in a crash would give
-		// the retry a new operation ID, and so a second charge, unless the
-		// charge itself commits through this database after the claim.
-		return o, errors.New("-async-claims needs the built-in fake processor, whose charges commit through the same database; with -processor-url a claim lost in a crash could charge twice")
 	case o.databaseURL == "" && o.dbMaxConnsSet:
 		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
 	}
@@ -385,12 +368,9 @@ func openStore(ctx context.Context, o options, log *slog.Logger, trips *server.D
 		return server.Storage{}, nil, fmt.Errorf("database: migrating: %w", err)
 	}
 	storage := server.NewPostgresStorage(pool)
-	keys := storage.Keys()
-	keys.AsyncClaims = o.asyncClaims
-	keys.BatchClaims = o.batchClaims
 	cc := cfg.ConnConfig
 	log.Info("using PostgreSQL", "host", cc.Host, "port", cc.Port, "database", cc.Database, "user", cc.User,
-		"max_conns", cfg.MaxConns, "async_claims", keys.AsyncClaims, "batch_claims", keys.BatchClaims)
+		"max_conns", cfg.MaxConns)
 	return storage.Storage(), pool, nil
 }
 

@@ -268,10 +268,7 @@ func TestRunFlags(t *testing.T) {
 		{"purge duty cycle NaN", []string{"-purge-duty-cycle", "NaN"}, nil, "(0, 1]"},
 		{"db max conns", []string{"-database-url", "postgres://127.0.0.1/x", "-db-max-conns", "0"}, nil, "-db-max-conns 0"},
 		{"db max conns without a database", []string{"-db-max-conns", "8"}, nil, "needs -database-url"},
-		{"async claims without a database", []string{"-async-claims"}, nil, "needs -database-url"},
-		{"batch claims without a database", []string{"-batch-claims"}, nil, "needs -database-url"},
 		{"batch completions are gone", []string{"-batch-completions"}, nil, "flag provided but not defined: -batch-completions"},
-		{"async claims with an external processor", []string{"-database-url", "postgres://127.0.0.1/x", "-async-claims", "-processor-url", "http://127.0.0.1:1"}, nil, "built-in fake processor"},
 		{"pool size twice", []string{"-database-url", "postgres://127.0.0.1/x?pool_max_conns=4", "-db-max-conns", "8"}, nil, "keep one"},
 		{"metrics on the API's address", []string{"-addr", "127.0.0.1:8080", "-metrics-addr", "127.0.0.1:8080"}, nil, "-metrics-addr 127.0.0.1:8080 is -addr"},
 		{"metrics address taken", []string{"-metrics-addr", "256.0.0.1:1"}, nil, "-metrics-addr"},
@@ -386,8 +383,7 @@ func TestRunNoIdempotencyPostgres(t *testing.T) {
 }
 
 // TestOpenStore checks that the database flags reach the key store and its
-// pool: -async-claims and -batch-claims set pgstore.Store's AsyncClaims and
-// BatchClaims, -db-max-conns sizes the pool, unless the DSN does; and that
+// pool: -db-max-conns sizes the pool, unless the DSN does; and that
 // the storage keeps payments and charges in the same database.
 func TestOpenStore(t *testing.T) {
 	dsn := pgtest.SchemaURL(t)
@@ -395,16 +391,11 @@ func TestOpenStore(t *testing.T) {
 		name      string
 		args      []string
 		dsn       string
-		wantAsync bool
 		wantConns int32
-		wantBatch bool
 	}{
-		{"defaults", nil, dsn, false, defaultDBMaxConns, false},
-		{"async claims", []string{"-async-claims"}, dsn, true, defaultDBMaxConns, false},
-		{"async claims off", []string{"-async-claims=false"}, dsn, false, defaultDBMaxConns, false},
-		{"batch claims", []string{"-batch-claims", "-async-claims"}, dsn, true, defaultDBMaxConns, true},
-		{"db max conns", []string{"-db-max-conns", "7"}, dsn, false, 7, false},
-		{"pool size in the DSN", []string{"-async-claims"}, withParam(dsn, "pool_max_conns", "3"), true, 3, false},
+		{"defaults", nil, dsn, defaultDBMaxConns},
+		{"db max conns", []string{"-db-max-conns", "7"}, dsn, 7},
+		{"pool size in the DSN", nil, withParam(dsn, "pool_max_conns", "3"), 3},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := context.Background()
@@ -426,10 +417,6 @@ func TestOpenStore(t *testing.T) {
 			}
 			if _, ok := storage.Charges.(*server.PostgresStorage); !ok {
 				t.Errorf("charge store %T, want *server.PostgresStorage", storage.Charges)
-			}
-			if keys.AsyncClaims != tt.wantAsync || keys.BatchClaims != tt.wantBatch {
-				t.Errorf("AsyncClaims, BatchClaims = %v, %v; want %v, %v",
-					keys.AsyncClaims, keys.BatchClaims, tt.wantAsync, tt.wantBatch)
 			}
 			if got := pool.Config().MaxConns; got != tt.wantConns {
 				t.Errorf("pool MaxConns = %d, want %d", got, tt.wantConns)

@@ -38,10 +38,10 @@ const (
             + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond')`
 	expiryExpr = `(CASE WHEN k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         THEN ` + expiryTimeExpr + ` END)`
-	// refusedExpr: k is expired and the claim's first-sent check ($9
-	// stale, $10 earliest begin, NULL for none) says the request may belong
+	// refusedExpr: k is expired and the claim's first-sent check ($10
+	// stale, $11 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
-	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
+	refusedExpr = `((` + expiredExpr + `) AND ($10::boolean OR k.created_at >= $11::timestamptz) IS TRUE)`
 	// claimedExpiryExpr is the expires_at of a key claimed now with the
 	// lease $7 and the retention $8: now plus the retention, a bound below
 	// the key's expiry (see expiredExpr), or NULL for a key that never
@@ -62,7 +62,9 @@ const (
 //
 // Parameters: $1 client, $2 key, $3 method, $4 path, $5 fingerprint,
 // $6 fingerprint version, $7 lease and $8 retention in microseconds
-// (0: never), stored with the key. It returns one row: outcome 1 (Claimed)
+// (0: never), stored with the key, $9 the operation ID of a new operation
+// (idempotency.ClaimRequest.OperationID), $10 and $11 the first-sent
+// check (see refusedExpr). It returns one row: outcome 1 (Claimed)
 // or 2 (TookOver) with the new token and the operation ID, or 3 (Exists)
 // with the row as the statement's snapshot saw it.
 //
@@ -105,7 +107,7 @@ WITH ` + existingCTE + `, renewed AS (
         status = 'started',
         operation_id = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN gen_random_uuid() ELSE k.operation_id END,
+            THEN $9::uuid ELSE k.operation_id END,
         lock_token = nextval('idempotency_lock_tokens'),
         created_at = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
@@ -143,20 +145,19 @@ WHERE NOT EXISTS (SELECT FROM renewed)
 UNION ALL
 ` + refusedAbsentRow
 
-// ClaimInsertSQL is the claim that Claim runs first (without BatchClaims,
-// and for a request whose first-sent check is not stale, which must not
-// insert the key): a plain insert of the key's row, started, which inserts
+// ClaimInsertSQL is the claim that Claim runs first (for a request whose
+// first-sent check is not stale, which must not insert the key): a plain insert of the key's row, started, which inserts
 // nothing when the key has a row. A new key, the common case, costs
 // PostgreSQL the insert alone: no read of the row first, no subquery, no
 // CTE to set up (a sixth less CPU than a statement that reads the row and
 // inserts it when it is absent; see bench/pgcost). It returns the new token
 // and operation ID, or no row, and then Claim reads the row with
-// ClaimReadSQL. Parameters $1 to $8 as ClaimSQL's.
+// ClaimReadSQL. Parameters $1 to $9 as ClaimSQL's.
 const ClaimInsertSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+VALUES ($1, $2, $3, $4, $5, $6, 'started', $9::uuid, nextval('idempotency_lock_tokens'),
     statement_timestamp(), statement_timestamp(), $7, $8, ` + claimedExpiryExpr + `)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text`
@@ -172,7 +173,7 @@ RETURNING lock_token, operation_id::text`
 // and rows as ClaimSQL.
 const ClaimReadSQL = `
 WITH ` + existingCTE + `, typed AS (
-    SELECT $3::text, $4::text, $7::bigint, $8::bigint -- unused: typed for the prepared statement
+    SELECT $3::text, $4::text, $7::bigint, $8::bigint, $9::uuid -- unused: typed for the prepared statement
 )
 ` + existingRow + `
 UNION ALL
@@ -198,9 +199,9 @@ const (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
         request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
-    SELECT $1, $2, $3, $4, $5, $6, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
+    SELECT $1, $2, $3, $4, $5, $6, 'started', $9::uuid, nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         $7, $8, ` + claimedExpiryExpr + `
-    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
@@ -210,16 +211,11 @@ const (
     (expired OR stale OR free) AND NOT refused
 FROM existing`
 	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
-	// did not have, for a stale first-sent check ($9), which inserted
+	// did not have, for a stale first-sent check ($10), which inserted
 	// nothing.
 	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
-WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
+WHERE $10::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
-
-// AsyncCommitSQL turns synchronous_commit off for the current transaction
-// only; sent in one batch with the claim, it covers the claim's implicit
-// transaction (see pgstore's Store.AsyncClaims).
-const AsyncCommitSQL = `SELECT set_config('synchronous_commit', 'off', true)`
 
 // RenewSQL renews the lease of a key its claim still owns ($1 client, $2
 // key, $3 token), by the lease stored with it: the lease, and the key's

@@ -1,6 +1,7 @@
 package keysql
 
 import (
+	"encoding/json"
 	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
@@ -28,7 +29,7 @@ UPDATE idempotency_keys SET
     status = 'completed',
     response_status = $4,
     response_content_type = $5,
-    response_headers = $6,
+    response_headers = $6::jsonb,
     response_body = $7,
     ` + finishedSetExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
@@ -69,11 +70,11 @@ const DivisionByZero = "22012"
 // ends, as if it were a duplicate.
 const ClaimTxSQL = `
 WITH ` + existingCTE + `, probe AS (
-    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $9::boolean THEN NULL
+    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $10::boolean THEN NULL
         ELSE pg_try_advisory_xact_lock(` + keyLockExpr + `) END AS held,
         $3::text AS method, $4::text AS path, $7::bigint AS lease_us, $8::bigint AS retention_us -- unused: typed for the prepared statement
 )
-SELECT 1, nextval('idempotency_lock_tokens'), gen_random_uuid()::text,
+SELECT 1, nextval('idempotency_lock_tokens'), $9::uuid::text,
     NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, false
 FROM probe WHERE held
@@ -130,7 +131,7 @@ INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
     request_method, request_path, request_hash, fingerprint_version, operation_id,
     created_at, locked_at, lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, 'completed', $4, $5, $6, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
+VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
     CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END)`
 
 // IsFence reports whether an error of SQLSTATE code, raised by query
@@ -149,3 +150,20 @@ func IsFence(query, code string) bool {
 const TakenSQL = `
 SELECT EXISTS (SELECT FROM idempotency_keys
     WHERE client_id = $1 AND idempotency_key = $2 AND lock_token <> $3)`
+
+// HeaderArg is the parameter of the response headers ($6 of CompleteSQL
+// and CompleteNewSQL, cast to jsonb there): their JSON as text, or SQL
+// NULL when there are none. Text encodes in every driver and every pgx
+// query mode (pgx's exec and simple_protocol modes cannot encode a map,
+// whose type they do not ask PostgreSQL for; lib/pq would send a []byte as
+// bytea).
+func HeaderArg(m map[string]string) (any, error) {
+	if len(m) == 0 {
+		return nil, nil
+	}
+	b, err := json.Marshal(m)
+	if err != nil {
+		return nil, err
+	}
+	return string(b), nil
+}

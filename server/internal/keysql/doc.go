@@ -15,7 +15,7 @@
 //
 // Each statement takes positional parameters ($1, $2, ...) of plain Go
 // types (string, []byte, int64, int32, bool, time.Time, or nil for SQL
-// NULL), which both pgx and database/sql's PostgreSQL drivers encode, but
-// for the response headers: pgx encodes a map[string]string as jsonb, and
-// a database/sql store passes their JSON as a string.
+// NULL), which both pgx and database/sql's PostgreSQL drivers encode in
+// every query mode; the response headers go as their JSON text
+// (HeaderArg), cast to jsonb in the statement.
 package keysql

@@ -15,6 +15,7 @@ const (
 	SerializationFailure     = "40001" // serialization_failure
 	DeadlockDetected         = "40P01" // deadlock_detected
 	UniqueViolation          = "23505" // unique_violation
+	ReadOnlySQLTransaction   = "25006" // read_only_sql_transaction: a standby, default_transaction_read_only
 )
 
 // Retryable reports whether code is the SQLSTATE of a statement that lost
@@ -41,14 +42,14 @@ func ConnEnded(code string) bool {
 const MaxRaces = 10
 
 // ClaimArgs returns the parameters of ClaimSQL and its kin for req ($1 to
-// $10); ClaimInsertSQL takes the first eight.
+// $11); ClaimInsertSQL takes the first nine.
 func ClaimArgs(req idempotency.ClaimRequest) []any {
 	var earliest *time.Time // NULL: no such rule
 	if !req.FirstSent.EarliestBegin.IsZero() {
 		earliest = &req.FirstSent.EarliestBegin
 	}
 	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
-		Micros(req.LockTimeout), Micros(req.Retention), req.FirstSent.Stale, earliest}
+		Micros(req.LockTimeout), Micros(req.Retention), req.OperationID(), req.FirstSent.Stale, earliest}
 }
 
 // Micros returns d in microseconds for a lease or retention column: 0

@@ -7,9 +7,11 @@ package sqlstoretest
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"testing"
 
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/sqlstore"
 	"github.com/idemkit/idem/server/storetest"
 )
@@ -42,6 +44,7 @@ func Run(t *testing.T, driver string) {
 		{"SideBySideWithPgstore", testSideBySide},
 		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
+		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"MigrateDropsChecksWhenFree", testMigrateDropsChecksWhenFree},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -198,4 +201,23 @@ func backendOn(db *sql.DB) storetest.Backend {
 			return written(ctx, db, name)
 		},
 	}
+}
+
+// testReadOnly claims a key on a database that refuses writes
+// (default_transaction_read_only, as a standby does): Claim fails with
+// idempotency.ErrReadOnly, which the middleware answers with 503.
+func testReadOnly(t *testing.T, driver string) {
+	_, url := OpenURL(t, driver)
+	s := sqlstore.New(open(t, driver, url+"&default_transaction_read_only=on"))
+	_, err := s.Claim(context.Background(), idempotency.ClaimRequest{ClientID: "c", Key: "k", Method: "POST",
+		Path: "/v1/orders", Fingerprint: []byte("fp"), FingerprintVersion: 1})
+	if !errors.Is(err, idempotency.ErrReadOnly) {
+		t.Errorf("Claim on a read-only database: %v, want ErrReadOnly", err)
+	}
+}
+
+// Conformance runs the conformance suite on driver with more connection
+// parameters (key=value&...): pgx's query modes, say.
+func Conformance(t *testing.T, driver, params string) {
+	storetest.Exercise(t, backendWith(driver, params))
 }
