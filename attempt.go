@@ -3,6 +3,8 @@ package idem
 import (
 	"context"
 	"net/http"
+	"net/http/httptrace"
+	"sync/atomic"
 )
 
 // attemptContext is the context of one attempt's request: the operation's
@@ -14,6 +16,7 @@ type attemptContext struct {
 	number   int
 	key      string
 	keyValue [1]string
+	trace    *httptrace.ClientTrace // the attempt's wire trace, for net/http
 }
 
 // attemptRequest is an attempt's request and its context in one
@@ -23,6 +26,57 @@ type attemptRequest struct {
 	req    http.Request
 	ctx    attemptContext
 	answer answerBody // the body of a 2xx answer read inside the attempt
+	wire   wireTrace  // what net/http put on the wire for the attempt
+}
+
+// wireTrace learns from net/http, through its httptrace hooks, whether an
+// attempt's request may have reached the server: net/http calls GetConn
+// before it looks for a connection, and WroteHeaders once a try's headers
+// are written, before they are flushed; a server can act on a request
+// only once it has its headers. Each is counted over every try net/http
+// makes of the attempt, its own re-sends on a new connection included.
+// The hooks run on net/http's goroutines, hence the atomics.
+type wireTrace struct {
+	trace httptrace.ClientTrace
+	conns atomic.Int32 // GetConn calls: the Base honours httptrace
+	wrote atomic.Int32 // WroteHeaders calls
+}
+
+// traceWire sets up the attempt's wire trace, which its context hands to
+// net/http. The trace rides in the attempt's own allocation; its two hooks
+// are the only allocations it costs. A trace the caller put on the
+// request's context (parent) is composed into it, so its hooks still run.
+func (ar *attemptRequest) traceWire(parent context.Context) {
+	w := &ar.wire
+	w.trace.GetConn = func(string) { w.conns.Add(1) }
+	w.trace.WroteHeaders = func() { w.wrote.Add(1) }
+	if httptrace.ContextClientTrace(parent) != nil {
+		// WithClientTrace composes the caller's hooks into w.trace; the
+		// context it returns is not needed, as the attempt's context
+		// answers for the trace itself.
+		_ = httptrace.WithClientTrace(parent, &w.trace)
+	}
+	ar.ctx.trace = &w.trace
+}
+
+// traceKey is the key under which httptrace looks a ClientTrace up in a
+// context, learnt once by asking a context that records it: the
+// attempt's context answers it without a context.WithValue of its own.
+var traceKey = func() any {
+	var p keyProbe
+	httptrace.ContextClientTrace(&p)
+	return p.key
+}()
+
+// keyProbe is a context that records the key it is asked for.
+type keyProbe struct {
+	context.Context
+	key any
+}
+
+func (p *keyProbe) Value(key any) any {
+	p.key = key
+	return nil
 }
 
 type attemptContextKey struct{}
@@ -32,6 +86,9 @@ type attemptContextKey struct{}
 func (c *attemptContext) Value(key any) any {
 	if key == (attemptContextKey{}) {
 		return c
+	}
+	if c.trace != nil && key == traceKey {
+		return c.trace
 	}
 	return c.Context.Value(key)
 }

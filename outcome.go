@@ -149,14 +149,26 @@ func (*refusedError) outcome() Outcome { return OutcomeNotSent }
 // (REFUSED_STREAM: "prior to any processing"); or a Base's refusal
 // (ErrNotSent), which is enough. The others are not enough alone:
 // http.Transport re-sends a request by itself after a write when it looks
-// replayable (a keep-alive race, a connection the server closed), and
-// returns the last try's error, a dial error if the server is gone. Such a
-// re-send reads the body, and before it the first try did; so the attempt
-// is not sent only if its body is an in-memory reader that is still
-// unread, or if there is no body (or none that can be told) and
-// http.Transport would not re-send the request after a write. HTTP/2's own
-// re-sends are of requests the server did not process, by its protocol.
-func notSent(req *http.Request, body io.ReadCloser, err error) bool {
+// replayable (a keep-alive race, a connection the server closed, an
+// HTTP/2 stream reset with PROTOCOL_ERROR, golang/go#47635), and returns
+// the last try's error, a dial error if the server is gone.
+//
+// When the Base reports to httptrace (net/http does, and so do the
+// wrappers that pass the request's context on), the attempt's wire trace
+// says it: the attempt is not sent only if no try of it wrote its
+// headers. A Body the server never read proves nothing: a server can act
+// on the headers alone (a POST with Expect: 100-continue, answered by a
+// cut connection, then re-sent by net/http on a new one that is refused).
+//
+// Without a trace, the body is the evidence: a re-send reads the body, and
+// before it the first try did; so the attempt is not sent only if its body
+// is an in-memory reader that is still unread and the request does not
+// ask for 100-continue, or if there is no body (or none that can be told)
+// and http.Transport would not re-send the request after a write. HTTP/2's
+// own re-sends are of requests the server did not process, by its
+// protocol, but for a reset with PROTOCOL_ERROR, which an unread body
+// covers as for HTTP/1.
+func notSent(req *http.Request, body io.ReadCloser, err error, w *wireTrace) bool {
 	if errors.Is(err, ErrNotSent) {
 		// The Base vouches for it. It may have read the body all the same:
 		// failsafe-go's round tripper buffers it before its policies run.
@@ -165,6 +177,12 @@ func notSent(req *http.Request, body io.ReadCloser, err error) bool {
 	if !beforeWrite(err) {
 		return false
 	}
+	if w != nil && w.conns.Load() > 0 {
+		return w.wrote.Load() == 0
+	}
+	if expectsContinue(req) {
+		return false // its body waits for the server, which may act without it
+	}
 	switch unread(body, req.ContentLength) {
 	case yes:
 		return true
@@ -172,6 +190,17 @@ func notSent(req *http.Request, body io.ReadCloser, err error) bool {
 		return false
 	}
 	return !replayedAfterWrite(req)
+}
+
+// expectsContinue reports whether req asks for 100-continue: its body is
+// sent only once the server has its headers.
+func expectsContinue(req *http.Request) bool {
+	for _, v := range req.Header["Expect"] {
+		if strings.EqualFold(strings.TrimSpace(v), "100-continue") {
+			return true
+		}
+	}
+	return false
 }
 
 // beforeWrite reports whether err is of a kind that comes before any byte

@@ -618,6 +618,7 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
 	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key}}
+	ar.traceWire(op.ctx) // attempt.go
 	actx := &ar.ctx
 	cancel = func() {}
 	var timer *time.Timer
@@ -659,7 +660,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			resp.Body = http.NoBody
 		}
 	}
-	if resp != nil || !notSent(areq, body, err) { // outcome.go
+	if resp != nil || !notSent(areq, body, err, &ar.wire) { // outcome.go
 		op.reached = true
 	}
 	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {

@@ -18,11 +18,10 @@
 //
 // It runs five stories against two in-process providers on 127.0.0.1 and
 // prints where each payment was made. In the last, the primary is down:
-// failsafe-go's round tripper reads the request body before sending, so
-// idem cannot tell its refused connections from a request re-sent after a
-// write, and the payment in flight stays unknown (kept, never failed
-// over) while the breaker opens; the next payment is refused by the
-// breaker and fails over at once.
+// no attempt writes its headers, which idem learns from net/http's trace
+// (failsafe-go's round tripper passes the request's context on), so the
+// payment was not sent and fails over at once; the next one is refused by
+// the breaker, open by then, and fails over too.
 package main
 
 import (
