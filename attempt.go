@@ -25,8 +25,9 @@ type attemptContext struct {
 type attemptRequest struct {
 	req    http.Request
 	ctx    attemptContext
-	answer answerBody // the body of a 2xx answer read inside the attempt
-	wire   wireTrace  // what net/http put on the wire for the attempt
+	answer answerBody  // the body of a 2xx answer read inside the attempt
+	wire   wireTrace   // what net/http put on the wire for the attempt
+	body   trackedBody // the request body, if it is not read from memory
 }
 
 // wireTrace learns from net/http, through its httptrace hooks, whether an

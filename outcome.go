@@ -174,14 +174,17 @@ func notSent(req *http.Request, body io.ReadCloser, err error, w *wireTrace) boo
 		// failsafe-go's round tripper buffers it before its policies run.
 		return true
 	}
-	if !beforeWrite(err) {
+	var local *localError
+	if !beforeWrite(err) && !errors.As(err, &local) {
 		return false
 	}
 	if w != nil && w.conns.Load() > 0 {
 		return w.wrote.Load() == 0
 	}
-	if expectsContinue(req) {
-		return false // its body waits for the server, which may act without it
+	if local != nil || expectsContinue(req) {
+		// A body that failed was being sent; one that waits for
+		// 100-continue waits for a server that may act without it.
+		return false
 	}
 	switch unread(body, req.ContentLength) {
 	case yes:
@@ -269,13 +272,27 @@ const (
 )
 
 // unread says whether an attempt's body, of the given length (-1 or 0 if
-// unknown), is still unread: yes for an in-memory reader (bytes.Reader,
-// strings.Reader, idem's own; a bytes.Buffer of the given length), bare or
-// under io.NopCloser, at its start; no for one that has moved; unsure for
-// any other body, or none.
+// unknown), is still unread: yes for an in-memory reader (see inMemory) at
+// its start; no for one that has moved; unsure for any other body, or
+// none.
 func unread(body io.ReadCloser, length int64) tristate {
+	left, size, ok := inMemory(body, length)
+	switch {
+	case !ok, size <= 0:
+		return unsure
+	case left == size:
+		return yes
+	}
+	return no
+}
+
+// inMemory reports whether body is an in-memory reader (bytes.Reader,
+// strings.Reader, idem's own; a bytes.Buffer, whose size is taken to be
+// length), bare or under io.NopCloser, and returns what is left to read of
+// it and its size. Only these: another type's Len could mean anything.
+func inMemory(body io.ReadCloser, length int64) (left, size int64, ok bool) {
 	if body == nil || body == http.NoBody {
-		return unsure // nothing to read tells nothing
+		return 0, 0, false // nothing to read tells nothing
 	}
 	var r any = body
 	// io.NopCloser's types are unexported structs of package io with the
@@ -283,26 +300,15 @@ func unread(body io.ReadCloser, length int64) tristate {
 	if v := reflect.ValueOf(body); v.Kind() == reflect.Struct && v.Type().PkgPath() == "io" && v.NumField() == 1 && v.Field(0).CanInterface() {
 		r = v.Field(0).Interface()
 	}
-	// Only types whose Len is what is left to read: another type's Len
-	// could mean anything.
-	var left, size int64
 	switch r := r.(type) {
 	case *bytes.Reader:
-		left, size = int64(r.Len()), r.Size()
+		return int64(r.Len()), r.Size(), true
 	case *bytesBody:
-		left, size = int64(r.Len()), r.Size()
+		return int64(r.Len()), r.Size(), true
 	case *strings.Reader:
-		left, size = int64(r.Len()), r.Size()
+		return int64(r.Len()), r.Size(), true
 	case *bytes.Buffer:
-		left, size = int64(r.Len()), length
-	default:
-		return unsure
+		return int64(r.Len()), length, true
 	}
-	switch {
-	case size <= 0:
-		return unsure
-	case left == size:
-		return yes
-	}
-	return no
+	return 0, 0, false
 }

@@ -195,8 +195,9 @@ func decide(keyed bool, resp *http.Response, err error) (v verdict, reason strin
 // caller's: the caller's cancellation, a certificate or TLS handshake the
 // server refuses, a name that does not resolve, a Base that refused to
 // send ([ErrNotSent]: a circuit breaker, say, which a retry would defeat)
-// or returned nothing, and idem's own errors from a Base that is itself a
-// Transport.
+// or returned nothing, a request body whose own Read failed or whose length
+// disagreed with its ContentLength (a localError, which would fail again),
+// and idem's own errors from a Base that is itself a Transport.
 //
 // The list is of what not to retry, not of what to retry, because
 // net/http's errors after a request was written are plain strings: an
@@ -230,7 +231,8 @@ func retryableError(err error) bool {
 	if errors.As(err, &dnsErr) {
 		return dnsErr.IsTimeout || dnsErr.IsTemporary
 	}
-	if errors.Is(err, ErrNotSent) || errors.Is(err, errNilResponse) || idemError(err) {
+	var local *localError
+	if errors.Is(err, ErrNotSent) || errors.Is(err, errNilResponse) || errors.As(err, &local) || idemError(err) {
 		return false
 	}
 	return true
@@ -253,6 +255,8 @@ func errorReason(err error) string {
 	switch {
 	case errors.Is(err, ErrAttemptTimeout):
 		return "attempt timed out"
+	case errors.As(err, new(*localError)):
+		return "request body"
 	case errors.Is(err, syscall.ECONNREFUSED):
 		return "connection refused"
 	case errors.Is(err, syscall.ECONNRESET):

@@ -642,12 +642,13 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	if op.header != "" || op.sentHeader != "" {
 		areq.Header = op.attemptHeader(&actx.keyValue)
 	}
-	areq.Body = body
+	areq.Body = track(body, &ar.body) // localerr.go
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
 	}
 	resp, err = op.t.base().RoundTrip(areq)
+	err = ar.body.local(err, areq.ContentLength)
 	if resp == nil && err == nil {
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
@@ -871,6 +872,10 @@ type body struct {
 func (b *body) init(req *http.Request, limit int64) error {
 	b.length = -1
 	b.replayable = true
+	if err := checkLength(req); err != nil { // localerr.go
+		closeBody(req)
+		return err
+	}
 	if req.Body == nil || req.Body == http.NoBody {
 		b.first = req.Body
 		return nil
