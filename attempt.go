@@ -17,6 +17,9 @@ type attemptContext struct {
 	key      string
 	keyValue [1]string
 	trace    *httptrace.ClientTrace // the attempt's wire trace, for net/http
+	// afterReached says an earlier attempt of the operation may have
+	// reached the server: this one's answer is no word on that one's.
+	afterReached bool
 }
 
 // attemptRequest is an attempt's request and its context in one

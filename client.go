@@ -111,7 +111,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 		// Bounded as the Transport bounds problem details: a caller whose
 		// context has no deadline is not held by a body that stalls.
 		problem, raw := readProblem(resp, maxDrainTime)
-		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Key: key, Body: raw}
+		apiErr := &APIError{StatusCode: resp.StatusCode, Method: method, URL: redact(req), Key: key, Body: raw, afterReached: afterReached(resp)}
 		if isJSON(resp.Header.Get("Content-Type")) {
 			apiErr.Problem = problem
 		}

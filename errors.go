@@ -222,6 +222,8 @@ type APIError struct {
 	Key        string // the idempotency key sent; "" for unkeyed methods
 	Problem    *Problem
 	Body       []byte
+
+	afterReached bool // it answered a retry after an attempt that may have reached the server
 }
 
 // Error returns a message with the request, the status and the problem details.

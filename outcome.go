@@ -67,7 +67,9 @@ var ErrNotSent = errors.New("idem: not sent")
 //
 //   - A response: OutcomeDone, but for 408, 409, 429 and 5xx, which are
 //     OutcomeUnknown: no final answer (the server, or an earlier attempt,
-//     may have acted).
+//     may have acted); and for any other 4xx that answered a retry after
+//     an attempt that may have reached the server: a refusal of the retry
+//     (401, 403, 404, …) is no word on what the earlier attempt did.
 //   - A [*KeyReuseError] to the first attempt, or after attempts that
 //     were all not sent: OutcomeDone; to a retry: OutcomeUnknown.
 //   - An [*InProgressError]: OutcomeUnknown.
@@ -83,7 +85,7 @@ var ErrNotSent = errors.New("idem: not sent")
 // A nil err with a nil resp is OutcomeDone.
 func OutcomeOf(resp *http.Response, err error) Outcome {
 	if resp != nil {
-		return statusOutcome(resp.StatusCode)
+		return answerOutcome(resp.StatusCode, afterReached(resp))
 	}
 	if err == nil {
 		return OutcomeDone
@@ -125,7 +127,29 @@ func (e *KeyReuseError) outcome() Outcome {
 
 func (*InProgressError) outcome() Outcome { return OutcomeUnknown }
 
-func (e *APIError) outcome() Outcome { return statusOutcome(e.StatusCode) }
+func (e *APIError) outcome() Outcome { return answerOutcome(e.StatusCode, e.afterReached) }
+
+// answerOutcome is the outcome of an answer of status code that came to
+// an attempt, after one that may have reached the server (afterReached)
+// or not: a 4xx refuses the attempt it answers, and says nothing of what
+// an earlier one did.
+func answerOutcome(code int, afterReached bool) Outcome {
+	if afterReached && code >= 400 && code < 500 {
+		return OutcomeUnknown
+	}
+	return statusOutcome(code)
+}
+
+// afterReached reports whether resp answered an attempt of a Transport
+// after one that may have reached the server, as the attempt's context
+// (the response's Request's) says.
+func afterReached(resp *http.Response) bool {
+	if resp.Request == nil {
+		return false
+	}
+	c, ok := resp.Request.Context().Value(attemptContextKey{}).(*attemptContext)
+	return ok && c.afterReached
+}
 
 // refusedError is an error returned before anything was sent: an invalid
 // key, a body that cannot carry it or could not be read. Its message is

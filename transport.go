@@ -617,7 +617,7 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // caller closes the body.
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key}}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key, afterReached: op.reached}}
 	ar.traceWire(op.ctx) // attempt.go
 	actx := &ar.ctx
 	cancel = func() {}
@@ -652,6 +652,9 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	if resp == nil && err == nil {
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
+	}
+	if resp != nil && resp.Request == nil {
+		resp.Request = areq // as net/http's; OutcomeOf reads its context
 	}
 	if resp != nil && resp.Body == nil {
 		// As http.Client takes it: an empty body, unless it should not be.
