@@ -52,8 +52,11 @@ func (c *Client) Get(ctx context.Context, path string, out any) (*http.Response,
 // [Replayed]). A non-2xx answer is returned as an [*APIError], with the
 // start of its body (64 KiB, read for one second at most); the
 // Transport's own errors ([*KeyReuseError], [*InProgressError],
-// [*KeyExpiredError], [*RetryError]) come back inside a *url.Error,
-// reachable with errors.As.
+// [*KeyExpiredError], [*AnswerLostError], [*RetryError]) come back inside
+// a *url.Error, reachable with errors.As. A 2xx answer to a keyed request
+// whose body cannot be read or decoded into out is an [*AnswerLostError]
+// (the operation took effect; ask again with its key), returned with the
+// response.
 //
 // A POST or PATCH whose ctx pins no key ([WithKey]) gets a new key
 // ([NewKey]) pinned for the call: every attempt and every redirect of the
@@ -124,7 +127,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 			if key == "" {
 				return resp, fmt.Errorf("idem: %s %s: %w", method, redact(req), err)
 			}
-			return resp, withKey(method, req, key, err)
+			return resp, &AnswerLostError{Key: key, Method: method, URL: redact(req), StatusCode: resp.StatusCode, Attempts: attemptNumber(resp), Err: err}
 		}
 	}
 	readBody(io.Discard, resp, maxDrain, maxDrainTime) // what follows the JSON, for the connection's sake

@@ -188,6 +188,76 @@ func (e *KeyReuseError) Error() string {
 	return msg
 }
 
+// AnswerLostError is returned when a keyed operation took effect, as a 2xx
+// answer said, but the body of that answer was lost: cut while
+// [Transport] read it inside its attempt, after which the retries with the
+// same key that would have read the server's replay did not get it (a
+// refusal, a 5xx, an error, the attempts or the time ran out); or, from
+// [Client], a 2xx answer whose body could not be read or decoded. The
+// operation is done: it happened ([OutcomeOf] says [OutcomeDone]), whatever
+// came after, and must never be sent again under a new key. Ask again with
+// the same key ([WithKey]) for the answer:
+//
+//	var lost *idem.AnswerLostError
+//	if errors.As(err, &lost) {
+//		// paid (lost.StatusCode); fetch the receipt again with lost.Key
+//	}
+type AnswerLostError struct {
+	Key        string
+	Method     string
+	URL        string
+	StatusCode int // the 2xx status the server answered
+	// Attempts counts the attempts sent by the call (0 when unknown).
+	Attempts int
+	// Err is how the answer's body was lost: the error of its read (or
+	// decoding, from Client).
+	Err error
+	// Last is how the attempts after it ended: a status (an error whose
+	// message is the status line), or the error the call would have
+	// ended with (a *RetryError, a *KeyReuseError, …); nil when none came
+	// after it. It is not in the error's chain: what came after does not
+	// undo the 2xx, and errors.As must not find a refusal in it.
+	Last error
+}
+
+func (*AnswerLostError) namesRequest() {}
+
+// Error returns a message that names the key and the 2xx status, says that
+// the operation took effect and how to get its answer, and ends with how
+// the body was lost and how the retries ended.
+func (e *AnswerLostError) Error() string {
+	msg := fmt.Sprintf("idem: %s %s with idempotency key %s: the server answered %d %s, so the operation took effect, but the answer was lost (%v)",
+		e.Method, e.URL, e.Key, e.StatusCode, httpstatus.Text(e.StatusCode), e.Err)
+	if e.Last != nil {
+		msg += " and asking again with the key got " + briefly(e.Last)
+	}
+	return msg + "; ask again with the same key for the answer"
+}
+
+// briefly describes an error that ended a call, without the request and
+// key its message may repeat.
+func briefly(err error) string {
+	var (
+		reuse    *KeyReuseError
+		progress *InProgressError
+		expired  *KeyExpiredError
+	)
+	switch {
+	case errors.As(err, &reuse):
+		return "422: the key was used for a different request"
+	case errors.As(err, &progress):
+		return "409: still in progress"
+	case errors.As(err, &expired):
+		return "410: the key expired"
+	}
+	return err.Error()
+}
+
+// Unwrap returns Err.
+func (e *AnswerLostError) Unwrap() error { return e.Err }
+
+func (*AnswerLostError) outcome() Outcome { return OutcomeDone }
+
 // Problem holds RFC 9457 problem details, as sent in an
 // application/problem+json body.
 type Problem struct {

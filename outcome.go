@@ -72,6 +72,8 @@ var ErrNotSent = errors.New("idem: not sent")
 //     (401, 403, 404, …) is no word on what the earlier attempt did.
 //   - A [*KeyReuseError] to the first attempt, or after attempts that
 //     were all not sent: OutcomeDone; to a retry: OutcomeUnknown.
+//   - An [*AnswerLostError] (a 2xx whose body was lost): OutcomeDone,
+//     whatever came after it.
 //   - An [*InProgressError]: OutcomeUnknown.
 //   - A [*RetryError]: OutcomeNotSent if no attempt was sent (each failed
 //     to connect or was refused before sending), else OutcomeUnknown.
@@ -138,6 +140,19 @@ func answerOutcome(code int, afterReached bool) Outcome {
 		return OutcomeUnknown
 	}
 	return statusOutcome(code)
+}
+
+// attemptNumber returns the number of the attempt resp answered, or 0 if
+// it did not come from a Transport.
+func attemptNumber(resp *http.Response) int {
+	if resp.Request == nil {
+		return 0
+	}
+	c, _ := resp.Request.Context().Value(attemptContextKey{}).(*attemptContext)
+	if c == nil {
+		return 0
+	}
+	return c.number
 }
 
 // afterReached reports whether resp answered an attempt of a Transport

@@ -246,8 +246,11 @@ func idemError(err error) bool {
 		retryErr    *RetryError
 		reuseErr    *KeyReuseError
 		progressErr *InProgressError
+		lostErr     *AnswerLostError
+		expiredErr  *KeyExpiredError
 	)
 	return errors.As(err, &retryErr) || errors.As(err, &reuseErr) || errors.As(err, &progressErr) ||
+		errors.As(err, &lostErr) || errors.As(err, &expiredErr) ||
 		errors.Is(err, ErrBodyNotReplayable) || errors.Is(err, ErrBudgetExhausted) || errors.Is(err, ErrKeyBodyField)
 }
 

@@ -72,6 +72,10 @@ const maxDrainTime = time.Second
 //   - A keyed request's 2xx answer of at most MaxBufferedResponse bytes
 //     is read whole inside its attempt: one cut while it is read is
 //     retried with the same key, and the server's replay completes it.
+//     Once such a 2xx was seen, the operation took effect: if no later
+//     attempt brings a whole 2xx (a refusal, a 5xx, an error), RoundTrip
+//     returns an [*AnswerLostError] with the status seen, never the
+//     refusal.
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
 //     Errors not retried are those known to recur (a certificate the
@@ -308,8 +312,8 @@ var errOperationTimedOut = fmt.Errorf("idem: operation time is up: %w", context.
 
 // RoundTrip sends req as one logical operation, retrying as the
 // [Transport] documentation says. It returns the final response, or a
-// [*KeyReuseError], [*InProgressError], [*KeyExpiredError] or
-// [*RetryError], or, for an unkeyed
+// [*KeyReuseError], [*InProgressError], [*KeyExpiredError],
+// [*AnswerLostError] or [*RetryError], or, for an unkeyed
 // request, the error of a single attempt that is not retried. It always
 // closes req.Body.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -356,6 +360,10 @@ type operation struct {
 	// reached says an attempt may have reached the server: it got a
 	// response, or an error that does not prove otherwise (see notSent).
 	reached bool
+	// lostCode is the status of the first 2xx answer whose body was lost
+	// while it was read inside its attempt, lostErr how; 0 if none was.
+	lostCode int
+	lostErr  error
 
 	keyed, idempotent bool
 	header, key, val  string
@@ -378,7 +386,32 @@ type operation struct {
 	conflictBackoff *backoff.ExponentialBackOff
 }
 
+// run runs the operation's attempts, and ends it. An operation that saw a
+// 2xx answer whose body was lost ends with that answer's status, never with
+// a later refusal (see AnswerLostError), unless a later 2xx came whole.
 func (op *operation) run() (*http.Response, error) {
+	resp, err := op.attemptAll()
+	if op.lostCode == 0 || (err == nil && resp.StatusCode/100 == 2) {
+		return resp, err
+	}
+	return op.answerLost(resp, err)
+}
+
+// answerLost ends an operation that saw a 2xx answer whose body was lost,
+// and whose retries, which would have read it again, ended in resp or err.
+func (op *operation) answerLost(resp *http.Response, err error) (*http.Response, error) {
+	last := err
+	if resp != nil {
+		last = errors.New(resp.Status)
+		op.drain(resp)
+	}
+	return nil, &AnswerLostError{
+		Key: op.key, Method: cmp.Or(op.req.Method, http.MethodGet), URL: redact(op.req),
+		StatusCode: op.lostCode, Attempts: op.attempts, Err: op.lostErr, Last: last,
+	}
+}
+
+func (op *operation) attemptAll() (*http.Response, error) {
 	req := op.req
 	method := cmp.Or(req.Method, http.MethodGet)
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
@@ -669,8 +702,12 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	}
 	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {
 		// Read inside the attempt, under its timer: a cut is retried.
+		code := resp.StatusCode
 		if err = readAnswer(resp, &ar.answer); err != nil {
 			resp = nil
+			if op.lostCode == 0 {
+				op.lostCode, op.lostErr = code, err // the operation took effect
+			}
 		}
 	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
