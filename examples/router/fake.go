@@ -3,6 +3,8 @@ package main
 import (
 	"encoding/json"
 	"fmt"
+	"io"
+	"log"
 	"net/http"
 	"net/http/httptest"
 	"sync"
@@ -21,11 +23,15 @@ type fakeProvider struct {
 	keys     []string          // of each request
 	payments map[string]string // key → payment id
 	cut      func(n int) bool
+	// cutBody, if set, is asked for each request (1 for the first)
+	// whether to answer 201 with a chunked body cut half-way, after the
+	// payment is made.
+	cutBody func(n int) bool
 }
 
 func newFakeProvider(name string) *fakeProvider {
 	f := &fakeProvider{payments: map[string]string{}}
-	f.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	f.srv = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		var p Payment
 		key := r.Header.Get("Idempotency-Key")
 		if r.Method != http.MethodPost || key == "" || json.NewDecoder(r.Body).Decode(&p) != nil || p.Amount <= 0 {
@@ -42,6 +48,7 @@ func newFakeProvider(name string) *fakeProvider {
 			f.payments[key] = id
 		}
 		cut := f.cut != nil && f.cut(n)
+		cutBody := f.cutBody != nil && f.cutBody(n)
 		f.mu.Unlock()
 		if cut {
 			if conn, _, err := w.(http.Hijacker).Hijack(); err == nil {
@@ -54,8 +61,15 @@ func newFakeProvider(name string) *fakeProvider {
 			w.Header().Set("Idempotent-Replayed", "true")
 		}
 		w.WriteHeader(http.StatusCreated)
+		if cutBody {
+			fmt.Fprintf(w, `{"id":%q`, id[:len(id)/2])
+			w.(http.Flusher).Flush() // a chunk, then the connection is cut
+			panic(http.ErrAbortHandler)
+		}
 		fmt.Fprintf(w, `{"id":%q}`, id)
 	}))
+	f.srv.Config.ErrorLog = log.New(io.Discard, "", 0) // the cut answers are logged
+	f.srv.Start()
 	return f
 }
 
@@ -77,6 +91,13 @@ func (f *fakeProvider) seenKeys() []string {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return append([]string(nil), f.keys...)
+}
+
+// cuttingBodies makes the provider cut the bodies of its first n answers.
+func (f *fakeProvider) cuttingBodies(n int) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.cutBody = func(i int) bool { return i <= n }
 }
 
 // cutting makes the provider cut its first n answers.

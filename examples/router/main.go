@@ -16,7 +16,7 @@
 //     to the primary again, with the same key, a few rounds; never to the
 //     fallback, which could charge the customer twice.
 //
-// It runs five stories against two in-process providers on 127.0.0.1 and
+// It runs six stories against two in-process providers on 127.0.0.1 and
 // prints where each payment was made. In the last, the primary is down:
 // no attempt writes its headers, which idem learns from net/http's trace
 // (failsafe-go's round tripper passes the request's context on), so the
@@ -66,6 +66,10 @@ var stories = []story{
 	}},
 	{"the primary makes the payment, then cuts its answer, twice", 1, func(primary *fakeProvider) (string, func(*Provider)) {
 		primary.cutting(2)
+		return primary.URL(), nil
+	}},
+	{"the primary makes the payment, then cuts its receipt mid-way", 1, func(primary *fakeProvider) (string, func(*Provider)) {
+		primary.cuttingBodies(1)
 		return primary.URL(), nil
 	}},
 	{"the primary makes the payment, then cuts every answer", 1, func(primary *fakeProvider) (string, func(*Provider)) {

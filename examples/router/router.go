@@ -114,8 +114,9 @@ func (e *UnknownError) Unwrap() error { return e.Err }
 
 // Pay makes the payment p at most once: at the Primary, or, if nothing
 // reached the Primary, at the Fallback. It returns a Receipt, the
-// provider's definite refusal (an *idem.APIError), an *UnknownError, or
-// the error of a payment that reached no provider.
+// provider's definite refusal (an *idem.APIError, or an
+// *idem.KeyReuseError), an *UnknownError, or the error of a payment that
+// reached no provider.
 func (r *Router) Pay(ctx context.Context, p Payment) (*Receipt, error) {
 	rec, outcome, err := r.settle(ctx, r.Primary, p)
 	if outcome != idem.OutcomeNotSent || r.Fallback == nil {
@@ -133,7 +134,10 @@ func (r *Router) Pay(ctx context.Context, p Payment) (*Receipt, error) {
 // settle sends p to prov under a new key until its outcome is known, or
 // the rounds run out. Once a round's outcome was unknown, the payment's is
 // unknown until a round says done: a later round that is not sent (the
-// breaker opened meanwhile) does not make it not sent.
+// breaker opened meanwhile) does not make it not sent. A payment made
+// whose receipt was lost (an *idem.AnswerLostError: a 2xx whose body was
+// cut) is asked for again with its key, as an unknown one is: the
+// provider's replay is the receipt.
 func (r *Router) settle(ctx context.Context, prov *Provider, p Payment) (*Receipt, idem.Outcome, error) {
 	key := idem.NewKey()
 	ctx = idem.WithKey(ctx, key)
@@ -143,10 +147,15 @@ func (r *Router) settle(ctx context.Context, prov *Provider, p Payment) (*Receip
 		resp, err := prov.Client.Post(ctx, "/v1/payments", p, &rec)
 		switch idem.OutcomeOf(resp, err) {
 		case idem.OutcomeDone:
-			if err != nil {
+			var lost *idem.AnswerLostError
+			switch {
+			case errors.As(err, &lost):
+				unknown = true // paid, without a receipt: ask again for it
+			case err != nil:
 				return nil, idem.OutcomeDone, err
+			default:
+				return &rec, idem.OutcomeDone, nil
 			}
-			return &rec, idem.OutcomeDone, nil
 		case idem.OutcomeNotSent:
 			if !unknown {
 				return nil, idem.OutcomeNotSent, fmt.Errorf("%s: %w", prov.Name, err)

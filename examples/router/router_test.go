@@ -122,6 +122,45 @@ func TestHalfSentPaymentRecovers(t *testing.T) {
 	assert.Zero(t, fr)
 }
 
+// TestCutReceiptIsAskedForAgain: the primary makes the payment and
+// answers 201 with a chunked body cut mid-way. The payment was made: the
+// router asks the primary again with the same key and gets the receipt
+// from its replay; the fallback never sees the payment.
+func TestCutReceiptIsAskedForAgain(t *testing.T) {
+	primary, fallback := providers(t)
+	primary.cuttingBodies(1)
+	r, _ := routerFor(t, primary.URL(), fallback)
+
+	rec, err := r.Pay(context.Background(), payment)
+	require.NoError(t, err)
+	assert.Equal(t, "primary", rec.Provider)
+	assert.Equal(t, "primary_pay_1", rec.ID)
+	keys := primary.seenKeys()
+	require.Len(t, keys, 2)
+	assert.Equal(t, []string{rec.Key, rec.Key}, keys)
+	fp, fr := fallback.made()
+	assert.Zero(t, fp)
+	assert.Zero(t, fr)
+}
+
+// TestEveryReceiptCutIsUnknown: every answer of the primary is a 201 cut
+// mid-way: Pay never says "not paid", and never fails over; it returns
+// an UnknownError with the key to ask with.
+func TestEveryReceiptCutIsUnknown(t *testing.T) {
+	primary, fallback := providers(t)
+	primary.cuttingBodies(1 << 30)
+	r, _ := routerFor(t, primary.URL(), fallback)
+
+	_, err := r.Pay(context.Background(), payment)
+	var unknown *UnknownError
+	require.ErrorAs(t, err, &unknown)
+	assert.Equal(t, "primary", unknown.Provider)
+	pp, _ := primary.made()
+	assert.Equal(t, 1, pp)
+	_, fr := fallback.made()
+	assert.Zero(t, fr)
+}
+
 // TestPrimaryDown: a primary whose port is closed. failsafe-go's round
 // tripper reads the body before sending, but passes the request's context
 // on, so idem's wire trace sees that no attempt wrote its headers: the
@@ -147,7 +186,8 @@ func TestRun(t *testing.T) {
 	require.NoError(t, run(context.Background(), &out))
 	for _, want := range []string{
 		"2. the primary's circuit breaker is open\n   paid at fallback\n   payments made: primary 0 (0 requests), fallback 1\n",
-		"4. the primary makes the payment, then cuts every answer\n   outcome unknown: kept to send again to primary with key ",
+		"4. the primary makes the payment, then cuts its receipt mid-way\n   paid at primary\n",
+		"5. the primary makes the payment, then cuts every answer\n   outcome unknown: kept to send again to primary with key ",
 	} {
 		assert.Contains(t, out.String(), want)
 	}
