@@ -100,6 +100,7 @@ func (op *operation) initBodyKey() error {
 			op.val = val
 		}
 	} else {
+		op.newKey = !pinned(req, vs)
 		op.key, op.val, err = keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 		if err != nil {
 			return err

@@ -75,7 +75,7 @@ func (c *Client) Do(ctx context.Context, method, path string, in, out any) (*htt
 		}
 		// Pinned again, so that the Transport says which key it sent: a
 		// key already in the body (KeyBodyField) wins over this one.
-		ctx, ck = withClientKey(ctx, key)
+		ctx, ck = withClientKey(ctx, key, !pinned)
 	}
 	var body io.Reader
 	if in != nil {

@@ -74,13 +74,14 @@ func KeyFromContext(ctx context.Context) (string, bool) {
 // already in the body's KeyBodyField.
 type clientKey struct {
 	key  string
+	made bool // by the Client, for this call: not the caller's
 	sent atomic.Pointer[string]
 }
 
 // withClientKey returns a copy of ctx that pins key, as WithKey does, and
 // the clientKey that tells the key sent.
-func withClientKey(ctx context.Context, key string) (context.Context, *clientKey) {
-	ck := &clientKey{key: key}
+func withClientKey(ctx context.Context, key string, made bool) (context.Context, *clientKey) {
+	ck := &clientKey{key: key, made: made}
 	return context.WithValue(ctx, keyContextKey{}, ck), ck
 }
 
@@ -128,6 +129,21 @@ func headerValues(h http.Header, name string) (vs []string, respelt bool) {
 // to send, in this order of precedence: the key header already on req
 // (vs, its values under any spelling, from headerValues), the key pinned on
 // its context, a new key from newKey, or from [NewKey] if newKey is nil.
+// pinned reports whether keyFor finds the key of req in its key header's
+// values vs or its context, rather than making one.
+func pinned(req *http.Request, vs []string) bool {
+	if len(vs) > 0 {
+		return true
+	}
+	switch v := req.Context().Value(keyContextKey{}).(type) {
+	case string:
+		return true
+	case *clientKey:
+		return !v.made
+	}
+	return false
+}
+
 func keyFor(req *http.Request, vs []string, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
 	if len(vs) > 0 {
 		key, err := keyheader.Parse(vs)

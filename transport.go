@@ -195,6 +195,22 @@ type Transport struct {
 	// Repeatable Requests) is used.
 	FirstSentHeader string
 
+	// FirstSentMemory is how long the Transport remembers, in memory, the
+	// first-sent time of each key it sent: a key sent again without
+	// [WithFirstSent] ([WithKey] alone, or a key header or body field of
+	// the caller's) carries the time it was first sent with, not the time
+	// of its new call, so a server that let the key go refuses it instead
+	// of running the operation again. A key made for an operation
+	// ([NewKey]) is remembered only if the operation did not end in a 2xx.
+	// At most [MaxRememberedKeys] keys are remembered, and a key is
+	// forgotten once its first-sent time is older than FirstSentMemory.
+	// Nothing of it survives the process: an application that asks again
+	// about an operation after a restart, or later than this, must store
+	// the key and the first-sent time with the operation and pin both
+	// ([WithKey], [WithFirstSent]). If zero, [DefaultFirstSentMemory] (24
+	// hours) is used; a negative value remembers nothing.
+	FirstSentMemory time.Duration
+
 	// NoFirstSent sends no first-sent time (see FirstSentHeader): a retry
 	// that reaches a server after it purged the key may then run the
 	// operation again.
@@ -225,6 +241,7 @@ type Transport struct {
 	budgetOnce sync.Once
 	budget     *RetryBudget
 	sentCache  atomic.Pointer[sentStamp] // the first-sent value of the current second
+	sent       sentMemory                // the first-sent time of each key sent (sentmemory.go)
 }
 
 // Attempt describes one attempt of a logical operation. [Transport.OnAttempt]
@@ -360,6 +377,9 @@ type operation struct {
 	// reached says an attempt may have reached the server: it got a
 	// response, or an error that does not prove otherwise (see notSent).
 	reached bool
+	// newKey says the operation's key was made for it (NewKey), not
+	// pinned by the caller.
+	newKey bool
 	// lostCode is the status of the first 2xx answer whose body was lost
 	// while it was read inside its attempt, lostErr how; 0 if none was.
 	lostCode int
@@ -391,6 +411,7 @@ type operation struct {
 // a later refusal (see AnswerLostError), unless a later 2xx came whole.
 func (op *operation) run() (*http.Response, error) {
 	resp, err := op.attemptAll()
+	op.rememberNewKey(err != nil || resp.StatusCode/100 != 2) // sentmemory.go
 	if op.lostCode == 0 || (err == nil && resp.StatusCode/100 == 2) {
 		return resp, err
 	}
@@ -422,6 +443,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		var vs []string
 		vs, op.respelt = headerValues(req.Header, op.header)
 		var err error
+		op.newKey = !pinned(req, vs)
 		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
 		if err != nil {
 			closeBody(req)
@@ -437,6 +459,10 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		}
 	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
 		return nil, refused(err)
+	}
+	if op.keyed {
+		_, pinnedTime := FirstSentFromContext(op.ctx)
+		op.recallFirstSent(pinnedTime) // sentmemory.go
 	}
 	if err := op.ctx.Err(); err != nil {
 		// Done before anything was sent.
