@@ -2,6 +2,7 @@ package idem
 
 import (
 	"cmp"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -55,6 +56,13 @@ type Provider struct {
 	// [Transport.KeyFormat] does.
 	KeyFormat KeyFormat
 
+	// MaxKeyLen is the longest key the API takes, in characters (keys are
+	// ASCII): a longer key is refused before anything is sent, with
+	// [ErrKeyTooLong] in the error's chain, rather than sent and refused by
+	// the API. Zero means idem's own limit, [MaxKeyLen]. A new key (a UUID,
+	// 36 characters) fits every built-in provider; a pinned key may not.
+	MaxKeyLen int
+
 	// BodyStatuses lists the 4xx statuses whose bodies Classify needs. For
 	// a response with one of them, the Transport reads the start of the
 	// body, at most ProviderBodyLimit bytes, before calling Classify, and
@@ -83,6 +91,20 @@ type Provider struct {
 	// [*KeyReuseError] or [*InProgressError] whose body holds no RFC 9457
 	// detail carries it as Problem.Detail.
 	Message func(body []byte) string
+}
+
+// ErrKeyTooLong is in the chain of the error of a keyed request whose key
+// is longer than its [Provider] takes ([Provider.MaxKeyLen]): nothing was
+// sent ([OutcomeNotSent]). Shorten the key, or derive a shorter one (a
+// UUID fits every built-in provider).
+var ErrKeyTooLong = errors.New("idem: idempotency key too long for the provider")
+
+// checkKeyLen refuses a key longer than the Provider takes.
+func (t *Transport) checkKeyLen(key string) error {
+	if n := t.Provider.MaxKeyLen; n > 0 && len(key) > n {
+		return fmt.Errorf("%w: %s takes keys of at most %d characters, and key %.20q… has %d", ErrKeyTooLong, t.Provider.name(), n, key, len(key))
+	}
+	return nil
 }
 
 // name returns the provider's name for Attempt.Reason.

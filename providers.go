@@ -24,8 +24,9 @@ import (
 // and the Stripe-Should-Retry header as the server's own retry verdict.
 var Stripe = Provider{
 	Name: "Stripe",
-	// The key header is the default, Idempotency-Key:
-	// https://docs.stripe.com/api/idempotent_requests
+	// The key header is the default, Idempotency-Key, of at most 255
+	// characters: https://docs.stripe.com/api/idempotent_requests
+	MaxKeyLen:    255,
 	BodyStatuses: []int{http.StatusBadRequest, http.StatusNotFound, http.StatusConflict},
 	Classify:     stripeVerdict,
 	Message: func(body []byte) string {
@@ -88,8 +89,9 @@ func stripeVerdict(resp *http.Response, body []byte) Verdict {
 // validation, not for key reuse.
 var Adyen = Provider{
 	Name: "Adyen",
-	// The key header is the default, Idempotency-Key:
-	// https://docs.adyen.com/development-resources/api-idempotency
+	// The key header is the default, Idempotency-Key, of at most 64
+	// characters: https://docs.adyen.com/development-resources/api-idempotency
+	MaxKeyLen:    64,
 	BodyStatuses: []int{http.StatusConflict, http.StatusUnprocessableEntity},
 	Classify:     adyenVerdict,
 	Message: func(body []byte) string {
@@ -140,8 +142,12 @@ func adyenVerdict(resp *http.Response, body []byte) Verdict {
 // validation, not for key reuse.
 var PayPal = Provider{
 	Name: "PayPal",
-	// https://developer.paypal.com/api/rest/reference/idempotency/
+	// https://developer.paypal.com/api/rest/reference/idempotency/; at
+	// most 108 characters in Orders v2, the strictest limit among the
+	// PayPal APIs checked:
+	// https://developer.paypal.com/api/orders/v2/orders-create
 	KeyHeader:    "PayPal-Request-Id",
+	MaxKeyLen:    108,
 	BodyStatuses: []int{http.StatusBadRequest, http.StatusConflict, http.StatusUnprocessableEntity},
 	Classify:     paypalVerdict,
 	Message: func(body []byte) string {
@@ -205,6 +211,11 @@ var Square = Provider{
 	Name: "Square",
 	// https://developer.squareup.com/docs/build-basics/common-api-patterns/idempotency
 	KeyBodyField: "idempotency_key",
+	// 45 characters for CreatePayment, the strictest limit documented
+	// (Square's SDK reference:
+	// https://github.com/square/square-php-sdk/blob/master/doc/models/create-payment-request.md);
+	// other endpoints may take more, and are held to it too.
+	MaxKeyLen:    45,
 	BodyStatuses: []int{http.StatusBadRequest, http.StatusConflict, http.StatusUnprocessableEntity},
 	Classify:     squareVerdict,
 	Message: func(body []byte) string {
@@ -260,6 +271,8 @@ var AWS = Provider{
 	// resource request ... valid for 36 hours once used":
 	// https://docs.aws.amazon.com/cloudcontrolapi/latest/APIReference/API_CreateResource.html
 	KeyBodyField: "ClientToken",
+	// At most 128 characters for Cloud Control's ClientToken (page above).
+	MaxKeyLen:    128,
 	BodyStatuses: []int{http.StatusBadRequest, http.StatusConflict},
 	Classify:     awsVerdict,
 	Message: func(body []byte) string {

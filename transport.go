@@ -445,6 +445,9 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		var err error
 		op.newKey = !pinned(req, vs)
 		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
+		if err == nil {
+			err = op.t.checkKeyLen(op.key) // provider.go
+		}
 		if err != nil {
 			closeBody(req)
 			return nil, refused(err)
@@ -455,6 +458,9 @@ func (op *operation) attemptAll() (*http.Response, error) {
 	}
 	if bodyKey {
 		if err := op.initBodyKey(); err != nil { // bodykey.go
+			return nil, refused(err)
+		}
+		if err := op.t.checkKeyLen(op.key); err != nil { // provider.go
 			return nil, refused(err)
 		}
 	} else if err := op.body.init(req, op.t.maxBuffered()); err != nil {
