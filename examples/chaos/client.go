@@ -56,6 +56,11 @@ type op struct {
 	key      string
 	amount   int64
 	customer string
+	// firstSent is when the operation was first sent, stored with its key
+	// before its first call and pinned with it on every call, as the
+	// README tells users to: a call after the servers let the key go is
+	// then refused (410), never run again.
+	firstSent time.Time
 
 	// Owned by the client goroutine that made the op until the clients
 	// are done.
@@ -78,13 +83,14 @@ type op struct {
 	vanished bool
 }
 
-func newOp(n int, a account) *op {
+func newOp(n int, a account, now time.Time) *op {
 	return &op{
-		n:        n,
-		account:  a,
-		key:      idem.NewKey(),
-		amount:   amountOf(n),
-		customer: customerOf(n),
+		n:         n,
+		account:   a,
+		key:       idem.NewKey(),
+		firstSent: now,
+		amount:    amountOf(n),
+		customer:  customerOf(n),
 	}
 }
 
@@ -98,43 +104,62 @@ type outcome struct {
 }
 
 // classify maps the result of one idem.Client call to what the caller
-// knows. Only a 2xx and a definitive error settle an operation: every
-// other outcome may or may not have been processed, and the operation must
-// be asked about again with the same key.
-func classify(err error) outcome {
-	if err == nil {
-		return outcome{state: succeeded}
+// knows, as the README tells users: idem.OutcomeOf decides. Only a 2xx with
+// its answer and a definitive refusal settle an operation; an outcome that
+// is unknown, a payment made whose answer was lost, and a call that was
+// not sent are asked about again later with the same key and first-sent
+// time. The error only names the reason, for the report.
+func classify(resp *http.Response, err error) outcome {
+	var lost *idem.AnswerLostError
+	switch idem.OutcomeOf(resp, err) {
+	case idem.OutcomeDone:
+		switch {
+		case err == nil:
+			return outcome{state: succeeded}
+		case errors.As(err, &lost):
+			// Paid, but the payment's id was lost with the answer: ask
+			// again with the key for its replay.
+			return outcome{pending, fmt.Sprintf("%d answered, its body lost", lost.StatusCode)}
+		}
+		return outcome{failed, reason(err)}
+	case idem.OutcomeNotSent:
+		// Nothing happened: it could go anywhere under a new key; this
+		// client keeps its key, so the final check can count it.
+		return outcome{pending, "not sent: " + reason(err)}
 	}
+	return outcome{pending, reason(err)}
+}
+
+// reason names an outcome for the report.
+func reason(err error) string {
 	var (
 		reuse      *idem.KeyReuseError
 		inProgress *idem.InProgressError
+		expired    *idem.KeyExpiredError
 		retryErr   *idem.RetryError
 		apiErr     *idem.APIError
 	)
 	switch {
-	case errors.As(err, &reuse) && reuse.Attempts > 1:
-		// The 422 answered a retry: an earlier attempt may have taken
-		// effect (see idem.KeyReuseError), so the outcome is unknown.
-		return outcome{pending, "422 to a retry"}
+	case errors.As(err, &reuse) && idem.OutcomeOf(nil, err) == idem.OutcomeUnknown:
+		return "422 to a retry"
 	case errors.As(err, &reuse):
-		return outcome{failed, "422 key reused"}
+		return "422 key reused"
 	case errors.As(err, &inProgress):
-		return outcome{pending, "still in progress (409s)"}
+		return "still in progress (409s)"
+	case errors.As(err, &expired):
+		return "410 key expired"
 	case errors.Is(err, idem.ErrBudgetExhausted):
-		return outcome{pending, "retry budget exhausted"}
+		return "retry budget exhausted"
 	case errors.As(err, &retryErr) && errors.Is(err, idem.ErrAttemptTimeout):
-		return outcome{pending, "attempts ran out: timeout"}
+		return "attempts ran out: timeout"
 	case errors.As(err, &retryErr):
-		return outcome{pending, "attempts ran out: connection error"}
+		return "attempts ran out: connection error"
+	case errors.As(err, &apiErr) && idem.OutcomeOf(nil, err) == idem.OutcomeUnknown:
+		return fmt.Sprintf("attempts ran out: %d", apiErr.StatusCode)
 	case errors.As(err, &apiErr):
-		switch s := apiErr.StatusCode; {
-		case s >= 500, s == http.StatusRequestTimeout, s == http.StatusConflict, s == http.StatusTooManyRequests:
-			return outcome{pending, fmt.Sprintf("attempts ran out: %d", s)}
-		default:
-			return outcome{failed, fmt.Sprintf("%d %s", s, http.StatusText(s))}
-		}
+		return fmt.Sprintf("%d %s", apiErr.StatusCode, http.StatusText(apiErr.StatusCode))
 	}
-	return outcome{pending, "other error"}
+	return "other error"
 }
 
 // stats are the clients' counters, safe for concurrent use.
@@ -260,7 +285,7 @@ func (c *clients) run(ctx, newOps context.Context, w int, rng *rand.Rand) {
 			o = todo[due]
 			todo = append(todo[:due], todo[due+1:]...)
 		case newOps.Err() == nil:
-			o = newOp(int(c.seq.Add(1)), c.accounts[acct])
+			o = newOp(int(c.seq.Add(1)), c.accounts[acct], now)
 			o.start = now
 			o.invalid = rng.Float64() < c.cfg.invalidRate
 			c.pending.Add(1)
@@ -319,8 +344,10 @@ func (c *clients) call(ctx context.Context, acct int, o *op, rng *rand.Rand) {
 	if sentInvalid {
 		body["customer"] = o.customer + "\x00" // encoded as \u0000
 	}
-	resp, err := c.api[acct].Post(idem.WithKey(callCtx, o.key), "/v1/payments", body, &out)
-	res := classify(err)
+	// The key and the first-sent time, stored with the operation, pinned
+	// on every call.
+	resp, err := c.api[acct].Post(idem.WithFirstSent(idem.WithKey(callCtx, o.key), o.firstSent), "/v1/payments", body, &out)
+	res := classify(resp, err)
 	var apiErr *idem.APIError
 	switch {
 	case sentInvalid && errors.As(err, &apiErr) && apiErr.StatusCode == http.StatusBadRequest:
@@ -415,7 +442,7 @@ func (c *clients) lateRetries(ctx context.Context, ch *chaos, rng *rand.Rand) {
 		return
 	}
 	for _, o := range late {
-		rctx := idem.WithFirstSent(idem.WithKey(ctx, o.key), o.start)
+		rctx := idem.WithFirstSent(idem.WithKey(ctx, o.key), o.firstSent)
 		body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
 		var out struct {
 			ID string `json:"id"`

@@ -1,6 +1,9 @@
 package main
 
-import "testing"
+import (
+	"testing"
+	"time"
+)
 
 // ledger returns n operations that succeeded, and a database that holds
 // exactly their payments and charges.
@@ -8,7 +11,7 @@ func ledger(n int) ([]*op, dbState) {
 	var ops []*op
 	var db dbState
 	for i := 1; i <= n; i++ {
-		o := newOp(i, account{"sk", "c0"})
+		o := newOp(i, account{"sk", "c0"}, time.Now())
 		o.state, o.calls = succeeded, 1
 		o.paymentID, o.chargeID = "pay_"+o.key, "ch_"+o.key
 		ops = append(ops, o)
