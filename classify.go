@@ -31,6 +31,13 @@ const (
 	// response; for an error or an unkeyed request it is taken as
 	// VerdictStop.
 	VerdictKeyReuse
+	// VerdictKeyExpired means the server refused the request because it
+	// was first sent longer ago than the server keeps keys (Azure's 412
+	// with Repeatability-Result: rejected, say): the operation ends with a
+	// [*KeyExpiredError] holding the response's problem details, as for
+	// idem's own 410. It applies to a keyed request's response; for an
+	// error or an unkeyed request it is taken as VerdictStop.
+	VerdictKeyExpired
 )
 
 // classify decides what an attempt's outcome calls for: the table
@@ -57,12 +64,14 @@ func (op *operation) override(o Verdict, resp *http.Response, v verdict, reason,
 	switch {
 	case o == VerdictRetry, o == VerdictConflict && !applies:
 		v = retry
-	case o == VerdictStop, o == VerdictKeyReuse && !applies:
+	case o == VerdictStop, (o == VerdictKeyReuse || o == VerdictKeyExpired) && !applies:
 		v = done
 	case o == VerdictConflict:
 		v = conflict
 	case o == VerdictKeyReuse:
 		v = keyReuse
+	case o == VerdictKeyExpired:
+		v = keyExpired
 	default:
 		return v, reason
 	}

@@ -27,7 +27,7 @@ const ProviderBodyLimit = 4 << 10
 // (draft-ietf-httpapi-idempotency-key-header), which the Transport speaks
 // without a Provider: the key in the Idempotency-Key header, 409 while the
 // first request with the key runs, 422 for a key used for another request.
-// [Stripe], [Adyen], [PayPal], [Square] and [AWS] are built in;
+// [Stripe], [Adyen], [PayPal], [Square], [AWS] and [Azure] are built in;
 // docs/providers.md ("How each provider answers") lists their rules, each with the page of
 // the provider's documentation it comes from. A Provider for another API is
 // a value of this type with the fields that API needs.

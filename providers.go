@@ -338,6 +338,51 @@ func awsVerdict(resp *http.Response, body []byte) Verdict {
 	return returned409And422(resp)
 }
 
+// Azure is the dialect of Azure's APIs that implement OASIS Repeatable
+// Requests 1.0, such as Azure Communication Services' Email and Rooms
+// APIs: the key in the Repeatability-Request-ID header (a GUID; idem's
+// new keys are UUIDs), the first-sent time in Repeatability-First-Sent
+// (the Transport's default FirstSentHeader: do not set NoFirstSent), and
+// the service's verdict read back from the Repeatability-Result header: a
+// request whose first-sent time is outside the window in which the
+// service tracks requests is answered 412 with Repeatability-Result:
+// rejected, which ends the call with a [*KeyExpiredError] (the outcome is
+// unknown). Its other answers keep the table: a request still running is
+// answered 409, and a key reused for another request 400 with
+// Repeatability-Result: rejected, which is returned as it is (the same
+// answer covers malformed repeatability headers).
+var Azure = Provider{
+	Name: "Azure",
+	// "Repeatability-Request-Id ... identifies the request uniquely with a
+	// GUID", "Repeatability-First-Sent ... in UTC in IMF-fixdate format",
+	// and the 412 "Pre-condition failed" for a first-sent time outside
+	// the tracked duration:
+	// https://learn.microsoft.com/en-us/rest/api/communication/repeatable-requests
+	KeyHeader: "Repeatability-Request-ID",
+	Classify:  azureVerdict,
+	Message: func(body []byte) string {
+		return parse[azureError](body).Error.Message
+	},
+}
+
+// azureError is the error body of Azure's APIs:
+// https://github.com/microsoft/api-guidelines/blob/vNext/azure/Guidelines.md#handling-errors
+type azureError struct {
+	Error struct {
+		Code    string `json:"code"`
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+func azureVerdict(resp *http.Response, _ []byte) Verdict {
+	// A 412 is also the answer to a failed If-Match; only one that says
+	// Repeatability-Result: rejected is about the first-sent time.
+	if resp.StatusCode == http.StatusPreconditionFailed && headerIs(resp, "Repeatability-Result", "rejected") {
+		return VerdictKeyExpired
+	}
+	return VerdictDefault
+}
+
 // returned409And422 is the last rule of the providers whose 409 and 422
 // are neither a request still running nor key reuse, unless their body
 // said so (the rules before it): such an answer is returned as it is, not

@@ -158,6 +158,9 @@ const (
 	conflict
 	// keyReuse: 422 to a keyed request; the caller gets a KeyReuseError.
 	keyReuse
+	// keyExpired: a Provider's answer that the key expired; the caller
+	// gets a KeyExpiredError.
+	keyExpired
 )
 
 // decide is the retry decision for one attempt's outcome: resp or err, for

@@ -539,6 +539,12 @@ func (op *operation) attemptAll() (*http.Response, error) {
 			cancel()
 			op.report(resp, nil, false, 0, reason+": key used for another request")
 			return nil, &KeyReuseError{Key: op.key, Method: method, URL: redact(req), Problem: problem, Attempts: op.attempts, earlierNotSent: !reachedBefore}
+		case keyExpired:
+			problem, body := readProblem(resp, op.drainTime())
+			op.describe(problem, body) // provider.go
+			cancel()
+			op.report(resp, nil, false, 0, reason+": key expired")
+			return nil, &KeyExpiredError{Key: op.key, Method: method, URL: redact(req), FirstSent: op.sentAt, Problem: problem}
 		}
 		wait, why, end := op.plan(v, resp)
 		switch end {
