@@ -76,11 +76,14 @@ var ErrNotSent = errors.New("idem: not sent")
 //     whatever came after it.
 //   - An [*InProgressError]: OutcomeUnknown.
 //   - A [*RetryError]: OutcomeNotSent if no attempt was sent (each failed
-//     to connect or was refused before sending), else OutcomeUnknown.
+//     to connect or was refused before sending, and net/http's trace, when
+//     the Base reports to it, saw no headers written), else
+//     OutcomeUnknown.
 //   - An [*APIError]: as a response of its status.
-//   - An error before anything was sent (an invalid key, a body that
-//     cannot carry it or could not be read, a context done before the
-//     first attempt): OutcomeNotSent.
+//   - An error before anything was sent (an invalid key, one longer than
+//     the Provider takes, a body that cannot carry it or could not be
+//     read, a ContentLength that disagrees with an in-memory body, a
+//     context done before the first attempt): OutcomeNotSent.
 //   - Any other error: OutcomeNotSent if [ErrNotSent] is in its chain,
 //     else OutcomeUnknown.
 //
