@@ -99,3 +99,17 @@ func TestRefusalOfFirstAttemptIsDone(t *testing.T) {
 	assert.Equal(t, int32(2), n.Load())
 	assert.Equal(t, OutcomeDone, OutcomeOf(resp, err), "after an attempt not sent")
 }
+
+// TestRefusalOfRetryAfterUnknownThroughAnotherRequest: a Base that answers
+// with a response whose Request is one of its own (a clone without the
+// attempt's context) does not hide that the refusal answered a retry.
+func TestRefusalOfRetryAfterUnknownThroughAnotherRequest(t *testing.T) {
+	srv := cutThen(t, http.StatusForbidden)
+	base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+		return srv.Client().Transport.RoundTrip(req.Clone(context.Background()))
+	})
+	resp, err := post(t, &Transport{Base: base, Retry: fastPolicy}, context.Background(), srv.URL, `{}`)
+	require.NoError(t, err)
+	resp.Body.Close()
+	assert.Equal(t, OutcomeUnknown, OutcomeOf(resp, err))
+}

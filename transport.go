@@ -724,8 +724,10 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
 	}
-	if resp != nil && resp.Request == nil {
-		resp.Request = areq // as net/http's; OutcomeOf reads its context
+	if resp != nil && resp.Request != areq && (resp.Request == nil || resp.Request.Context().Value(attemptContextKey{}) != actx) {
+		// As net/http's: the attempt sent. OutcomeOf reads its context,
+		// which a Base that answered with another request's may lack.
+		resp.Request = areq
 	}
 	if resp != nil && resp.Body == nil {
 		// As http.Client takes it: an empty body, unless it should not be.
