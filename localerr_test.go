@@ -81,3 +81,20 @@ func TestLocalBodyErrorsNotRetried(t *testing.T) {
 		})
 	}
 }
+
+// TestLocalBodyErrorNotRetriedOverHTTP2: the same over HTTP/2, where the
+// body's error resets the stream after its headers went out.
+func TestLocalBodyErrorNotRetriedOverHTTP2(t *testing.T) {
+	srv := newHTTP2Server(t, http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) { _, _ = io.ReadAll(r.Body) }))
+	broken := errors.New("disk on fire")
+	req, err := http.NewRequest(http.MethodPost, srv.URL, nil)
+	require.NoError(t, err)
+	req.Body, req.ContentLength = failingBody{broken}, 10
+	req.GetBody = func() (io.ReadCloser, error) { return failingBody{broken}, nil }
+	var attempts int
+	tr := &Transport{Base: srv.Client().Transport, Retry: fastPolicy, OnAttempt: func(Attempt) { attempts++ }}
+	resp, err := tr.RoundTrip(req)
+	require.ErrorIs(t, err, broken)
+	assert.Equal(t, 1, attempts, "not retried")
+	assert.Equal(t, OutcomeUnknown, OutcomeOf(resp, err))
+}

@@ -97,7 +97,7 @@ func (op *operation) recallFirstSent(pinnedTime bool) {
 	if op.sentHeader == "" || op.key == "" || op.newKey || horizon == 0 {
 		return
 	}
-	at := op.t.sent.firstSent(op.key, op.sentAt, horizon)
+	at := op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
 	if !pinnedTime && !at.Equal(op.sentAt) {
 		op.sentAt = at
 		op.sentValue = op.t.firstSentValue(at, nil)
@@ -110,7 +110,18 @@ func (op *operation) recallFirstSent(pinnedTime bool) {
 func (op *operation) rememberNewKey(failed bool) {
 	if failed && op.newKey && op.sentHeader != "" && op.attempts > 0 {
 		if horizon := op.t.firstSentMemory(); horizon > 0 {
-			op.t.sent.firstSent(op.key, op.sentAt, horizon)
+			op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
 		}
 	}
+}
+
+// memoryKey is the key under which the operation's first-sent time is
+// remembered: its key on its host, as servers scope keys by API (the same
+// order id may key a payment at two providers).
+func (op *operation) memoryKey() string {
+	host := ""
+	if op.req.URL != nil {
+		host = op.req.URL.Host
+	}
+	return host + " " + op.key
 }

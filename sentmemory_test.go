@@ -78,6 +78,14 @@ func TestPinnedKeyKeepsItsFirstSentTime(t *testing.T) {
 		_, err = postWith(t, tr, WithKey(context.Background(), "order-2"))
 		require.NoError(t, err)
 		assert.NotEqual(t, sent[0], rec.all()[3])
+
+		// The same key on another host is another operation.
+		req, err = http.NewRequestWithContext(ctx, http.MethodPost, "https://other.example.com/v1/payments", strings.NewReader(`{}`))
+		require.NoError(t, err)
+		resp, err = tr.RoundTrip(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		assert.NotEqual(t, sent[0], rec.all()[4])
 	})
 }
 
@@ -145,7 +153,7 @@ func TestFirstSentMemoryIsBounded(t *testing.T) {
 		}
 		tr.sent.mu.Lock()
 		assert.Len(t, tr.sent.times, MaxRememberedKeys)
-		_, kept := tr.sent.times["order-1"]
+		_, kept := tr.sent.times["api.example.com order-1"]
 		assert.False(t, kept, "the keys learnt first go first")
 		assert.LessOrEqual(t, len(tr.sent.order), 2*MaxRememberedKeys)
 		tr.sent.mu.Unlock()

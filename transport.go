@@ -196,7 +196,8 @@ type Transport struct {
 	FirstSentHeader string
 
 	// FirstSentMemory is how long the Transport remembers, in memory, the
-	// first-sent time of each key it sent: a key sent again without
+	// first-sent time of each key it sent, per host: a key sent again to
+	// the same host without
 	// [WithFirstSent] ([WithKey] alone, or a key header or body field of
 	// the caller's) carries the time it was first sent with, not the time
 	// of its new call, so a server that let the key go refuses it instead
