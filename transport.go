@@ -79,8 +79,9 @@ const maxDrainTime = time.Second
 //   - When attempts run out on a status, RoundTrip returns that last
 //     response as it came; when they run out on an error, a [*RetryError].
 //     Errors not retried are those known to recur (a certificate the
-//     client refuses, a TLS alert, a name that does not resolve) and the
-//     context's; a keyed request's come in a RetryError too, with the key.
+//     client refuses, a TLS alert, a name that does not resolve, a
+//     request body whose own Read fails or that disagrees with its
+//     ContentLength) and the context's; a keyed request's come in a RetryError too, with the key.
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
