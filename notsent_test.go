@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"encoding/binary"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -155,4 +156,27 @@ func closedURL(t *testing.T) string {
 	require.NoError(t, err)
 	ln.Close()
 	return "http://" + ln.Addr().String()
+}
+
+// TestNotSentRefusalAfterHeadersWrittenIsUnknown: a Base that sends a try
+// through net/http, then refuses the next with ErrNotSent (a breaker that
+// opened inside a Base that retries), does not make the attempt not sent:
+// the trace saw the first try's headers go out.
+func TestNotSentRefusalAfterHeadersWrittenIsUnknown(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusServiceUnavailable)
+	}))
+	defer srv.Close()
+	base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+		resp, err := srv.Client().Transport.RoundTrip(req)
+		if err == nil {
+			resp.Body.Close()
+		}
+		return nil, fmt.Errorf("%w: breaker open after a 503", ErrNotSent)
+	})
+	req, err := http.NewRequest(http.MethodPost, srv.URL, strings.NewReader(`{}`))
+	require.NoError(t, err)
+	resp, err := (&Transport{Base: base, Retry: fastPolicy}).RoundTrip(req)
+	require.ErrorIs(t, err, ErrNotSent)
+	assert.Equal(t, OutcomeUnknown, OutcomeOf(resp, err))
 }

@@ -214,7 +214,10 @@ func notSent(req *http.Request, body io.ReadCloser, err error, w *wireTrace) boo
 	if errors.Is(err, ErrNotSent) {
 		// The Base vouches for it. It may have read the body all the same:
 		// failsafe-go's round tripper buffers it before its policies run.
-		return true
+		// But not against net/http's word: headers written by a try
+		// before the refusal (a Base that retries inside) may have
+		// reached the server.
+		return w == nil || w.wrote.Load() == 0
 	}
 	var local *localError
 	if !beforeWrite(err) && !errors.As(err, &local) {
