@@ -22,7 +22,9 @@ func (e *localError) Unwrap() error { return e.err }
 // errors and length are noted, so that an attempt that fails on them is
 // told apart from one that fails on the network. It lives in the attempt's
 // allocation. net/http may read it on its own goroutine, and go on after
-// RoundTrip returned, hence the atomics.
+// RoundTrip returned, hence the atomics. (Wrapped, an *os.File body is no
+// longer sent with sendfile; a payment's body is small, and idem buffers
+// bodies without GetBody anyway.)
 type trackedBody struct {
 	io.ReadCloser
 	n   atomic.Int64
@@ -65,8 +67,10 @@ func (b *trackedBody) local(err error, length int64) error {
 	if e := b.err.Load(); e != nil && errors.Is(err, *e) {
 		return &localError{err}
 	}
-	if n := b.n.Load(); length > 0 && b.eof.Load() && n != length {
-		return &localError{fmt.Errorf("idem: http: ContentLength=%d with Body length %d: %w", length, n, err)}
+	if length > 0 && b.eof.Load() && b.n.Load() != length {
+		// net/http refuses such a body once it has read it, and says so
+		// in err ("http: ContentLength=100 with Body length 5").
+		return &localError{err}
 	}
 	return err
 }

@@ -81,7 +81,8 @@ const maxDrainTime = time.Second
 //     Errors not retried are those known to recur (a certificate the
 //     client refuses, a TLS alert, a name that does not resolve, a
 //     request body whose own Read fails or that disagrees with its
-//     ContentLength) and the context's; a keyed request's come in a RetryError too, with the key.
+//     ContentLength) and the context's; a keyed request's come in a
+//     RetryError too, with the key.
 //
 // Nothing is retried once the request's context is done. The request
 // passed in is never modified; each attempt is a clone. Bodies of retried
@@ -198,11 +199,10 @@ type Transport struct {
 
 	// FirstSentMemory is how long the Transport remembers, in memory, the
 	// first-sent time of each key it sent, per host: a key sent again to
-	// the same host without
-	// [WithFirstSent] ([WithKey] alone, or a key header or body field of
-	// the caller's) carries the time it was first sent with, not the time
-	// of its new call, so a server that let the key go refuses it instead
-	// of running the operation again. A key made for an operation
+	// the same host without [WithFirstSent] ([WithKey] alone, or a key
+	// header or body field of the caller's) carries the time it was first
+	// sent with, not the time of its new call, so a server that let the
+	// key go refuses it instead of running the operation again. A key made for an operation
 	// ([NewKey]) is remembered only if the operation did not end in a 2xx.
 	// At most [MaxRememberedKeys] keys are remembered, and a key is
 	// forgotten once its first-sent time is older than FirstSentMemory.
