@@ -20,8 +20,7 @@ func (e *localError) Unwrap() error { return e.err }
 // trackedBody is an attempt's request body of a type that is not read from
 // memory (a file, a pipe, a reader of the caller's own), whose own Read
 // errors and length are noted, so that an attempt that fails on them is
-// told apart from one that fails on the network. It lives in the attempt's
-// allocation. net/http may read it on its own goroutine, and go on after
+// told apart from one that fails on the network. net/http may read it on its own goroutine, and go on after
 // RoundTrip returned, hence the atomics. (Wrapped, an *os.File body is no
 // longer sent with sendfile; a payment's body is small, and idem buffers
 // bodies without GetBody anyway.)
@@ -45,23 +44,24 @@ func (b *trackedBody) Read(p []byte) (int, error) {
 }
 
 // track returns the body to send for an attempt: body itself, or, for one
-// whose reads could fail or run short of its length, body tracked in t.
-func track(body io.ReadCloser, t *trackedBody) io.ReadCloser {
+// whose reads could fail or run short of its length, body tracked in *t,
+// made for it (an in-memory body, the usual one, costs nothing).
+func track(body io.ReadCloser, t **trackedBody) io.ReadCloser {
 	if body == nil || body == http.NoBody {
 		return body
 	}
 	if _, _, ok := inMemory(body, -1); ok {
 		return body // its reads cannot fail, and net/http knows it is in memory
 	}
-	t.ReadCloser = body
-	return t
+	*t = &trackedBody{ReadCloser: body}
+	return *t
 }
 
 // local returns err marked as a localError if it comes from the attempt's
 // request itself (see localError), else err as it is. length is the
-// ContentLength sent.
+// ContentLength sent. b may be nil: no body was tracked.
 func (b *trackedBody) local(err error, length int64) error {
-	if b.ReadCloser == nil || err == nil {
+	if b == nil || err == nil {
 		return err
 	}
 	if e := b.err.Load(); e != nil && errors.Is(err, *e) {
