@@ -187,3 +187,24 @@ func TestFirstSentMemoryConcurrent(t *testing.T) {
 		assert.Equal(t, sent[0], s)
 	}
 }
+
+// TestBodyFieldKeyKeepsItsFirstSentTime: a key the caller put in the
+// body's key field (Square's idempotency_key), sent again, carries its
+// first-sent time too.
+func TestBodyFieldKeyKeepsItsFirstSentTime(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		rec := &firstSentRecorder{answer: reply(http.StatusCreated)}
+		tr := &Transport{Base: rec, Provider: Square}
+		for range 2 {
+			req, err := http.NewRequest(http.MethodPost, "https://connect.squareup.com/v2/payments", strings.NewReader(`{"idempotency_key":"order-1","amount_money":{"amount":4200}}`))
+			require.NoError(t, err)
+			resp, err := tr.RoundTrip(req)
+			require.NoError(t, err)
+			resp.Body.Close()
+			time.Sleep(time.Hour)
+		}
+		sent := rec.all()
+		require.Len(t, sent, 2)
+		assert.Equal(t, sent[0], sent[1])
+	})
+}
