@@ -106,13 +106,13 @@ func TestParseSealKeys(t *testing.T) {
 		{"comments only", "# nothing\n\n", "no key"},
 		{"id alone", "k1\n", "line 1: want"},
 		{"three fields", "k1 " + secret + " extra", "line 1: want"},
-		{"bad base64", "# c\nk1 not-base64!", "line 2: key \"k1\" is not 32 bytes"},
+		{"bad base64", "# c\nk1 not-base64!", "line 2, column 2: the key is not 32 bytes"},
 		{"short key", "k1 " + b64(16, 1), "not 32 bytes"},
 		{"long key", "k1 " + b64(33, 1), "not 32 bytes"},
 		{"url base64", "k1 " + strings.ReplaceAll(b64(32, 0xfb), "+", "-"), "not 32 bytes"},
-		{"bad id", "k/1 " + secret, "line 1: idempotency: seal key id"},
-		{"duplicate id", "k1 " + secret + "\nk1 " + b64(32, 8), "line 2: key id \"k1\" is on line 1"},
-		{"open-only below the first", "k1 " + secret + "\nk2 " + b64(32, 8) + " open-only", "line 2: open-only is for the first key"},
+		{"bad id", "k/1 " + secret, "line 1, column 1: the id is not"},
+		{"duplicate id", "k1 " + secret + "\nk1 " + b64(32, 8), "line 2, column 1: the id is the one on line 1"},
+		{"open-only below the first", "k1 " + secret + "\nk2 " + b64(32, 8) + " open-only", "line 2, column 3: open-only is for the first key"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			keys, err := ParseSealKeys(strings.NewReader(tt.file))
@@ -121,6 +121,43 @@ func TestParseSealKeys(t *testing.T) {
 			}
 			if strings.Contains(err.Error(), secret) {
 				t.Errorf("the error shows the secret: %v", err)
+			}
+		})
+	}
+}
+
+// TestParseSealKeysNamesNoSecret: a file with a secret where the id
+// belongs (the columns swapped, the key pasted twice, a key in another
+// encoding) is refused with an error that names the line and the column
+// and shows no part of any secret on the line.
+func TestParseSealKeysNamesNoSecret(t *testing.T) {
+	std := b64(32, 0xfb) // holds + and /
+	url := base64.RawURLEncoding.EncodeToString(bytes.Repeat([]byte{0xfb}, 32))
+	hexKey := strings.Repeat("fb", 32)
+	for _, tt := range []struct {
+		name, file, want string
+		secrets          []string
+	}{
+		{"columns swapped", "# keys\n" + std + " 2026-01\n", "line 2, column 2", []string{std}},
+		{"columns swapped, second line", "2026-02 " + b64(32, 1) + "\n" + std + " 2026-01\n", "line 2, column 2", []string{std, b64(32, 1)}},
+		{"key pasted twice", std + " " + std + "\n", "line 1, column 1", []string{std}},
+		{"url-safe key as the id", url + " " + std + "\n", "line 1, column 1", []string{url, std}},
+		{"hex key as the id", hexKey + " " + std + "\n", "line 1, column 1", []string{hexKey, std}},
+		{"key twice, open-only", std + " " + std + " open-only\n", "line 1, column 1", []string{std}},
+		{"key and garbage", std + " x y z\n", "line 1: want two columns", []string{std}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			keys, err := ParseSealKeys(strings.NewReader(tt.file))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("ParseSealKeys = %+v, %v; want an error with %q", keys, err, tt.want)
+			}
+			for _, s := range tt.secrets {
+				// Any 8 characters of it would be too many.
+				for i := 0; i+8 <= len(s); i++ {
+					if strings.Contains(err.Error(), s[i:i+8]) {
+						t.Fatalf("the error shows part of a secret (%q): %v", s[i:i+8], err)
+					}
+				}
 			}
 		})
 	}

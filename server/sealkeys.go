@@ -3,6 +3,7 @@ package server
 import (
 	"bufio"
 	"encoding/base64"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"strings"
@@ -24,10 +25,12 @@ import (
 //	2026-01    3q2+796tvu/erb7v3q2+796tvu/erb7v3q2+796tvu8=
 //
 // It returns the keys in the file's order, ready for
-// [idempotency.NewSealKeys], or an error naming the line (never its
-// secret) for a line of another shape, an id that is not 1 to 64 of
-// A-Z a-z 0-9 . _ -, a key that is not base64 of 32 bytes, an id given
-// twice, open-only below the first line, or a file without a key.
+// [idempotency.NewSealKeys], or an error for a line of another shape, an
+// id that is not 1 to 64 of A-Z a-z 0-9 . _ -, a key that is not base64 of
+// 32 bytes, an id given twice, open-only below the first line, or a file
+// without a key. The error names the line and the column, never what
+// is written there: a file with its columns swapped, or a secret pasted
+// twice, has a secret where an id belongs, and the error goes to logs.
 func ParseSealKeys(r io.Reader) ([]idempotency.SealKey, error) {
 	var keys []idempotency.SealKey
 	seen := make(map[string]int)
@@ -41,21 +44,29 @@ func ParseSealKeys(r io.Reader) ([]idempotency.SealKey, error) {
 		openOnly := len(fields) == 3 && fields[2] == "open-only"
 		switch {
 		case len(fields) != 2 && !openOnly:
-			return nil, fmt.Errorf("server: seal keys, line %d: want \"id base64-key\", with open-only after it on the first line only", n)
+			return nil, fmt.Errorf("server: seal keys, line %d: want two columns, \"id base64-key\", with open-only after them on the first line only; the line has %d", n, len(fields))
 		case openOnly && len(keys) > 0:
-			return nil, fmt.Errorf("server: seal keys, line %d: open-only is for the first key, the only one that seals", n)
+			return nil, fmt.Errorf("server: seal keys, line %d, column 3: open-only is for the first key, the only one that seals", n)
 		}
 		id := fields[0]
-		if first, dup := seen[id]; dup {
-			return nil, fmt.Errorf("server: seal keys, line %d: key id %q is on line %d already", n, id, first)
-		}
 		secret, err := base64.StdEncoding.DecodeString(fields[1])
 		if err != nil || len(secret) != 32 {
-			return nil, fmt.Errorf("server: seal keys, line %d: key %q is not 32 bytes in standard base64 (make one with: openssl rand -base64 32)", n, id)
+			hint := "make one with: openssl rand -base64 32"
+			if isSecret(id) {
+				hint = "column 1 holds a key: are the columns swapped? The id comes first"
+			}
+			return nil, fmt.Errorf("server: seal keys, line %d, column 2: the key is not 32 bytes in standard base64 (%s)", n, hint)
 		}
 		key := idempotency.SealKey{ID: id, Secret: secret, OpenOnly: openOnly}
+		if isSecret(id) {
+			return nil, fmt.Errorf("server: seal keys, line %d, column 1: the id reads as a 32-byte key; are the columns swapped, or the key pasted twice? The id (2026-01, say) comes first", n)
+		}
 		if _, err := idempotency.NewSealKeys(key); err != nil {
-			return nil, fmt.Errorf("server: seal keys, line %d: %w", n, err)
+			// Not wrapped: NewSealKeys names the id, which may be a secret.
+			return nil, fmt.Errorf("server: seal keys, line %d, column 1: the id is not 1 to 64 characters out of A-Z a-z 0-9 . _ - (a date such as 2026-01 does well)", n)
+		}
+		if first, dup := seen[id]; dup {
+			return nil, fmt.Errorf("server: seal keys, line %d, column 1: the id is the one on line %d already", n, first)
 		}
 		seen[id] = n
 		keys = append(keys, key)
@@ -67,4 +78,18 @@ func ParseSealKeys(r io.Reader) ([]idempotency.SealKey, error) {
 		return nil, fmt.Errorf("server: seal keys: no key in the file (one a line: id base64-key)")
 	}
 	return keys, nil
+}
+
+// isSecret reports whether s reads as a secret of 32 bytes, in any base64
+// alphabet, padded or not, or in hex: the forms a generated key comes in.
+// Some of them are also well-formed ids (base64url without padding, hex),
+// which would be logged and stored with every sealed response.
+func isSecret(s string) bool {
+	for _, enc := range []*base64.Encoding{base64.StdEncoding, base64.URLEncoding, base64.RawStdEncoding, base64.RawURLEncoding} {
+		if b, err := enc.DecodeString(s); err == nil && len(b) == 32 {
+			return true
+		}
+	}
+	b, err := hex.DecodeString(s)
+	return err == nil && len(b) == 32
 }

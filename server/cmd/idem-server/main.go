@@ -44,7 +44,7 @@
 // rest, one a line, "id base64-key" (32 bytes: openssl rand -base64 32);
 // the first line seals, every line opens (see server.ParseSealKeys). A
 // file that cannot be read or parsed stops the server at start, naming the
-// line.
+// line and the column, never what is written there.
 //
 // Slow clients are bounded: a request's headers and body must arrive within
 // -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must

@@ -91,12 +91,17 @@ func TestRunSealKeyFileRefused(t *testing.T) {
 		{"empty", keyFile(t, "", 0o600), "no key"},
 		{"short key", keyFile(t, "k1 AAAA\n", 0o600), "line 1"},
 		{"duplicate", keyFile(t, "k1 "+b64(1)+"\n# c\nk1 "+b64(2)+"\n", 0o600), "line 3"},
+		{"columns swapped", keyFile(t, b64(0xfb)+" 2026-01\n", 0o600), "line 1, column 2"},
+		{"key pasted twice", keyFile(t, b64(0xfb)+" "+b64(0xfb)+"\n", 0o600), "line 1, column 1"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var out bytes.Buffer
 			err := run(context.Background(), []string{"-addr", "127.0.0.1:0", "-seal-key-file", tt.path}, func(string) string { return "" }, &out)
 			if err == nil || !strings.Contains(err.Error(), "-seal-key-file "+tt.path) || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("run = %v, want an error naming -seal-key-file and %q", err, tt.want)
+			}
+			if secret := b64(0xfb); strings.Contains(err.Error(), secret[:8]) || strings.Contains(out.String(), secret[:8]) {
+				t.Errorf("run = %v, log:\n%s\nshows the secret", err, out.String())
 			}
 		})
 	}
