@@ -10,6 +10,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"mime"
 	"strings"
 )
 
@@ -119,15 +120,30 @@ func validSealKeyID(id string) bool {
 }
 
 // SealKeyID reports whether resp is sealed and, if so, the id of the key
-// that sealed it, as its content type names it; the id is "" when the
-// content type is [SealedMediaType] without a well-formed id.
+// that sealed it, as its content type names it. A content type is sealed
+// when its media type is [SealedMediaType], compared as RFC 9110 compares
+// media types (without regard to case, parameters aside): a handler's own
+// type that only begins like it (application/vnd.idemkit.sealedreport+json)
+// is not. The id is "" when the content type is sealed but does not carry
+// exactly one well-formed key parameter.
 func SealKeyID(resp StoredResponse) (id string, sealed bool) {
 	ct := resp.ContentType
+	// Most responses are not sealed: they are not parsed.
 	if len(ct) < len(SealedMediaType) || !strings.EqualFold(ct[:len(SealedMediaType)], SealedMediaType) {
 		return "", false
 	}
-	id, ok := strings.CutPrefix(ct[len(SealedMediaType):], "; key=")
-	if !ok || !validSealKeyID(id) {
+	mt, params, err := mime.ParseMediaType(ct)
+	if err != nil {
+		// Malformed parameters (a key given twice, say): sealed, and
+		// unreadable, when the media type is.
+		base, _, _ := strings.Cut(ct, ";")
+		return "", strings.EqualFold(strings.TrimSpace(base), SealedMediaType)
+	}
+	if mt != SealedMediaType { // ParseMediaType lowercases it
+		return "", false
+	}
+	id = params["key"]
+	if len(params) != 1 || !validSealKeyID(id) {
 		return "", true
 	}
 	return id, true

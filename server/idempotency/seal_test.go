@@ -203,8 +203,18 @@ func TestSealKeyID(t *testing.T) {
 		{SealedMediaType + "; key=k1", "k1", true},
 		{"Application/Vnd.Idemkit.Sealed; key=2026-01", "2026-01", true},
 		{SealedMediaType, "", true},
-		{SealedMediaType + ";key=k1", "", true},
+		{SealedMediaType + ";key=k1", "k1", true},
+		{SealedMediaType + " ; KEY=k1", "k1", true},
 		{SealedMediaType + "; key=k 1", "", true},
+		{SealedMediaType + "; key=k1; key=k2", "", true},
+		{SealedMediaType + "; key=k1; v=2", "", true},
+		{SealedMediaType + ";", "", true},
+		// Types of the handler's own that only begin like it.
+		{SealedMediaType + "report+json", "", false},
+		{SealedMediaType + "report+json; key=k1", "", false},
+		{SealedMediaType + ".v2", "", false},
+		{SealedMediaType + "/x", "", false},
+		{SealedMediaType + "x; key=k1; key=k2", "", false},
 	} {
 		id, sealed := SealKeyID(StoredResponse{ContentType: tt.ct})
 		if id != tt.id || sealed != tt.sealed {
