@@ -46,13 +46,15 @@ func newSweeper(cfg Config, keys idempotency.Store, api *payments, grace time.Du
 		return nil
 	}
 	return &idempotency.Sweeper{
-		Store:       keys, // sealed, when the stored responses are
-		Settle:      api.settle,
-		Grace:       grace,
-		Interval:    cfg.SweepInterval,
-		LockTimeout: max(cfg.LockTimeout, 0),
-		Logger:      log,
-		OnEvent:     m.Observe,
+		Store:  keys, // sealed, when the stored responses are
+		Settle: api.settle,
+		// As the Middleware's (see New).
+		StoreServerErrors: cfg.StoreServerErrors,
+		Grace:             grace,
+		Interval:          cfg.SweepInterval,
+		LockTimeout:       max(cfg.LockTimeout, 0),
+		Logger:            log,
+		OnEvent:           m.Observe,
 	}
 }
 

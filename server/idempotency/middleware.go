@@ -800,7 +800,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 				return
 			}
 			m.event(EventReplayed)
-			writeStored(w, rec.Response)
+			writeStored(w, rec.Response, &m.keep)
 			return
 		}
 		if rec.Status != StatusStarted {
@@ -1032,22 +1032,7 @@ func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCa
 
 // storable reports whether a handler's status is the key's final outcome.
 func (m *middleware) storable(status int) bool {
-	switch {
-	case !ValidStatus(status): // no store keeps it
-		return false
-	case status >= 500:
-		return m.opts.StoreServerErrors
-	case status < 400:
-		return true
-	}
-	switch status {
-	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden,
-		http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusRequestTimeout,
-		http.StatusConflict, http.StatusRequestEntityTooLarge,
-		http.StatusUnsupportedMediaType, http.StatusTooEarly, http.StatusTooManyRequests:
-		return false
-	}
-	return true
+	return storableStatus(status, m.opts.StoreServerErrors)
 }
 
 // abandon rolls back the unit of work and releases the key, keeping its

@@ -105,11 +105,16 @@ func writeRecorded(w http.ResponseWriter, rec *recorder) {
 	w.Write(rec.body.Bytes())
 }
 
-// writeStored replays a stored response to w, byte for byte.
-func writeStored(w http.ResponseWriter, resp *StoredResponse) {
+// writeStored replays a stored response to w, byte for byte, with the
+// stored headers p replays (see [keepPolicy.replays]): whatever the row
+// holds, a replay writes no credential, no framing header and no key
+// header, which w carries already as the request sent it.
+func writeStored(w http.ResponseWriter, resp *StoredResponse, p *keepPolicy) {
 	h := w.Header()
 	for name, value := range resp.Header {
-		h.Set(name, value)
+		if p.replays(name) {
+			h.Set(name, value)
+		}
 	}
 	if resp.ContentType != "" {
 		h.Set("Content-Type", resp.ContentType)

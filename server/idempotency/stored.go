@@ -143,6 +143,43 @@ func newKeepPolicy(opts Options, keyHeader string) (p keepPolicy, ignored []stri
 // keeps reports whether the header name is stored.
 func (p *keepPolicy) keeps(name string) bool { return p.headers[http.CanonicalHeaderKey(name)] }
 
+// replays reports whether a stored header name is replayed: when p would
+// store it, and [RedactedHeader], which the middleware stores itself. A
+// row written otherwise (by a [SweepFunc] before its settlements were
+// filtered, by an older release, by whoever can write the store) replays
+// no credential, no framing header and no key header, and no header the
+// service no longer keeps.
+func (p *keepPolicy) replays(name string) bool {
+	name = http.CanonicalHeaderKey(name)
+	return p.headers[name] || name == RedactedHeader
+}
+
+// settled returns what p stores of a settlement's response (see
+// [Sweeper]): its status and body, its content type when it is valid
+// text, and the headers p keeps whose name and value are valid text, by
+// their canonical names; and the names of the headers it leaves out.
+// Unlike a handler's response, a settlement is neither redacted nor
+// capped: the hook writes what is to be replayed.
+func (p *keepPolicy) settled(resp StoredResponse) (out StoredResponse, dropped []string) {
+	out = StoredResponse{Status: resp.Status, ContentType: resp.ContentType, Body: resp.Body}
+	if !ValidText(out.ContentType) {
+		out.ContentType = ""
+		dropped = append(dropped, "Content-Type")
+	}
+	for _, name := range slices.Sorted(maps.Keys(resp.Header)) {
+		value := resp.Header[name]
+		if !p.keeps(name) || !ValidText(name) || !ValidText(value) {
+			dropped = append(dropped, name)
+			continue
+		}
+		if out.Header == nil {
+			out.Header = make(map[string]string, len(resp.Header))
+		}
+		out.Header[http.CanonicalHeaderKey(name)] = value
+	}
+	return out, dropped
+}
+
 // storedResponse returns what is stored of the handler's response rec, by
 // the policy: its status; its content type and the headers the policy
 // keeps that are valid text ([ValidText]); what [Options.Redact] makes of
@@ -255,5 +292,29 @@ func (m *middleware) unopened(w http.ResponseWriter, r *http.Request, resp *Stor
 	writeProblem(w, r, ProblemResponseSealed, http.StatusInternalServerError, fmt.Sprintf(
 		"The request with this %s was done, and its outcome was stored sealed; this server cannot open it. The request was not run again, and will not be: retry it with the same key later, or ask the API's operator.",
 		m.keyHeader))
+	return true
+}
+
+// storableStatus reports whether status is a key's final outcome, stored
+// and replayed, by the rules [Middleware] documents: 2xx, 3xx and the
+// definitive 4xx are; the 4xx that reject a request before it did
+// anything, the 5xx (unless storeServerErrors) and what is no HTTP
+// status are not. A [Sweeper]'s settlements follow the same rules.
+func storableStatus(status int, storeServerErrors bool) bool {
+	switch {
+	case !ValidStatus(status): // no store keeps it
+		return false
+	case status >= 500:
+		return storeServerErrors
+	case status < 400:
+		return true
+	}
+	switch status {
+	case http.StatusBadRequest, http.StatusUnauthorized, http.StatusForbidden,
+		http.StatusNotFound, http.StatusMethodNotAllowed, http.StatusRequestTimeout,
+		http.StatusConflict, http.StatusRequestEntityTooLarge,
+		http.StatusUnsupportedMediaType, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
 	return true
 }

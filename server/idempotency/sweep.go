@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"time"
 )
 
@@ -59,7 +60,12 @@ type Settlement struct {
 	// Response, if not nil, completes the key with this outcome, stored
 	// with the writes the hook made in the key's unit of work, as a
 	// handler's response and writes are: every retry of the key gets it
-	// again.
+	// again. It is stored as [Middleware] stores a handler's answer: its
+	// status only when the middleware would store it (not a 5xx, unless
+	// [Sweeper.StoreServerErrors]; not a 4xx that rejects a request, such
+	// as 400, 409 or 429), and only the headers [Sweeper.StoredHeaders]
+	// keeps, never a credential nor the key header. A status that is not
+	// stored leaves the key, as an error does.
 	Response *StoredResponse
 	// Release frees the key for any request, as released with
 	// [ReleaseRejected]: the hook knows that nothing of the operation took
@@ -101,9 +107,13 @@ type SweepFunc func(ctx context.Context, k KeyInfo) (Settlement, error)
 // work, and calls Settle with both in the context, renewing the lease
 // while Settle runs; then it stores the settlement: a completion (its
 // writes and the response in one commit, fenced), a release as
-// [ReleaseRejected], or, when Settle leaves the key or fails, a release as
-// [ReleaseFailed], so that the retry of its request still resumes it and
-// the next pass after the grace finds it again. A key left that way is
+// [ReleaseRejected], or, when Settle leaves the key, fails, or completes
+// it with a status the middleware would not store (a 503: the hook could
+// not tell yet), a release as [ReleaseFailed], rolling its writes back, so
+// that the retry of its request still resumes it and the next pass after
+// the grace finds it again. A response is stored as the middleware stores
+// a handler's: give the Sweeper the [Options] the Middleware has for
+// KeyHeader, StoredHeaders and StoreServerErrors. A key left that way is
 // never purged while it is left, since each release keeps it for its
 // retention from then on.
 //
@@ -126,6 +136,21 @@ type Sweeper struct {
 	// Batch caps the keys one pass takes; the rest wait for the next
 	// pass. If zero, [DefaultSweepBatch] (100) is used.
 	Batch int
+	// KeyHeader is the request header carrying the key, as
+	// [Options.KeyHeader]: a settlement never stores it (a replay echoes
+	// the key its request sent). If empty, "Idempotency-Key" is used.
+	KeyHeader string
+	// StoredHeaders lists the headers of a settlement's response that are
+	// stored, as [Options.StoredHeaders] does for a handler's: give the
+	// Middleware's. Credentials, framing headers and the key header are
+	// never stored; a header left out is logged at Warn. If nil,
+	// [DefaultStoredHeaders] is used.
+	StoredHeaders []string
+	// StoreServerErrors stores a settlement's 5xx, as
+	// [Options.StoreServerErrors] does a handler's: give the
+	// Middleware's. If false, a 5xx settlement is not stored, and the key
+	// is left for the next sweep.
+	StoreServerErrors bool
 	// LockTimeout is the lease of the sweeper's claim while Settle runs,
 	// renewed every third of it. If zero, [DefaultLockTimeout] (10s) is
 	// used.
@@ -273,7 +298,13 @@ func (s *Sweeper) settle(ctx context.Context, sw Sweepable, k KeyInfo, grace tim
 			res.Lost++
 		}
 	case st.Response != nil:
-		switch err := tx.Complete(detached, *st.Response); {
+		resp, ok := s.stored(*st.Response, log)
+		if !ok {
+			res.Left++
+			s.abandon(detached, tx, c, ReleaseFailed, log)
+			return
+		}
+		switch err := tx.Complete(detached, resp); {
 		case err == nil:
 			res.Completed++
 			s.event(EventSettled)
@@ -292,6 +323,24 @@ func (s *Sweeper) settle(ctx context.Context, sw Sweepable, k KeyInfo, grace tim
 		log.Warn("idempotency: abandoned key left unsettled for the next sweep")
 		s.abandon(detached, tx, c, ReleaseFailed, log)
 	}
+}
+
+// stored returns what is stored of a settlement's response, by the
+// middleware's policy (see [Settlement.Response]), and false when its
+// status is not stored.
+func (s *Sweeper) stored(resp StoredResponse, log *slog.Logger) (StoredResponse, bool) {
+	if !storableStatus(resp.Status, s.StoreServerErrors) {
+		log.Warn("idempotency: the sweep hook settled a key with a status that is not stored (a 5xx without StoreServerErrors, a 4xx that rejects a request, or no HTTP status); its writes are rolled back and it is left for the next sweep",
+			"status", resp.Status)
+		return StoredResponse{}, false
+	}
+	p, _ := newKeepPolicy(Options{StoredHeaders: s.StoredHeaders}, http.CanonicalHeaderKey(cmp.Or(s.KeyHeader, DefaultKeyHeader)))
+	out, dropped := p.settled(resp)
+	if len(dropped) > 0 {
+		log.Warn("idempotency: the sweep hook's response has headers that are not stored (credentials, the key header, headers StoredHeaders does not keep, or text a store cannot keep): its replays go without them",
+			"headers", dropped)
+	}
+	return out, true
 }
 
 // call runs Settle with the claim and its unit of work in its context,
