@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/storetest"
 )
 
 // storages are the key stores the stored-response tests run on: in
@@ -270,5 +271,59 @@ func TestSweptSettlementServerErrorNotStored(t *testing.T) {
 				t.Errorf("StoreServerErrors: the retry got %d, want the stored 503", resp.StatusCode)
 			}
 		})
+	}
+}
+
+// TestSealRequireRefusesClearResponse: a Sealed store whose keys require
+// seals refuses to replay a response stored in the clear (500, nothing
+// run), still answers 422 to another request with its key, and replays
+// the responses it sealed; without RequireSealed the clear one replays.
+func TestSealRequireRefusesClearResponse(t *testing.T) {
+	for _, st := range storages {
+		t.Run(st.name, func(t *testing.T) {
+			keys := st.newStorage(t).Keys
+			var calls int
+			h := func(w http.ResponseWriter, r *http.Request) {
+				calls++
+				w.Header().Set("Content-Type", "application/json")
+				w.WriteHeader(http.StatusCreated)
+				fmt.Fprintf(w, `{"id":"t_%d","card":"4242"}`, calls)
+			}
+			clear := serveKeyed(t, keys, idempotency.Options{}, h)
+			if resp, _ := clear("k-clear", `{}`); resp.StatusCode != http.StatusCreated {
+				t.Fatalf("first: %d", resp.StatusCode)
+			}
+			sealKeys := storetest.SealKeys(t, "k1")
+			required, err := sealKeys.RequireSealed()
+			if err != nil {
+				t.Fatal(err)
+			}
+			lenient := serveKeyed(t, idempotency.Sealed(keys, sealKeys), idempotency.Options{}, h)
+			if resp, body := lenient("k-clear", `{}`); resp.StatusCode != http.StatusCreated || body != `{"id":"t_1","card":"4242"}` {
+				t.Errorf("without RequireSealed: %d %s, want the clear response replayed", resp.StatusCode, body)
+			}
+			strict := serveKeyed(t, idempotency.Sealed(keys, required), idempotency.Options{}, h)
+			resp, body := strict("k-clear", `{}`)
+			if resp.StatusCode != http.StatusInternalServerError || strings.Contains(body, "4242") {
+				t.Errorf("with RequireSealed: %d %s, want 500 and nothing of the stored response", resp.StatusCode, body)
+			}
+			if resp, body := strict("k-clear", `{"other":1}`); resp.StatusCode != http.StatusUnprocessableEntity {
+				t.Errorf("another request with the key: %d %s, want 422", resp.StatusCode, body)
+			}
+			first, firstBody := strict("k-sealed", `{}`)
+			if again, body := strict("k-sealed", `{}`); first.StatusCode != http.StatusCreated || again.StatusCode != http.StatusCreated || body != firstBody {
+				t.Errorf("a sealed response with RequireSealed: %d %s, then %d %s; want it replayed", first.StatusCode, firstBody, again.StatusCode, body)
+			}
+			if calls != 2 {
+				t.Errorf("the handler ran %d times, want 2", calls)
+			}
+		})
+	}
+	off, err := idempotency.NewSealKeys(idempotency.SealKey{ID: "k1", Secret: make([]byte, 32), OpenOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := off.RequireSealed(); err == nil {
+		t.Error("RequireSealed with an open-only first key: no error")
 	}
 }

@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"bytes"
 	"context"
 	"crypto/aes"
 	"crypto/cipher"
@@ -68,8 +69,9 @@ type SealKey struct {
 // content type tells which rows each key still opens). A SealKeys is
 // immutable and safe for concurrent use.
 type SealKeys struct {
-	sealer *sealKey // nil: nothing is sealed
-	byID   map[string]*sealKey
+	sealer  *sealKey // nil: nothing is sealed
+	byID    map[string]*sealKey
+	require bool // a response that is not sealed is refused (RequireSealed)
 }
 
 type sealKey struct {
@@ -103,6 +105,31 @@ func NewSealKeys(keys ...SealKey) (*SealKeys, error) {
 		}
 	}
 	return ks, nil
+}
+
+// ErrNotSealed is returned (wrapped) by the [Store.Claim] of a [Sealed]
+// store whose keys require seals ([SealKeys.RequireSealed]) for a
+// completed key that the request would replay and whose stored response
+// is not sealed. [Middleware] answers it 500 [ProblemInternal], runs
+// nothing, and logs it at Error.
+var ErrNotSealed = errors.New("idempotency: the stored response is not sealed, and the seal keys require seals")
+
+// RequireSealed returns the key set k that also refuses, in a [Sealed]
+// store, to replay a stored response that is not sealed: a row written
+// in the clear (by whoever can write the store, or before sealing was
+// turned on) is never served. Turn it on when every server that shares
+// the store seals and the last response stored in the clear has expired
+// (a retention after the last server started sealing); until then, such
+// responses are still replayed, which is why it is off by default. It
+// returns an error for keys whose first key is [SealKey.OpenOnly], which
+// store new responses in the clear.
+func (k *SealKeys) RequireSealed() (*SealKeys, error) {
+	if k.sealer == nil {
+		return nil, errors.New("idempotency: RequireSealed with an open-only first key: its new responses are stored in the clear, and would be refused")
+	}
+	req := *k
+	req.require = true
+	return &req, nil
 }
 
 func validSealKeyID(id string) bool {
@@ -330,7 +357,10 @@ func readString(b []byte, ok bool) (string, []byte, bool) {
 // [ProblemResponseSealed] for it: it never runs the operation again, nor
 // claims the key anew. Middleware answers the same to a sealed response
 // found by a server without Sealed. A response stored without sealing
-// (before sealing was turned on) is returned as it is.
+// (before sealing was turned on) is returned as it is, unless keys
+// require seals ([SealKeys.RequireSealed]): then Claim returns an error
+// wrapping [ErrNotSealed] for the request that would replay it, and
+// Middleware answers 500, running nothing.
 //
 // A handler reaches its store's own unit of work as before: the Tx that
 // Begin returns wraps store's, and [TxFromContext] (so pgstore.TxFromContext
@@ -385,13 +415,22 @@ type sealedStore struct {
 // or leaves it sealed when it cannot.
 func (s *sealedStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
 	res, err := s.Store.Claim(ctx, req)
-	if err == nil && res.Record != nil && res.Record.Response != nil {
-		rec := res.Record
-		if opened, err := s.keys.Open(rec.ClientID, rec.Key, *rec.Response); err == nil {
-			rec.Response = &opened
-		}
+	if err != nil || res.Record == nil || res.Record.Response == nil {
+		return res, err
 	}
-	return res, err
+	rec := res.Record
+	if _, sealed := SealKeyID(*rec.Response); !sealed {
+		if s.keys.require && rec.FingerprintVersion == req.FingerprintVersion && bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+			// The request would replay it (another one gets its 422).
+			return ClaimResult{}, fmt.Errorf("%w: the response of key %q of client %q is stored in the clear; it is not replayed",
+				ErrNotSealed, rec.Key, rec.ClientID)
+		}
+		return res, nil
+	}
+	if opened, err := s.keys.Open(rec.ClientID, rec.Key, *rec.Response); err == nil {
+		rec.Response = &opened
+	}
+	return res, nil
 }
 
 // Begin implements [Store.Begin]: the unit of work seals its outcome.

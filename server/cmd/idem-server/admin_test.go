@@ -81,3 +81,32 @@ func TestRunSweepAndAdminFlags(t *testing.T) {
 		})
 	}
 }
+
+// TestRunAdminAddrLoopbackByDefault: -admin-addr without a host listens on
+// loopback only, and says so at start; a named host is listened on, and
+// one that is not loopback is said at Warn.
+func TestRunAdminAddrLoopbackByDefault(t *testing.T) {
+	env := map[string]string{"IDEM_ADMIN_TOKEN": "adm"}
+	_, out, stop := start(t, []string{"-admin-addr", ":0"}, env)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	m := adminListeningRE.FindStringSubmatch(out.String())
+	if m == nil || !strings.HasPrefix(m[1], "127.0.0.1:") || !strings.Contains(out.String(), "level=INFO msg=\"admin listening\"") {
+		t.Errorf("log:\n%s\nwant the admin API on 127.0.0.1, at Info", out)
+	}
+	_, out, stop = start(t, []string{"-admin-addr", "0.0.0.0:0"}, env)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if m := adminListeningRE.FindStringSubmatch(out.String()); m == nil || !strings.Contains(out.String(), "level=WARN msg=\"admin listening\"") {
+		t.Errorf("log:\n%s\nwant the admin API on every interface, said at Warn", out)
+	}
+	for _, addr := range []string{"9090", "127.0.0.1"} {
+		var buf bytes.Buffer
+		if err := run(context.Background(), []string{"-admin-addr", addr, "-admin-token", "t"}, func(string) string { return "" }, &buf); err == nil ||
+			!strings.Contains(err.Error(), "-admin-addr") {
+			t.Errorf("-admin-addr %s: %v, want an error naming -admin-addr", addr, err)
+		}
+	}
+}

@@ -17,7 +17,7 @@
 // -idle-timeout, -metrics-addr, -shutdown-timeout, -log-level, -log-format,
 // -no-idempotency, -cpuprofile, -processor-timeout, -sweep-grace,
 // -sweep-interval, -no-sweep, -admin-addr, -admin-token (or
-// IDEM_ADMIN_TOKEN), -seal-key-file.
+// IDEM_ADMIN_TOKEN), -seal-key-file, -seal-key-file-insecure, -seal-require.
 //
 // The sweeper settles the payments whose key was abandoned (its request's
 // server crashed, or it failed after the charge) and whose client did not
@@ -29,8 +29,9 @@
 // flight is never missed. -admin-addr serves the operators' JSON API (see
 // server.Server.AdminHandler: look a key up, list stuck and released keys,
 // release or expire one with a reason) on a listener of its own, behind
-// -admin-token, without which it refuses to start; give it a private
-// address.
+// -admin-token, without which it refuses to start; an address without a
+// host (:9090) listens on loopback only, and the log line at start says
+// where it listens (at Warn when that is not loopback).
 //
 // With a database, it migrates at start (server.Migrate): the key table,
 // its own tables, and the open keys' index (pgstore.CreateOpenKeysIndex)
@@ -44,7 +45,11 @@
 // rest, one a line, "id base64-key" (32 bytes: openssl rand -base64 32);
 // the first line seals, every line opens (see server.ParseSealKeys). A
 // file that cannot be read or parsed stops the server at start, naming the
-// line and the column, never what is written there.
+// line and the column, never what is written there; so does a file that
+// its group or others may read (mode 0600 or 0400 is wanted), unless
+// -seal-key-file-insecure. -seal-require refuses (500, nothing run) to
+// replay a response stored in the clear; it is off by default, for the
+// migration window (see docs/operations.md).
 //
 // Slow clients are bounded: a request's headers and body must arrive within
 // -read-timeout (10s: the default 1 MiB body at 100 KB/s), its response must
@@ -98,6 +103,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strings"
@@ -173,6 +179,8 @@ type options struct {
 	noIdempotency        bool
 	cpuProfile           string
 	sealKeyFile          string
+	sealKeyFileInsecure  bool
+	sealRequire          bool
 }
 
 func parseFlags(args []string, getenv func(string) string, out io.Writer) (options, error) {
@@ -236,7 +244,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"/metrics needs no API key, so anyone who reaches it reads the counters: give it a private address")
 	fs.StringVar(&o.adminAddr, "admin-addr", "",
 		"listen `address` of the operators' JSON API on the keys (GET /admin/keys/{client}/{key}, GET /admin/keys?stuck=30s or ?released=1, "+
-			"POST /admin/keys/{client}/{key}/release and /expire with a reason); empty: off. It needs -admin-token; give it a private address")
+			"POST /admin/keys/{client}/{key}/release and /expire with a reason); empty: off. It needs -admin-token. "+
+			"Without a host (:9090) it listens on loopback only (127.0.0.1); name the host to listen elsewhere (0.0.0.0:9090: every interface)")
 	fs.StringVar(&o.adminToken, "admin-token", getenv("IDEM_ADMIN_TOKEN"),
 		"bearer `token` of the admin API, required with -admin-addr (env IDEM_ADMIN_TOKEN)")
 	fs.DurationVar(&o.processorTimeout, "processor-timeout", 0,
@@ -268,11 +277,23 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 			"\"id base64-key\" (32 bytes: openssl rand -base64 32), # comments; the first line seals, every line opens. "+
 			"To rotate, put the new key first and keep the old one until -retention has passed; \"id base64-key open-only\" on the first line stops sealing. "+
 			"Turn it on once every replica sharing the database runs this release (an older one replays sealed responses as they are stored); empty: off")
+	fs.BoolVar(&o.sealKeyFileInsecure, "seal-key-file-insecure", false,
+		"start although -seal-key-file may be read by its group or others (a warning is logged); default: such a file stops the server, which wants mode 0600 or 0400")
+	fs.BoolVar(&o.sealRequire, "seal-require", false,
+		"refuse (500, nothing run) to replay a stored response that is not sealed, rather than serve it in the clear; needs -seal-key-file, whose first key seals. "+
+			"Off by default for the migration window: turn it on once every replica seals and -retention has passed since the last one started sealing")
 	if err := fs.Parse(args); err != nil {
 		return o, err
 	}
 	given := make(map[string]bool)
 	fs.Visit(func(f *flag.Flag) { given[f.Name] = true })
+	if o.adminAddr != "" {
+		addr, err := loopbackUnlessNamed(o.adminAddr)
+		if err != nil {
+			return o, fmt.Errorf("-admin-addr: %w", err)
+		}
+		o.adminAddr = addr
+	}
 	o.dbMaxConnsSet = given["db-max-conns"]
 	switch {
 	case fs.NArg() > 0:
@@ -298,6 +319,10 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	case o.sweepGrace > 0 && o.processorTimeout > o.sweepGrace:
 		return o, fmt.Errorf("-sweep-grace %v is shorter than -processor-timeout %v: the sweeper could find no charge for a payment whose charge call is still running, and release its key",
 			o.sweepGrace, o.processorTimeout)
+	case o.sealKeyFileInsecure && o.sealKeyFile == "":
+		return o, errors.New("-seal-key-file-insecure without -seal-key-file: there is no file to be lenient about")
+	case o.sealRequire && o.sealKeyFile == "":
+		return o, errors.New("-seal-require without -seal-key-file: nothing is sealed, so every stored response would be refused")
 	case o.adminAddr != "" && o.adminToken == "":
 		return o, errors.New("-admin-addr needs -admin-token (or IDEM_ADMIN_TOKEN): the admin API releases and expires keys, and must not be open")
 	case o.adminAddr != "" && (o.adminAddr == o.addr || o.adminAddr == o.metricsAddr) && !strings.HasSuffix(o.adminAddr, ":0"):
@@ -443,7 +468,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 
 	var sealKeys *idempotency.SealKeys
 	if o.sealKeyFile != "" {
-		if sealKeys, err = readSealKeys(o.sealKeyFile, log); err != nil {
+		if sealKeys, err = readSealKeys(o, log); err != nil {
 			return fmt.Errorf("-seal-key-file %s: %w", o.sealKeyFile, err)
 		}
 	}
@@ -585,7 +610,12 @@ func serveAdmin(srv *server.Server, o options, log *slog.Logger) (stop func(), e
 			log.Error("admin listener failed", "err", err)
 		}
 	}()
-	log.Info("admin listening", "addr", ln.Addr().String())
+	if ip := ln.Addr().(*net.TCPAddr).IP; ip.IsLoopback() {
+		log.Info("admin listening", "addr", ln.Addr().String(), "reachable_from", "this host only (loopback)")
+	} else {
+		log.Warn("admin listening", "addr", ln.Addr().String(),
+			"reachable_from", "every host that reaches this address: keep it on a private network, or give -admin-addr a loopback host")
+	}
 	return func() {
 		hs.Close()
 		<-done
@@ -658,17 +688,28 @@ func (w *deadlineWriter) Flush() {
 // Unwrap lets http.ResponseController reach the connection.
 func (w *deadlineWriter) Unwrap() http.ResponseWriter { return w.ResponseWriter }
 
-// readSealKeys reads the seal key file at path (see
-// server.ParseSealKeys) and logs which key seals and which open. A file
-// that others than its owner may read is logged at Warn.
-func readSealKeys(path string, log *slog.Logger) (*idempotency.SealKeys, error) {
+// readSealKeys reads the seal key file of o (see server.ParseSealKeys)
+// and logs which key seals and which open, and whether a response stored
+// in the clear is refused (-seal-require). A file that its group or others
+// may read is refused, unless -seal-key-file-insecure, which logs it at
+// Warn.
+func readSealKeys(o options, log *slog.Logger) (*idempotency.SealKeys, error) {
+	path := o.sealKeyFile
 	f, err := os.Open(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	if fi, err := f.Stat(); err == nil && fi.Mode().Perm()&0o077 != 0 {
-		log.Warn("the seal key file may be read by others than its owner; chmod 600 it", "file", path, "mode", fi.Mode().Perm().String())
+	fi, err := f.Stat()
+	if err != nil {
+		return nil, err
+	}
+	// Windows has no such modes.
+	if perm := fi.Mode().Perm(); perm&0o077 != 0 && runtime.GOOS != "windows" {
+		if !o.sealKeyFileInsecure {
+			return nil, fmt.Errorf("mode %04o lets its group or others read the keys: chmod 600 %s, or start with -seal-key-file-insecure", perm, path)
+		}
+		log.Warn("the seal key file may be read by others than its owner (-seal-key-file-insecure); chmod 600 it", "file", path, "mode", fmt.Sprintf("%04o", perm))
 	}
 	keys, err := server.ParseSealKeys(f)
 	if err != nil {
@@ -678,6 +719,11 @@ func readSealKeys(path string, log *slog.Logger) (*idempotency.SealKeys, error) 
 	if err != nil {
 		return nil, err
 	}
+	if o.sealRequire {
+		if ks, err = ks.RequireSealed(); err != nil {
+			return nil, fmt.Errorf("-seal-require and an open-only first key: new responses are stored in the clear, and -seal-require would refuse them; keep one")
+		}
+	}
 	ids := make([]string, len(keys))
 	for i, k := range keys {
 		ids[i] = k.ID
@@ -686,8 +732,23 @@ func readSealKeys(path string, log *slog.Logger) (*idempotency.SealKeys, error) 
 	if keys[0].OpenOnly {
 		sealing = "none (open-only)"
 	}
-	log.Info("stored responses are sealed at rest", "sealing_key", sealing, "opening_keys", strings.Join(ids, ","))
+	log.Info("stored responses are sealed at rest", "sealing_key", sealing, "opening_keys", strings.Join(ids, ","),
+		"unsealed_replayed", !o.sealRequire)
 	return ks, nil
+}
+
+// loopbackUnlessNamed returns addr, a host:port, with the loopback host
+// 127.0.0.1 when it names none (":9090"), where net.Listen would listen
+// on every interface.
+func loopbackUnlessNamed(addr string) (string, error) {
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		return "", err
+	}
+	if host == "" {
+		return net.JoinHostPort("127.0.0.1", port), nil
+	}
+	return addr, nil
 }
 
 // validShare reports whether f is a share in [0, 1] (NaN is not).

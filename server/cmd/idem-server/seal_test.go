@@ -68,7 +68,7 @@ func TestRunSealKeyFile(t *testing.T) {
 	}
 
 	rotated := keyFile(t, "2026-02 "+b64(2)+"\n2026-01 "+b64(1)+"\n", 0o644)
-	url, out, stop = start(t, []string{"-database-url", dsn, "-seal-key-file", rotated}, nil)
+	url, out, stop = start(t, []string{"-database-url", dsn, "-seal-key-file", rotated, "-seal-key-file-insecure"}, nil)
 	resp, again := post(t, client, url, "sk_test_demo", "k-sealed", body)
 	if resp.Header.Get("Idempotent-Replayed") != "true" || again != first {
 		t.Errorf("replay after the rotation: %d %s, want %s", resp.StatusCode, again, first)
@@ -77,7 +77,7 @@ func TestRunSealKeyFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	if logs := out.String(); !strings.Contains(logs, "sealing_key=2026-02 opening_keys=2026-02,2026-01") || !strings.Contains(logs, "chmod 600") {
-		t.Errorf("log:\n%s\nwant the rotated keys and a warning about the readable file", logs)
+		t.Errorf("log:\n%s\nwant the rotated keys and a warning about the readable file (-seal-key-file-insecure)", logs)
 	}
 }
 
@@ -91,6 +91,8 @@ func TestRunSealKeyFileRefused(t *testing.T) {
 		{"empty", keyFile(t, "", 0o600), "no key"},
 		{"short key", keyFile(t, "k1 AAAA\n", 0o600), "line 1"},
 		{"duplicate", keyFile(t, "k1 "+b64(1)+"\n# c\nk1 "+b64(2)+"\n", 0o600), "line 3"},
+		{"group-readable", keyFile(t, "k1 "+b64(0xfb)+"\n", 0o640), "mode 0640 lets its group or others read the keys"},
+		{"world-readable", keyFile(t, "k1 "+b64(0xfb)+"\n", 0o604), "or start with -seal-key-file-insecure"},
 		{"columns swapped", keyFile(t, b64(0xfb)+" 2026-01\n", 0o600), "line 1, column 2"},
 		{"key pasted twice", keyFile(t, b64(0xfb)+" "+b64(0xfb)+"\n", 0o600), "line 1, column 1"},
 	} {
@@ -104,5 +106,103 @@ func TestRunSealKeyFileRefused(t *testing.T) {
 				t.Errorf("run = %v, log:\n%s\nshows the secret", err, out.String())
 			}
 		})
+	}
+}
+
+// TestRunSealKeyFileOwnerOnly: a key file only its owner may read (0600,
+// 0400) starts the server without a warning; a readable one starts only
+// with -seal-key-file-insecure, which logs it.
+func TestRunSealKeyFileOwnerOnly(t *testing.T) {
+	for _, perm := range []os.FileMode{0o600, 0o400} {
+		_, out, stop := start(t, []string{"-seal-key-file", keyFile(t, "k1 "+b64(1)+"\n", perm)}, nil)
+		if err := stop(); err != nil {
+			t.Fatalf("mode %04o: %v", perm, err)
+		}
+		if logs := out.String(); strings.Contains(logs, "level=WARN msg=\"the seal key file") || !strings.Contains(logs, "sealing_key=k1") {
+			t.Errorf("mode %04o: log:\n%s\nwant the keys, no warning", perm, logs)
+		}
+	}
+	_, out, stop := start(t, []string{"-seal-key-file", keyFile(t, "k1 "+b64(1)+"\n", 0o644), "-seal-key-file-insecure"}, nil)
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if logs := out.String(); !strings.Contains(logs, "mode=0644") || !strings.Contains(logs, "-seal-key-file-insecure") {
+		t.Errorf("log:\n%s\nwant a warning naming the mode and the flag", logs)
+	}
+}
+
+// TestRunSealRequire: a response stored in the clear (before sealing was
+// turned on) is replayed by a server that seals, and refused, 500 and
+// nothing run, by one with -seal-require; a sealed one replays under
+// both.
+func TestRunSealRequire(t *testing.T) {
+	dsn := pgtest.SchemaURL(t)
+	tr := &http.Transport{}
+	defer tr.CloseIdleConnections()
+	client := &http.Client{Transport: tr}
+	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`
+	url, _, stop := start(t, []string{"-database-url", dsn}, nil)
+	resp, clear := post(t, client, url, "sk_test_demo", "k-clear", body)
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, clear)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	keys := keyFile(t, "k1 "+b64(1)+"\n", 0o600)
+	url, _, stop = start(t, []string{"-database-url", dsn, "-seal-key-file", keys}, nil)
+	if resp, again := post(t, client, url, "sk_test_demo", "k-clear", body); resp.StatusCode != http.StatusCreated || again != clear {
+		t.Errorf("the clear response while sealing, without -seal-require: %d %s, want it replayed", resp.StatusCode, again)
+	}
+	resp, sealed := post(t, client, url, "sk_test_demo", "k-sealed", body)
+	if resp.StatusCode != http.StatusCreated {
+		t.Fatalf("POST: %d %s", resp.StatusCode, sealed)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	url, out, stop := start(t, []string{"-database-url", dsn, "-seal-key-file", keys, "-seal-require"}, nil)
+	resp, again := post(t, client, url, "sk_test_demo", "k-clear", body)
+	if resp.StatusCode != http.StatusInternalServerError || strings.Contains(again, "cus_123") {
+		t.Errorf("the clear response with -seal-require: %d %s, want 500 and nothing of it", resp.StatusCode, again)
+	}
+	if resp, again := post(t, client, url, "sk_test_demo", "k-sealed", body); resp.StatusCode != http.StatusCreated || again != sealed {
+		t.Errorf("the sealed response with -seal-require: %d %s, want it replayed", resp.StatusCode, again)
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if logs := out.String(); !strings.Contains(logs, "unsealed_replayed=false") || !strings.Contains(logs, "is stored in the clear") {
+		t.Errorf("log:\n%s\nwant -seal-require said at start, and the refusal", logs)
+	}
+	conn, err := pgx.Connect(context.Background(), dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	var n int
+	if err := conn.QueryRow(context.Background(), `SELECT count(*) FROM payments`).Scan(&n); err != nil || n != 2 {
+		t.Errorf("%d payments (%v), want 2: nothing run again", n, err)
+	}
+}
+
+// TestRunSealFlagsRefused: -seal-require and -seal-key-file-insecure
+// without a key file, and -seal-require with an open-only first key, are
+// refused, naming both.
+func TestRunSealFlagsRefused(t *testing.T) {
+	openOnly := keyFile(t, "k1 "+b64(1)+" open-only\n", 0o600)
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"-seal-require"}, "-seal-require without -seal-key-file"},
+		{[]string{"-seal-key-file-insecure"}, "-seal-key-file-insecure without -seal-key-file"},
+		{[]string{"-seal-key-file", openOnly, "-seal-require"}, "-seal-require and an open-only first key"},
+	} {
+		var out bytes.Buffer
+		err := run(context.Background(), append([]string{"-addr", "127.0.0.1:0"}, tt.args...), func(string) string { return "" }, &out)
+		if err == nil || !strings.Contains(err.Error(), tt.want) {
+			t.Errorf("run(%q) = %v, want an error with %q", tt.args, err, tt.want)
+		}
 	}
 }
