@@ -94,6 +94,9 @@ func TestParseSealKeys(t *testing.T) {
 	if err != nil || len(keys) != 2 || !keys[0].OpenOnly || keys[1].OpenOnly {
 		t.Errorf("open-only first: %+v, %v", keys, err)
 	}
+	if keys, err := ParseSealKeys(strings.NewReader("\ufeff2026-02 " + b64(32, 1) + "\r\n2026-01 " + b64(32, 2) + "\r\n")); err != nil || len(keys) != 2 || keys[0].ID != "2026-02" {
+		t.Errorf("a file with a byte order mark and CRLF lines: %+v, %v", keys, err)
+	}
 	// The examples of the doc comment parse.
 	if _, err := ParseSealKeys(strings.NewReader("2026-02    q83vEjRWeJq83vEjRWeJq83vEjRWeJq83vEjRWeJq80=\n2026-01    3q2+796tvu/erb7v3q2+796tvu/erb7v3q2+796tvu8=\n")); err != nil {
 		t.Errorf("the documented example: %v", err)

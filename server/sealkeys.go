@@ -36,7 +36,11 @@ func ParseSealKeys(r io.Reader) ([]idempotency.SealKey, error) {
 	seen := make(map[string]int)
 	sc := bufio.NewScanner(r)
 	for n := 1; sc.Scan(); n++ {
-		line := strings.TrimSpace(sc.Text())
+		line := sc.Text()
+		if n == 1 {
+			line = strings.TrimPrefix(line, "\ufeff") // a byte order mark, as some editors write
+		}
+		line = strings.TrimSpace(line)
 		if line == "" || strings.HasPrefix(line, "#") {
 			continue
 		}
