@@ -159,6 +159,9 @@ func SealKeyID(resp StoredResponse) (id string, sealed bool) {
 	if len(ct) < len(SealedMediaType) || !strings.EqualFold(ct[:len(SealedMediaType)], SealedMediaType) {
 		return "", false
 	}
+	if id, ok := strings.CutPrefix(ct, SealedMediaType+"; key="); ok && validSealKeyID(id) {
+		return id, true // as Seal writes it: no parse
+	}
 	mt, params, err := mime.ParseMediaType(ct)
 	if err != nil {
 		// Malformed parameters (a key given twice, say): sealed, and
