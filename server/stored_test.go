@@ -232,14 +232,15 @@ func TestSweptSettlementStoresNoCredentialHeader(t *testing.T) {
 }
 
 // TestSweptSettlementServerErrorNotStored: a hook that settles a key with
-// a 503 (or another status the middleware would not store) does not make
+// a 503 (or another status the middleware would not store: a 429, a 409,
+// a 1xx, which is no final answer) does not make
 // it the key's outcome: its writes are rolled back, the key is released
 // as failed, left for the next sweep, and the retry of its request runs
 // it; with StoreServerErrors, as the middleware, the 503 is stored.
 func TestSweptSettlementServerErrorNotStored(t *testing.T) {
 	for _, st := range storages {
 		t.Run(st.name, func(t *testing.T) {
-			for _, status := range []int{http.StatusServiceUnavailable, http.StatusTooManyRequests, http.StatusConflict} {
+			for _, status := range []int{http.StatusServiceUnavailable, http.StatusTooManyRequests, http.StatusConflict, http.StatusEarlyHints} {
 				keys := st.newStorage(t).Keys
 				key := fmt.Sprintf("k-%d", status)
 				post, calls := releasedKey(t, keys, key)

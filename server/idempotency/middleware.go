@@ -203,7 +203,9 @@ type Options struct {
 	// the server writes for each response (Content-Length, Date,
 	// Transfer-Encoding, ...) and the ones the middleware sets (the key
 	// header, Idempotency-TTL, Idempotent-Replayed, [RedactedHeader]):
-	// listing them changes nothing, and Middleware logs a warning.
+	// listing them changes nothing, and Middleware logs a warning. A replay
+	// writes only the stored headers this list keeps, whatever the store
+	// holds: never a credential, and the key header as the request sent it.
 	StoredHeaders []string
 
 	// Redact, if not nil, sees each response about to be stored (its

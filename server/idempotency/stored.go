@@ -299,10 +299,14 @@ func (m *middleware) unopened(w http.ResponseWriter, r *http.Request, resp *Stor
 // and replayed, by the rules [Middleware] documents: 2xx, 3xx and the
 // definitive 4xx are; the 4xx that reject a request before it did
 // anything, the 5xx (unless storeServerErrors) and what is no HTTP
-// status are not. A [Sweeper]'s settlements follow the same rules.
+// status are not. A [Sweeper]'s settlements follow the same rules. A 1xx
+// is no final answer either (a replay of one would be followed by
+// net/http's 200): a handler's never reaches here, a settlement's may.
 func storableStatus(status int, storeServerErrors bool) bool {
 	switch {
 	case !ValidStatus(status): // no store keeps it
+		return false
+	case status < 200:
 		return false
 	case status >= 500:
 		return storeServerErrors

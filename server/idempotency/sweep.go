@@ -63,7 +63,7 @@ type Settlement struct {
 	// again. It is stored as [Middleware] stores a handler's answer: its
 	// status only when the middleware would store it (not a 5xx, unless
 	// [Sweeper.StoreServerErrors]; not a 4xx that rejects a request, such
-	// as 400, 409 or 429), and only the headers [Sweeper.StoredHeaders]
+	// as 400, 409 or 429; not a 1xx, which is no final answer), and only the headers [Sweeper.StoredHeaders]
 	// keeps, never a credential nor the key header. A status that is not
 	// stored leaves the key, as an error does.
 	Response *StoredResponse
