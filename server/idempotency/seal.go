@@ -82,7 +82,8 @@ type sealKey struct {
 
 // NewSealKeys returns the key set of keys, the first one sealing. It copies
 // the secrets. It returns an error for no key, a duplicated or malformed
-// id, or a secret that is not 32 bytes long.
+// id, or a secret that is not 32 bytes long; the error never shows a
+// secret, nor an id that is malformed (a secret in the id's place).
 func NewSealKeys(keys ...SealKey) (*SealKeys, error) {
 	if len(keys) == 0 {
 		return nil, errors.New("idempotency: NewSealKeys needs at least one key")
@@ -90,7 +91,8 @@ func NewSealKeys(keys ...SealKey) (*SealKeys, error) {
 	ks := &SealKeys{byID: make(map[string]*sealKey, len(keys))}
 	for i, k := range keys {
 		if !validSealKeyID(k.ID) {
-			return nil, fmt.Errorf("idempotency: seal key id %q: want 1 to %d characters out of A-Z, a-z, 0-9, '.', '_' and '-'", k.ID, maxSealKeyID)
+			// Not shown: an id that is not one may be a secret put in its place.
+			return nil, fmt.Errorf("idempotency: seal key id of key %d (of %d): want 1 to %d characters out of A-Z, a-z, 0-9, '.', '_' and '-'", i+1, len(keys), maxSealKeyID)
 		}
 		if len(k.Secret) != sealSecretLen {
 			return nil, fmt.Errorf("idempotency: seal key %q is %d bytes long: want %d random bytes", k.ID, len(k.Secret), sealSecretLen)

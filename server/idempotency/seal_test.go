@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/sha256"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io"
@@ -49,11 +50,15 @@ func TestNewSealKeysRefuses(t *testing.T) {
 		{"short secret", []SealKey{{ID: "k1", Secret: good.Secret[:16]}}, "16 bytes long"},
 		{"no secret", []SealKey{{ID: "k1"}}, "0 bytes long"},
 		{"duplicate id", []SealKey{good, good}, "given twice"},
+		{"a secret as the id", []SealKey{good, {ID: base64.StdEncoding.EncodeToString(good.Secret), Secret: good.Secret}}, "seal key id of key 2 (of 2)"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ks, err := NewSealKeys(tt.keys...)
 			if err == nil || ks != nil || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("NewSealKeys: %v, %v; want an error saying %q", ks, err, tt.want)
+			}
+			if secret := base64.StdEncoding.EncodeToString(good.Secret); strings.Contains(err.Error(), secret[:8]) {
+				t.Errorf("NewSealKeys: %v shows the secret", err)
 			}
 		})
 	}

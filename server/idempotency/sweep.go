@@ -65,7 +65,9 @@ type Settlement struct {
 	// [Sweeper.StoreServerErrors]; not a 4xx that rejects a request, such
 	// as 400, 409 or 429; not a 1xx, which is no final answer), and only the headers [Sweeper.StoredHeaders]
 	// keeps, never a credential nor the key header. A status that is not
-	// stored leaves the key, as an error does.
+	// stored leaves the key, as an error does. Unlike a handler's answer,
+	// it is neither redacted ([Options.Redact]) nor capped
+	// ([Options.MaxStoredBodyBytes]): the hook writes what is replayed.
 	Response *StoredResponse
 	// Release frees the key for any request, as released with
 	// [ReleaseRejected]: the hook knows that nothing of the operation took
