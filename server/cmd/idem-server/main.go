@@ -471,6 +471,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		if sealKeys, err = readSealKeys(o, log); err != nil {
 			return fmt.Errorf("-seal-key-file %s: %w", o.sealKeyFile, err)
 		}
+	} else if !o.noIdempotency {
+		log.Info("stored responses are kept in the clear; set -seal-key-file to seal them at rest")
 	}
 
 	trips := new(server.DBRoundTrips)
