@@ -72,7 +72,7 @@ func TestPgbenchScripts(t *testing.T) {
 const pgbenchHeader = `-- One first execution of POST /v1/payments on the reference server on
 -- PostgreSQL, as pgbench runs it: claim the key (pgstore), insert the card
 -- processor's charge, then in one transaction insert the payment (the
--- handler's write through pgstore.TxFromContext) and complete the key
+-- handler's write through pgstore.Tx) and complete the key
 -- (pgstore's completion, sent with the COMMIT). GENERATED from
 -- server/postgres.go and server/pgstore by bench/pgbench_test.go (go test
 -- -run TestPgbenchScripts -update); do not edit.
@@ -110,9 +110,16 @@ func pgbenchScript(src map[string]string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	show, err := goConst(src, "ShowIsolationSQL")
+	txid, err := goConst(src, "TxIDSQL")
 	if err != nil {
 		return "", err
+	}
+	guard, err := goConst(src, "TxGuardSQL")
+	if err != nil {
+		return "", err
+	}
+	if guard, err = params(guard, map[int]string{1: "(:xid)::text"}); err != nil {
+		return "", fmt.Errorf("txGuardSQL: %w", err)
 	}
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
@@ -141,8 +148,9 @@ func pgbenchScript(src map[string]string) (string, error) {
 	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
 	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
-	b.WriteString("\nBEGIN;\n-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
-	b.WriteString("-- showIsolationSQL (pgstore reads the isolation level with the first statement)\n" + strings.TrimSpace(show) + ";\n")
+	b.WriteString("\nBEGIN;\n-- txIDSQL (pgstore reads the transaction's ID with the BEGIN)\n" + strings.TrimSpace(txid) + " AS xid\n\\gset\n")
+	b.WriteString("-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
+	b.WriteString("-- txGuardSQL (the transaction is still the one begun)\n" + strings.TrimSpace(guard) + ";\n")
 	b.WriteString("-- completeInTxSQL (the key's completion)\n" + strings.TrimSpace(complete) + ";\nCOMMIT;\n")
 	return b.String(), nil
 }

@@ -40,12 +40,11 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 // request on PostgreSQL, as counted by DBRoundTrips and served on /metrics.
 // A change that adds a round trip to the hot path fails here.
 //
-//   - A first execution makes four: the claim (its own committed
+//   - A first execution makes five: the claim (its own committed
 //     statement); the fake processor's charge (it shares the pool); the
-//     payment's INSERT, the handler's first statement through
-//     pgstore.TxFromContext, sent in one pipeline with the BEGIN that
-//     pgstore defers to it; and the key's completion, pipelined with the
-//     COMMIT.
+//     BEGIN of pgstore.Tx, which reads the transaction's ID in the same
+//     round trip; the payment's INSERT; and the key's completion,
+//     pipelined with the COMMIT.
 //   - A replay makes two: the claim's insert, which finds the key there,
 //     and the read of the key's row, which returns the stored outcome
 //     (see pgstore's claimInsertSQL: a new key is claimed by a plain
@@ -54,11 +53,11 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //   - A request whose key is released (here a 400 from the handler's
 //     validation) makes two: the claim and the release. The handler wrote
 //     nothing, so its transaction never began: no BEGIN and no ROLLBACK.
-//   - The corrected request with the key of such a 400 makes six: the
+//   - The corrected request with the key of such a 400 makes seven: the
 //     claim takes three statements, the insert that finds the key there,
 //     the read that finds it released, and the claim that claims it again
-//     (see pgstore's claimReadSQL), then three as a first execution.
-//   - An unkeyed payment (Config.NoIdempotency) makes four too: the charge,
+//     (see pgstore's claimReadSQL), then four as a first execution.
+//   - An unkeyed payment (Config.NoIdempotency) makes four: the charge,
 //     and BEGIN, INSERT and COMMIT of pgx.BeginFunc, one round trip each.
 //     The idempotency layer adds no round trip to it: the claim it adds is
 //     paid back by the BEGIN that pgstore pipelines with the INSERT, and
@@ -77,14 +76,14 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 			wantStatus int
 			want       int64
 		}{
-			{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 4},
+			{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 5},
 			{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 2},
 			{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
 			// The corrected request with the key of a 400: the claim
 			// fails to insert (claimInsertSQL), reads the released row
 			// (claimReadSQL), then replaces it (claimSQL), and the
 			// payment goes on as a first execution.
-			{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 6},
+			{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 7},
 		}
 		for _, c := range cases {
 			// The first send prepares the statements on the connection.

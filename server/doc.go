@@ -1,7 +1,7 @@
 // Package server is the reference payments API of idem, built on the
 // server-side library exactly as any service would be: POST /v1/payments
 // behind [idempotency.Middleware], its payments written through
-// [pgstore.TxFromContext] on PostgreSQL (or staged with
+// [pgstore.Tx] on PostgreSQL (or staged with
 // [idempotency.MemoryStore.Stage] in memory), its own tables (payments, and
 // the fake card processor's charges), its own authentication ([BearerAuth])
 // and its own metrics ([Metrics], fed by [idempotency.Options.OnEvent]). It

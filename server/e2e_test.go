@@ -792,7 +792,7 @@ func testLostProcessorAnswer(t *testing.T, newStorage newStorageFunc) {
 // work fail, after the handler has done its work (the charge and the
 // payment's write included): nothing of the unit of work is committed, and
 // the middleware releases the key. It cannot wrap the key store's Tx,
-// since the stores' accessors (MemoryStore.Stage, pgstore.TxFromContext)
+// since the stores' accessors (MemoryStore.Stage, pgstore.Tx)
 // find their own unit of work in the request's context; it makes the unit
 // of work itself fail to commit, as a handler's write can.
 type failFirstCompletion struct {
@@ -814,9 +814,9 @@ func (s *failFirstCompletion) CreatePayment(ctx context.Context, p Payment) erro
 		case *PostgresStorage:
 			// A deferred foreign key that no row satisfies: checked, and
 			// failed, at COMMIT, after the key's completion statement.
-			tx, ok := pgstore.TxFromContext(ctx)
-			if !ok {
-				return errors.New("failFirstCompletion: no transaction in the context")
+			tx, err := pgstore.Tx(ctx)
+			if err != nil {
+				return fmt.Errorf("failFirstCompletion: %w", err)
 			}
 			for _, sql := range []string{
 				`CREATE TEMP TABLE fail_commit_parent (id int PRIMARY KEY) ON COMMIT DROP`,

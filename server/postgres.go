@@ -16,7 +16,7 @@ import (
 
 // PostgresStorage is the PostgreSQL [Storage] on the tables of [Migrate]:
 // the keys in a [pgstore.Store], the payments written through
-// [pgstore.TxFromContext] as any service writes its rows, and the charges.
+// [pgstore.Tx] as any service writes its rows, and the charges.
 // It is safe for concurrent use by many goroutines and many processes.
 type PostgresStorage struct {
 	pool *pgxpool.Pool
@@ -48,7 +48,7 @@ VALUES ($1, $2, $3, $4, $5, $6, nullif($7, '')::uuid, nullif($8, ''), coalesce($
 ON CONFLICT DO NOTHING`
 
 // CreatePayment implements [PaymentStore]: inside a request that owns its
-// key, in the request's transaction ([pgstore.TxFromContext]); anywhere
+// key, in the request's transaction ([pgstore.Tx]); anywhere
 // else in a transaction of its own, the same BEGIN, INSERT and COMMIT a
 // service without the middleware would send.
 func (s *PostgresStorage) CreatePayment(ctx context.Context, p Payment) error {
@@ -64,11 +64,12 @@ func (s *PostgresStorage) CreatePayment(ctx context.Context, p Payment) error {
 		}
 		return err
 	}
-	var err error
-	if tx, ok := pgstore.TxFromContext(ctx); ok {
-		err = insert(tx)
-	} else {
+	tx, err := pgstore.Tx(ctx)
+	switch {
+	case errors.Is(err, pgstore.ErrNoTx):
 		err = pgx.BeginFunc(ctx, s.pool, insert)
+	case err == nil:
+		err = insert(tx)
 	}
 	return interpretError(err)
 }

@@ -1,7 +1,7 @@
 -- One first execution of POST /v1/payments on the reference server on
 -- PostgreSQL, as pgbench runs it: claim the key (pgstore), insert the card
 -- processor's charge, then in one transaction insert the payment (the
--- handler's write through pgstore.TxFromContext) and complete the key
+-- handler's write through pgstore.Tx) and complete the key
 -- (pgstore's completion, sent with the COMMIT). GENERATED from
 -- server/postgres.go and server/pgstore by bench/pgbench_test.go (go test
 -- -run TestPgbenchScripts -update); do not edit.
@@ -47,19 +47,23 @@ WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
 \gset ch_
 
 BEGIN;
+-- txIDSQL (pgstore reads the transaction's ID with the BEGIN)
+SELECT pg_current_xact_id()::text AS xid
+\gset
 -- insertPaymentSQL (the handler's write)
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
-VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(:operation_id, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()));
--- showIsolationSQL (pgstore reads the isolation level with the first statement)
-SHOW transaction_isolation;
+VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(:operation_id, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()))
+ON CONFLICT DO NOTHING;
+-- txGuardSQL (the transaction is still the one begun)
+SELECT 1 / (pg_current_xact_id() = (:xid)::text::xid8)::integer;
 -- completeInTxSQL (the key's completion)
 WITH done AS (
 UPDATE idempotency_keys SET
     status = 'completed',
     response_status = :status,
     response_content_type = :ctype,
-    response_headers = :hdr,
+    response_headers = :hdr::jsonb,
     response_body = :body,
     locked_at = statement_timestamp(),
     expires_at = CASE WHEN retention_us > 0

@@ -32,5 +32,6 @@ BEGIN;
 -- insertPaymentSQL
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
-VALUES ('pay_' || :key, :client, :customer, :amount, :currency, '', nullif(gen_random_uuid()::text, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()));
+VALUES ('pay_' || :key, :client, :customer, :amount, :currency, '', nullif(gen_random_uuid()::text, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()))
+ON CONFLICT DO NOTHING;
 COMMIT;

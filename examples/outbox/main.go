@@ -3,7 +3,7 @@
 //
 // POST /orders runs behind the idempotency middleware on PostgreSQL
 // (server/pgstore). Its handler writes the order and enqueues a River job
-// to ship it, both through pgstore.TxFromContext: the order, the job and
+// to ship it, both through pgstore.Tx: the order, the job and
 // the key's stored outcome commit in one transaction, or none of them does.
 // A worker (River) runs the job: it calls the shipping API through
 // idem.Transport with an Idempotency-Key derived from the claim's

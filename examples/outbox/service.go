@@ -74,12 +74,16 @@ func (o *orderHandler) create(w http.ResponseWriter, r *http.Request) {
 	ctx := r.Context()
 	tenant, _ := idempotency.ClientIDFromContext(ctx)
 	claim, ok := idempotency.ClaimFromContext(ctx)
-	tx, txOK := pgstore.TxFromContext(ctx) // commits with the key's stored outcome
-	if !ok || !txOK {
+	if !ok {
 		http.Error(w, "POST /orders is served without the idempotency middleware", http.StatusInternalServerError)
 		return
 	}
-	err := tx.QueryRow(ctx, `INSERT INTO orders (tenant, operation_id, item, qty) VALUES ($1, $2, $3, $4) RETURNING id`,
+	tx, err := pgstore.Tx(ctx) // commits with the key's stored outcome
+	if err != nil {
+		http.Error(w, "the database is unavailable; retry with the same key", http.StatusServiceUnavailable)
+		return
+	}
+	err = tx.QueryRow(ctx, `INSERT INTO orders (tenant, operation_id, item, qty) VALUES ($1, $2, $3, $4) RETURNING id`,
 		tenant, claim.OperationID, in.Item, in.Qty).Scan(&in.ID)
 	if err == nil {
 		// The outbox: the job is a row in the same transaction, so it exists

@@ -42,7 +42,7 @@ type run struct {
 // NewContext returns a copy of ctx carrying a claim and its unit of work, as
 // [Middleware] hands them to the handler of a request that owns its key:
 // [ClaimFromContext], [TxFromContext] and the stores' own accessors
-// (pgstore.TxFromContext, [MemoryStore.Stage]) read them. A middleware of
+// (pgstore.Tx, [MemoryStore.Stage]) read them. A middleware of
 // one's own, or a test of a handler, uses it with a [Store]'s Claim and
 // Begin.
 func NewContext(ctx context.Context, c Claim, tx Tx) context.Context {
@@ -52,7 +52,7 @@ func NewContext(ctx context.Context, c Claim, tx Tx) context.Context {
 // TxFromContext returns the unit of work of the claimed key whose request
 // the handler serves, as opened by [Middleware] with [Store.Begin]. It
 // returns false outside a request that owns its key. Handlers usually reach
-// it through their store's accessor (pgstore.TxFromContext for a real
+// it through their store's accessor (pgstore.Tx for a real
 // pgx.Tx, [MemoryStore.Stage]); they must not call Complete or Rollback
 // themselves: the middleware decides from the status.
 //

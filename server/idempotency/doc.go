@@ -8,7 +8,7 @@
 //
 // The store is a [MemoryStore] for tests and demos, or pgstore.New(pool) on
 // PostgreSQL (package github.com/idemkit/idem/server/pgstore), whose
-// pgstore.TxFromContext gives the handler the transaction its writes commit
+// pgstore.Tx gives the handler the transaction its writes commit
 // in. Inside the handler, [ClaimFromContext] carries the
 // [Claim.OperationID] to derive downstream idempotency keys from. Package
 // storetest is the conformance suite any other Store passes.

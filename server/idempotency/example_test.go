@@ -17,7 +17,7 @@ import (
 // gets the first outcome back, byte for byte, and the handler's write is
 // made once. On a MemoryStore the handler stages its write with Stage, so it
 // is applied together with the key's stored outcome; on PostgreSQL it would
-// write through pgstore.TxFromContext.
+// write through pgstore.Tx.
 func ExampleMiddleware() {
 	store := idempotency.NewMemoryStore()
 	var mu sync.Mutex

@@ -244,7 +244,7 @@ type Options struct {
 	// writes and the stored outcome commit together, one commit per first
 	// execution, and nothing of a request is visible before it. It is for
 	// routes whose handler writes only to the key's database, through the
-	// store's unit of work (pgstore.TxFromContext), and calls no other
+	// store's unit of work (pgstore.Tx), and calls no other
 	// system before it answers; work that must follow goes to an outbox
 	// written in the same transaction (a job queue's table, such as
 	// River's InsertTx), and is done after the commit by workers that key
@@ -961,7 +961,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		if p != http.ErrAbortHandler {
 			log.Error("idempotency: handler panicked", "panic", p)
 		}
-		m.abandon(detached, tx, claim, ReleaseFailed, log)
+		m.abandon(w, detached, tx, claim, ReleaseFailed, log) // ended or not, the panic goes on
 		if p != nil {
 			panic(p)
 		}
@@ -975,8 +975,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		// gone, a deadline, a shutdown, a lost lease): net/http would send
 		// an empty 200, and storing it would replay a success to every
 		// retry of an operation that may not have been done.
-		m.abandon(detached, tx, claim, ReleaseFailed, log)
-		m.notRun(w, r)
+		if !m.abandon(w, detached, tx, claim, ReleaseFailed, log) {
+			m.notRun(w, r)
+		}
 		return
 	}
 	status := rec.result()
@@ -988,16 +989,18 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		if status >= 500 {
 			kind = ReleaseFailed
 		}
-		m.abandon(detached, tx, claim, kind, log)
-		writeRecorded(w, rec)
+		if !m.abandon(w, detached, tx, claim, kind, log) {
+			writeRecorded(w, rec)
+		}
 		return
 	}
 	resp, err := m.storedResponse(r, rec, log)
 	if err != nil {
 		log.Error("idempotency: the response could not be prepared for storing; the key is released", "err", err)
-		m.abandon(detached, tx, claim, ReleaseFailed, log)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
-			"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		if !m.abandon(w, detached, tx, claim, ReleaseFailed, log) {
+			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+				"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		}
 		return
 	}
 	switch err := tx.Complete(detached, resp); {
@@ -1012,15 +1015,13 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
 			"This request lost its hold on the %s (it could not renew it in time) and a retry with the same key took it over; nothing of this request was committed. Retry the same request with the same key to get the outcome.", m.keyHeader))
 	case errors.Is(err, ErrUnitEnded):
-		log.Error("idempotency: completion failed: the handler ended its own transaction, and what it wrote before may be committed without the key's outcome; fix the handler", "err", err)
-		m.abandon(detached, tx, claim, ReleaseFailed, log)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
-			"The outcome could not be saved, and part of what this request wrote may have been committed without it (a defect of this service). Retrying the same request with the same key runs it again.")
+		m.unitEnded(w, err, log)
 	default:
 		log.Error("idempotency: completion failed", "err", err)
-		m.abandon(detached, tx, claim, ReleaseFailed, log)
-		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
-			"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		if !m.abandon(w, detached, tx, claim, ReleaseFailed, log) {
+			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+				"The outcome could not be saved, and nothing of this request was committed. Retry the same request with the same key.")
+		}
 	}
 }
 
@@ -1040,15 +1041,36 @@ func (m *middleware) storable(status int) bool {
 // abandon rolls back the unit of work and releases the key, keeping its
 // operation for the retry (see [Store.Release]). The key of a claim made
 // in one transaction goes with the rollback: nothing is left to release.
-func (m *middleware) abandon(ctx context.Context, tx Tx, c Claim, kind ReleaseKind, log *slog.Logger) {
-	if err := tx.Rollback(ctx); err != nil {
+// ended reports a unit of work that the handler ended itself: the store
+// completed the key with [UnitEndedResponse] instead, which abandon has
+// written to w; the caller writes nothing more.
+func (m *middleware) abandon(w http.ResponseWriter, ctx context.Context, tx Tx, c Claim, kind ReleaseKind, log *slog.Logger) (ended bool) {
+	switch err := tx.Rollback(ctx); {
+	case errors.Is(err, ErrUnitEnded):
+		m.unitEnded(w, err, log)
+		return true
+	case err != nil:
 		log.Error("idempotency: rollback failed", "err", err)
 	}
 	if c.OneTransaction {
 		m.event(EventReleased)
-		return
+		return false
 	}
 	m.release(ctx, c, kind, log)
+	return false
+}
+
+// unitEnded answers a request whose handler ended its unit of work
+// itself (err wraps [ErrUnitEnded]): the store completed the key with
+// [UnitEndedResponse], which every retry gets too.
+func (m *middleware) unitEnded(w http.ResponseWriter, err error, log *slog.Logger) {
+	m.event(EventCompleted)
+	log.Error("idempotency: the handler ended the key's transaction itself, so what it wrote may be committed without "+
+		"the key's outcome; the key is completed with a 500 and never runs again: fix the handler", "err", err)
+	resp := UnitEndedResponse()
+	w.Header().Set("Content-Type", resp.ContentType)
+	w.WriteHeader(resp.Status)
+	w.Write(resp.Body)
 }
 
 func (m *middleware) release(ctx context.Context, c Claim, kind ReleaseKind, log *slog.Logger) {

@@ -368,7 +368,7 @@ func readString(b []byte, ok bool) (string, []byte, bool) {
 // Middleware answers 500, running nothing.
 //
 // A handler reaches its store's own unit of work as before: the Tx that
-// Begin returns wraps store's, and [TxFromContext] (so pgstore.TxFromContext
+// Begin returns wraps store's, and [TxFromContext] (so pgstore.Tx
 // and [MemoryStore.Stage]) unwraps it. When store is [Sweepable] or an
 // [Inspector], so is the returned Store: a [Sweeper]'s settlements are
 // sealed like a handler's outcomes, and [Inspector.Lookup] shows a body as

@@ -3,7 +3,9 @@ package idempotency
 import (
 	"context"
 	"encoding/binary"
+	"encoding/json"
 	"errors"
+	"net/http"
 	"strconv"
 	"strings"
 	"time"
@@ -90,10 +92,13 @@ var (
 	// answers a claim that gets it with 503 and Retry-After, and runs
 	// nothing.
 	ErrReadOnly = errors.New("idempotency: the store's database is read-only (a standby, or default_transaction_read_only is on)")
-	// ErrUnitEnded is returned (wrapped) by [Tx.Complete] when the
-	// handler ended its unit of work itself, behind the store's back (a
-	// COMMIT sent on the raw connection, say): what it wrote before may
-	// have been committed without the key's outcome, and nothing after.
+	// ErrUnitEnded is returned (wrapped) by [Tx.Complete] and
+	// [Tx.Rollback] when the handler ended its unit of work itself (a
+	// COMMIT, a ROLLBACK, a COMMIT AND CHAIN, its driver's Commit): what
+	// it wrote may have been committed without the key's outcome. The
+	// store has then completed the key with [UnitEndedResponse], under
+	// the claim's token, so that nothing runs again under it: it fails
+	// closed. [Middleware] answers that response and releases nothing.
 	ErrUnitEnded = errors.New("idempotency: the handler ended its unit of work itself; what it wrote may have been committed without the key's outcome")
 )
 
@@ -454,4 +459,15 @@ func ValidText(s string) bool {
 // whose operation began at began.
 func (c FirstSentCheck) refuses(began time.Time) bool {
 	return c.Stale || (!c.EarliestBegin.IsZero() && !began.Before(c.EarliestBegin))
+}
+
+// UnitEndedResponse is the outcome a [Store] completes a key with when
+// its handler ended the unit of work itself (see [ErrUnitEnded]): a 500
+// problem that says so, replayed to every retry, since running the request
+// again could repeat writes that were committed.
+func UnitEndedResponse() StoredResponse {
+	body, _ := json.Marshal(NewProblem(ProblemInternal, http.StatusInternalServerError,
+		"The service's handler ended the transaction of this request itself, so part of what it wrote may have been "+
+			"committed without this answer. The request is not run again under this key: ask the service's operators what was done."))
+	return StoredResponse{Status: http.StatusInternalServerError, ContentType: "application/problem+json", Body: body}
 }

@@ -81,7 +81,7 @@ type Settlement struct {
 // looks for the work done under k.OperationID outside the key's unit of
 // work (a downstream charge keyed by it), and completes the key with the
 // response its request would have had, its business writes made through
-// ctx as a handler's are (pgstore.TxFromContext, [MemoryStore.Stage]); or
+// ctx as a handler's are (pgstore.Tx, [MemoryStore.Stage]); or
 // it releases the key, when nothing was done; or it leaves it, returning
 // the zero Settlement or an error (logged), for the next sweep.
 //

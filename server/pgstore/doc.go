@@ -9,33 +9,34 @@
 //
 // and in the handler:
 //
-//	tx, _ := pgstore.TxFromContext(r.Context())
-//	_, err := tx.Exec(r.Context(), `INSERT INTO orders (id, item) VALUES ($1, $2)`, id, item)
+//	tx, err := pgstore.Tx(r.Context()) // pgx's own pgx.Tx, begun now
+//	if err == nil {
+//		_, err = tx.Exec(r.Context(), `INSERT INTO orders (id, item) VALUES ($1, $2)`, id, item)
+//	}
 //
 // The order row and the key's outcome then commit together, in one commit
 // sent with the key's completion: a retry gets the stored response and finds
 // the row, and a request whose outcome is not stored (a 400, a 5xx, a panic,
-// a request taken over while it ran) leaves no row. The transaction begins on
-// its first statement, so a handler that calls a slow downstream system first
-// holds no connection meanwhile.
+// a request taken over while it ran) leaves no row. The transaction begins
+// when the handler asks for it, so a handler that calls a slow downstream
+// system first holds no connection meanwhile.
 //
-// The transaction takes what a pgx.Tx takes, and is the middleware's to end:
-// its Commit and Rollback, and a COMMIT or ROLLBACK the handler sends as SQL,
-// are refused with [ErrTxOwned], and everything handed out from it
-// (savepoints, rows, batches, its Conn) stops working when the request ends,
-// so a goroutine that outlives the handler cannot write into another
-// request's transaction. [TxFromContext] lists what holds, and the one way
-// around it (SQL sent on the transaction's Conn). A key's times are the
-// database's clock when each event happens (statement_timestamp()), so a
-// key completed by a transaction that stayed open for a long time is kept
-// its whole retention after the completion.
+// The transaction is pgx's own: it takes everything a pgx.Tx takes (query
+// rewriters, every query mode, batches, CopyFrom, its Conn, River's
+// InsertTx), and is the middleware's to end. pgstore polices none of the
+// handler's SQL: at the end it checks that the transaction is still the one
+// it began and still open, and when the handler ended it (see [Tx]) it
+// completes the key with a 500 that says so and never runs the request
+// again: it fails closed. A key's times are the database's clock when each
+// event happens (statement_timestamp()), so a key completed by a
+// transaction that stayed open for a long time is kept its whole retention
+// after the completion.
 //
 // Round trips: a first execution costs the claim (one statement, committed
 // on its own so that a duplicate sees the key at once), then the handler's
-// own transaction as it would cost without the middleware (BEGIN, its
-// statements; the BEGIN travels with the first statement of Exec or
-// QueryRow), whose COMMIT carries the key's completion in the same round
-// trip. The claim of a new key is a plain INSERT, the cheapest statement
+// own transaction as it would cost without the middleware (BEGIN, which
+// reads the transaction's ID in the same round trip, and its statements),
+// whose COMMIT carries the key's completion in the same round trip. The claim of a new key is a plain INSERT, the cheapest statement
 // that claims it; a key that has a row costs a second, the read of its row:
 // a replay and a duplicate cost two round trips, and a claim that resumes,
 // replaces or takes over a key (a retry after a release or an expiry, a
@@ -80,7 +81,7 @@
 // The price is the connection, held from the claim to the completion,
 // whatever the handler does meanwhile: size the pool for the concurrency of
 // these routes, and keep calls to slow systems off them. The transaction
-// begins in the database's default isolation level; under REPEATABLE READ
+// begins at [Store.Isolation]; under REPEATABLE READ
 // or SERIALIZABLE a SET TRANSACTION after the claim fails, and under
 // SERIALIZABLE the claim's read of the key table takes a predicate lock, so
 // two requests whose keys fall on one page of the key table's index may fail
@@ -89,8 +90,11 @@
 //
 // Size the pool for the handlers' transactions and, beside them, the
 // claims, the lease renewals and the completions without a transaction: a
-// renewal that waits for a connection longer than the lock timeout loses
-// the lease (the request's completion is then fenced, and its client's
-// retry runs it again), so a handler that holds its transaction across a
-// slow downstream call should not be able to take every connection.
+// renewal that waits for a connection longer than the lock timeout may
+// lose the lease to a retry that takes the key over (the request's
+// completion is then fenced), so a handler that holds its transaction
+// across a slow downstream call should not be able to take every
+// connection. Nothing waits for a connection while holding what another
+// waiter needs: a pool smaller than the requests slows them, never stops
+// them (TestSmallPoolAnswersEveryRequest).
 package pgstore

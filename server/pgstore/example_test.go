@@ -64,10 +64,12 @@ func newOrderService(pool *pgxpool.Pool, reserve func(ctx context.Context, item 
 			return
 		}
 		tenant, _ := idempotency.ClientIDFromContext(r.Context()) // the client the key is scoped by
-		tx, _ := pgstore.TxFromContext(r.Context())               // commits with the key's stored outcome
+		tx, err := pgstore.Tx(r.Context())                        // commits with the key's stored outcome
 		var id int64
-		err := tx.QueryRow(r.Context(), `INSERT INTO orders (tenant, item, qty) VALUES ($1, $2, $3) RETURNING id`,
-			tenant, in.Item, in.Qty).Scan(&id)
+		if err == nil {
+			err = tx.QueryRow(r.Context(), `INSERT INTO orders (tenant, item, qty) VALUES ($1, $2, $3) RETURNING id`,
+				tenant, in.Item, in.Qty).Scan(&id)
+		}
 		if err == nil {
 			err = reserve(r.Context(), in.Item, in.Qty) // a downstream call after the insert
 		}

@@ -61,24 +61,21 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	if err != nil {
 		return none, false, interpretError(err)
 	}
-	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{})
-	b.Queue(keysql.ClaimTxSQL, keysql.ClaimArgs(req)...)
-	br := conn.SendBatch(ctx, b)
-	_, err = br.Exec() // the BEGIN
 	var row keysql.ClaimRow
 	found := false
-	if err == nil {
-		row, found, err = scanClaim(br.Query())
-	}
-	if cerr := br.Close(); err == nil {
-		err = cerr
-	}
+	tx, xid, err := beginOn(ctx, conn, s.Isolation, &batched{
+		queue: func(b *pgx.Batch) { b.Queue(keysql.ClaimTxSQL, keysql.ClaimArgs(req)...) },
+		read: func(br pgx.BatchResults) (err error) {
+			row, found, err = scanClaim(br.Query())
+			return err
+		},
+	})
 	if err == nil && !found {
 		err = errors.New("the claim returned no row")
 	}
 	if err == nil && row.Outcome() == idempotency.Claimed {
-		u := &unit{store: s, conn: conn, tx: br.Tx(), inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
+		u := &unit{store: s, conn: conn, tx: tx, xid: xid, snap: snapshotLevel(s.Isolation),
+			inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
 		s.units.Add(u.claim, u, false)
@@ -115,47 +112,6 @@ func (s *Store) beginInTx(c idempotency.Claim) *unit {
 		return u
 	}
 	return &unit{store: s, claim: c, inTx: &inTxKey{}, err: errInTxOver}
-}
-
-// completeInTx completes the unit of a claim made in one transaction: it
-// inserts the key, completed, and commits it with the handler's writes
-// (keysql.CompleteNewInTxSQL and COMMIT, one round trip). args are keysql.CompleteNewSQL's
-// parameters. A handler whose write failed has nothing to commit: its
-// transaction is rolled back, key included, and a stored 4xx outcome is
-// inserted alone, as keysql.CompleteSQL stores it alone for a claim in a commit of
-// its own. The caller holds u.mu and has checked the response.
-func (u *unit) completeInTx(ctx context.Context, status int, args []any) error {
-	if u.tx == nil {
-		return idempotency.ErrFenced // its transaction ended: the key went with it
-	}
-	if err := u.checkOpen(); err != nil {
-		u.rollbackLocked(ctx)
-		return err
-	}
-	if u.conn.Conn().PgConn().IsBusy() {
-		u.rollbackLocked(ctx)
-		return fmt.Errorf("pgstore: the handler answered %d but left rows or a batch of its transaction open; nothing was committed", status)
-	}
-	switch u.conn.Conn().PgConn().TxStatus() {
-	case 'T':
-		err := u.commitLocked(ctx, keysql.CompleteNewInTxSQL, args)
-		if serializationFailure(err) && u.store.takenMeanwhile(ctx, u.claim) {
-			// Under REPEATABLE READ or SERIALIZABLE, a row committed after
-			// the transaction's snapshot fails the insert this way, not
-			// as a conflict.
-			return idempotency.ErrFenced
-		}
-		return err
-	case 'E':
-		u.rollbackLocked(ctx)
-		if status < 400 {
-			return fmt.Errorf("pgstore: the handler answered %d but its transaction failed; nothing was committed", status)
-		}
-		return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteNewSQL, args[3:], idempotency.StatusCompleted)
-	default:
-		u.rollbackLocked(ctx)
-		return fmt.Errorf("pgstore: the handler's transaction is no longer usable (its connection closed); nothing of it was committed")
-	}
 }
 
 // takenMeanwhile reports whether c's key, claimed in one transaction, has

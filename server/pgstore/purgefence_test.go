@@ -36,9 +36,9 @@ func TestPurgeSparesKeyOfOneTxRequest(t *testing.T) {
 	entered, release := make(chan struct{}), make(chan struct{})
 	handler := func(hold bool) http.Handler {
 		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			tx, ok := pgstore.TxFromContext(r.Context())
-			if !ok {
-				http.Error(w, "no tx", 500)
+			tx, err := pgstore.Tx(r.Context())
+			if err != nil {
+				http.Error(w, err.Error(), 500)
 				return
 			}
 			if err := insert(r.Context(), tx, fmt.Sprintf("k/%d", attempt.Add(1))); err != nil {

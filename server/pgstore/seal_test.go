@@ -21,7 +21,7 @@ import (
 
 // TestConformanceSealed runs the conformance suite on pgstore with sealing
 // on (TestConformance runs it with sealing off). A business write is a
-// row inserted through pgstore.TxFromContext, which finds the store's
+// row inserted through pgstore.Tx, which finds the store's
 // transaction beneath the seal's unit of work.
 func TestConformanceSealed(t *testing.T) {
 	storetest.ExerciseSealed(t, func(t *testing.T) storetest.Backend {

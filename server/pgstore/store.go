@@ -31,7 +31,7 @@ import (
 // keysql.ClaimReadSQL), or more in the rare case it lost a race to another
 // writer of the key; a renewal, a release and a completion
 // each update the row under the claim's fencing token. A completion whose
-// handler wrote through [TxFromContext] is the last statement of the
+// handler wrote through [Tx] is the last statement of the
 // handler's transaction, sent with its COMMIT in one round trip, so the
 // handler's rows and the key's outcome commit together or not at all.
 //
@@ -54,7 +54,7 @@ import (
 // row fails with a serialization failure where READ COMMITTED would wait
 // and read the row again: it did nothing, and the store runs it again, as
 // it runs again a claim that lost a race under READ COMMITTED. See
-// [TxFromContext] for the lease of a handler transaction under those
+// [Tx] for the lease of a handler transaction under those
 // levels.
 //
 // The zero value is not usable; call [New]. A Store is safe for concurrent
@@ -62,6 +62,14 @@ import (
 type Store struct {
 	pool      *pgxpool.Pool
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index
+
+	// Isolation is the level of the handlers' transactions ([Tx]).
+	// Defaults to "" (pgx sends none), which is READ COMMITTED unless the
+	// database's default_transaction_isolation says otherwise: set it to
+	// pgx.ReadCommitted to be sure. Under pgx.RepeatableRead or
+	// pgx.Serializable the lease is not renewed while a transaction is
+	// open (see [Tx]'s package doc). Set it before first use.
+	Isolation pgx.TxIsoLevel
 
 	units keysql.Units[*unit] // the units of work of this process (see Renew)
 }
@@ -129,7 +137,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 			}
 		}
 		rows.Close()
-		return cmpErr(err, rows.Err())
+		return cmpOr(err, rows.Err())
 	}
 	for range keysql.MaxRaces {
 		claimed = false
@@ -208,7 +216,7 @@ func scanClaim(rows pgx.Rows, err error) (row keysql.ClaimRow, found bool, _ err
 }
 
 // Begin implements [idempotency.Store.Begin]. It does not touch the
-// database: the handler's transaction ([TxFromContext]) begins on its first
+// database: the handler's transaction ([Tx]) begins on its first
 // statement, so no connection is held while the handler does anything else
 // (a call to a slow downstream system, say).
 func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx, error) {
@@ -227,7 +235,7 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 // connection broke under it, it runs once more on a live connection: a
 // renewal done twice is one renewal.
 //
-// While the claim's handler transaction ([TxFromContext]) is open under
+// While the claim's handler transaction ([Tx]) is open under
 // REPEATABLE READ or SERIALIZABLE, Renew only checks that c still owns the
 // key, and returns ErrFenced if it does not: the transaction's completion
 // updates the key row, which PostgreSQL refuses (a serialization failure)

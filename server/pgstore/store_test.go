@@ -22,17 +22,14 @@ import (
 // named, a second write of a name is a unique violation.
 const writesSQL = `CREATE TABLE writes (name text PRIMARY KEY)`
 
-// errNoTx is the error of a write made where TxFromContext finds nothing.
-var errNoTx = errors.New("no pgstore transaction in the context")
-
 // write inserts the row name through the request's transaction, as a
 // handler behind the middleware does.
 func write(ctx context.Context, name string) error {
-	tx, ok := pgstore.TxFromContext(ctx)
-	if !ok {
-		return errNoTx
+	tx, err := pgstore.Tx(ctx)
+	if err != nil {
+		return err
 	}
-	_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
+	_, err = tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, name)
 	return err
 }
 

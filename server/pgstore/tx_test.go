@@ -16,13 +16,12 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// TestTxFromContextElsewhere: TxFromContext finds nothing outside a request
-// that owns its key on a pgstore store: a plain context, a unit of work of
-// the memory store.
-func TestTxFromContextElsewhere(t *testing.T) {
+// TestTxElsewhere: Tx finds nothing outside a request that owns its key on
+// a pgstore store: a plain context, a unit of work of the memory store.
+func TestTxElsewhere(t *testing.T) {
 	ctx := context.Background()
-	if tx, ok := pgstore.TxFromContext(ctx); ok || tx != nil {
-		t.Errorf("TxFromContext(Background) = %v, %v; want nil, false", tx, ok)
+	if tx, err := pgstore.Tx(ctx); !errors.Is(err, pgstore.ErrNoTx) || tx != nil {
+		t.Errorf("Tx(Background) = %v, %v; want nil, ErrNoTx", tx, err)
 	}
 	mem := idempotency.NewMemoryStore()
 	res, err := mem.Claim(ctx, req("key-1", "a"))
@@ -34,14 +33,14 @@ func TestTxFromContextElsewhere(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer memTx.Rollback(ctx)
-	if tx, ok := pgstore.TxFromContext(idempotency.NewContext(ctx, res.Claim, memTx)); ok || tx != nil {
-		t.Errorf("TxFromContext of a memory store's unit of work = %v, %v; want nil, false", tx, ok)
+	if tx, err := pgstore.Tx(idempotency.NewContext(ctx, res.Claim, memTx)); !errors.Is(err, pgstore.ErrNoTx) || tx != nil {
+		t.Errorf("Tx of a memory store's unit of work = %v, %v; want nil, ErrNoTx", tx, err)
 	}
 }
 
 // TestTxBeginsLazily: the unit of work holds no connection until the
-// handler's first statement, holds one from then on, and gives it back when
-// it completes; a unit of work that never wrote takes none.
+// handler asks for its transaction, holds one from then on, and gives it
+// back when it completes; a handler that never asks takes none.
 func TestTxBeginsLazily(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
@@ -49,12 +48,15 @@ func TestTxBeginsLazily(t *testing.T) {
 
 	c := mustClaim(t, s, req("key-1", "a"), idempotency.Claimed).Claim
 	tx, hctx := unitOf(t, s, c)
-	htx, ok := pgstore.TxFromContext(hctx)
-	if !ok {
-		t.Fatal("TxFromContext in a request that owns its key: false")
-	}
 	if n := acquired(); n != 0 {
-		t.Errorf("%d connections acquired before the handler's first statement, want 0", n)
+		t.Errorf("%d connections acquired before the handler asked for its transaction, want 0", n)
+	}
+	htx, err := pgstore.Tx(hctx)
+	if err != nil {
+		t.Fatalf("Tx in a request that owns its key: %v", err)
+	}
+	if again, err := pgstore.Tx(hctx); again != htx || err != nil {
+		t.Errorf("Tx asked again = %v, %v; want the same transaction", again, err)
 	}
 	if _, err := htx.Exec(hctx, `INSERT INTO writes (name) VALUES ('w1')`); err != nil {
 		t.Fatal(err)
@@ -78,9 +80,6 @@ func TestTxBeginsLazily(t *testing.T) {
 	// A handler that never writes: no connection, the key completes alone.
 	c = mustClaim(t, s, req("key-2", "a"), idempotency.Claimed).Claim
 	tx, hctx = unitOf(t, s, c)
-	if _, ok := pgstore.TxFromContext(hctx); !ok {
-		t.Fatal("TxFromContext: false")
-	}
 	if n := acquired(); n != 0 {
 		t.Errorf("%d connections acquired by a handler that did not write, want 0", n)
 	}
@@ -172,42 +171,6 @@ func TestTxFencedCompletion(t *testing.T) {
 	}
 }
 
-// TestTxOwned: the handler may not commit or roll back the request's
-// transaction itself. Commit and Rollback return ErrTxOwned and change
-// nothing: the writes stay uncommitted until the completion, and the
-// transaction goes on (a habitual defer tx.Rollback is harmless).
-func TestTxOwned(t *testing.T) {
-	ctx := context.Background()
-	s, pool := newStore(t, nil)
-	c := mustClaim(t, s, req("key-1", "a"), idempotency.Claimed).Claim
-	tx, hctx := unitOf(t, s, c)
-	htx, _ := pgstore.TxFromContext(hctx)
-	if err := htx.Commit(hctx); !errors.Is(err, pgstore.ErrTxOwned) {
-		t.Errorf("Commit before any write: %v, want ErrTxOwned", err)
-	}
-	if err := write(hctx, "w1"); err != nil {
-		t.Fatal(err)
-	}
-	if err := htx.Commit(hctx); !errors.Is(err, pgstore.ErrTxOwned) {
-		t.Errorf("Commit: %v, want ErrTxOwned", err)
-	}
-	mustBeWritten(t, pool, "w1", false)
-	if st := keyStatus(t, pool, "key-1"); st != "started" {
-		t.Errorf("key %q after the handler's Commit, want started", st)
-	}
-	if err := htx.Rollback(hctx); !errors.Is(err, pgstore.ErrTxOwned) {
-		t.Errorf("Rollback: %v, want ErrTxOwned", err)
-	}
-	if err := write(hctx, "w2"); err != nil {
-		t.Fatalf("a write after the handler's Rollback: %v", err)
-	}
-	if err := tx.Complete(ctx, created("ord_1")); err != nil {
-		t.Fatal(err)
-	}
-	mustBeWritten(t, pool, "w1", true)
-	mustBeWritten(t, pool, "w2", true)
-}
-
 // TestTxSavepoint: the handler's Begin opens a savepoint that it commits or
 // rolls back itself, as with any pgx.Tx: a failed write inside a savepoint
 // rolled back leaves the transaction usable, and what the handler kept
@@ -219,8 +182,11 @@ func TestTxSavepoint(t *testing.T) {
 
 	c := mustClaim(t, s, req("key-1", "a"), idempotency.Claimed).Claim
 	tx, hctx := unitOf(t, s, c)
-	htx, _ := pgstore.TxFromContext(hctx)
-	sp, err := htx.Begin(hctx) // the first statement of the transaction
+	htx, err := pgstore.Tx(hctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sp, err := htx.Begin(hctx)
 	if err != nil {
 		t.Fatalf("Begin of a savepoint: %v", err)
 	}
@@ -362,130 +328,6 @@ func TestTxNeverBegan(t *testing.T) {
 // TestTxCommitRefused: the COMMIT pipelined behind the key's completion
 // fails (a deferred constraint of the handler's table refuses its row at
 // commit): Complete returns an error, and neither the row nor the key's
-// outcome is committed; the key stays started under its claim.
-func TestTxCommitRefused(t *testing.T) {
-	ctx := context.Background()
-	s, pool := newStore(t, nil)
-	refuseAtCommit(t, pool, "writes", "name", "w_boom")
-	c := mustClaim(t, s, req("key-1", "a"), idempotency.Claimed).Claim
-	tx, hctx := unitOf(t, s, c)
-	if err := write(hctx, "w_fine"); err != nil {
-		t.Fatal(err)
-	}
-	if err := write(hctx, "w_boom"); err != nil {
-		t.Fatal(err) // refused only at commit
-	}
-	err := tx.Complete(ctx, created("ord_1"))
-	if err == nil || errors.Is(err, idempotency.ErrFenced) {
-		t.Errorf("Complete whose COMMIT failed: %v, want an error other than ErrFenced", err)
-	}
-	mustBeWritten(t, pool, "w_fine", false)
-	mustBeWritten(t, pool, "w_boom", false)
-	if row, _ := readKey(t, pool, "key-1"); row.status != "started" || row.token != c.Token {
-		t.Errorf("key %+v, want started under the claim's token %d", row, c.Token)
-	}
-	if n := pool.Stat().AcquiredConns(); n != 0 {
-		t.Errorf("%d connections acquired after Complete, want 0", n)
-	}
-}
-
-// mustComplete completes c with the named writes made through
-// TxFromContext, and checks they were committed.
-func mustComplete(t *testing.T, s idempotency.Store, c idempotency.Claim, writes ...string) {
-	t.Helper()
-	ctx := context.Background()
-	tx, hctx := unitOf(t, s, c)
-	for _, name := range writes {
-		if err := write(hctx, name); err != nil {
-			t.Fatalf("write(%s): %v", name, err)
-		}
-	}
-	if err := tx.Complete(ctx, created("ord_"+c.Key)); err != nil {
-		t.Fatalf("Complete: %v", err)
-	}
-}
-
-// isUniqueViolation reports whether err is PostgreSQL's unique_violation.
-func isUniqueViolation(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == "23505"
-}
-
-// TestFirstStatementRoundTrips: the handler's first statement travels with
-// the BEGIN in one round trip, with arguments or without (a text of
-// several commands included), through Exec or QueryRow, and does what it
-// does on any pgx.Tx.
-func TestFirstStatementRoundTrips(t *testing.T) {
-	ctx := context.Background()
-	rt := &roundTrips{}
-	s, pool := newStore(t, func(cfg *pgxpool.Config) {
-		cfg.MaxConns = 1
-		cfg.ConnConfig.Tracer = rt
-	})
-	for _, tt := range []struct {
-		name  string
-		first func(ctx context.Context, tx pgx.Tx, i int) error
-		rows  []string // written by the first statement
-	}{
-		{"Exec with arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
-			_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("args-", i))
-			return err
-		}, []string{"args-"}},
-		{"Exec without arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
-			_, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO writes (name) VALUES ('noargs-%d')`, i))
-			return err
-		}, []string{"noargs-"}},
-		{"Exec of two commands", func(ctx context.Context, tx pgx.Tx, i int) error {
-			tag, err := tx.Exec(ctx, fmt.Sprintf(`INSERT INTO writes (name) VALUES ('two-a-%d'); UPDATE writes SET name = name WHERE false`, i))
-			if err == nil && tag.String() != "UPDATE 0" {
-				err = fmt.Errorf("command tag %q, want the last command's, UPDATE 0", tag)
-			}
-			return err
-		}, []string{"two-a-"}},
-		{"Exec of SET LOCAL", func(ctx context.Context, tx pgx.Tx, i int) error {
-			_, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '5s'`)
-			return err
-		}, nil},
-		{"QueryRow with arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
-			var name string
-			return tx.QueryRow(ctx, `INSERT INTO writes (name) VALUES ($1) RETURNING name`, fmt.Sprint("row-", i)).Scan(&name)
-		}, []string{"row-"}},
-		{"QueryRow without arguments", func(ctx context.Context, tx pgx.Tx, i int) error {
-			var n int
-			return tx.QueryRow(ctx, `SELECT 41 + 1`).Scan(&n)
-		}, nil},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			var last int64
-			for i := range 2 { // the first prepares the statements on the connection
-				c := mustClaim(t, s, req(fmt.Sprint(tt.name, i), "a"), idempotency.Claimed).Claim
-				tx, hctx := unitOf(t, s, c)
-				htx, _ := pgstore.TxFromContext(hctx)
-				rt.since(&last)
-				if err := tt.first(hctx, htx, i); err != nil {
-					t.Fatalf("first statement: %v", err)
-				}
-				if n := rt.since(&last); i == 1 && n != 1 {
-					t.Errorf("first statement and BEGIN: %d round trips, want 1", n)
-				}
-				// The transaction is pgx's own from there: savepoints work.
-				if err := pgx.BeginFunc(hctx, htx, func(sp pgx.Tx) error {
-					_, err := sp.Exec(hctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("sp-", tt.name, i))
-					return err
-				}); err != nil {
-					t.Fatalf("savepoint after the first statement: %v", err)
-				}
-				if err := tx.Complete(ctx, created("ord")); err != nil {
-					t.Fatal(err)
-				}
-				for _, name := range append(tt.rows, "sp-"+tt.name) {
-					mustBeWritten(t, pool, fmt.Sprint(name, i), true)
-				}
-			}
-		})
-	}
-}
-
 // refuseAtCommit makes every transaction that inserts a row into table
 // whose column is value fail at its commit, after the statement has
 // returned its rows: a deferred constraint trigger.
@@ -505,4 +347,26 @@ func refuseAtCommit(t *testing.T, pool *pgxpool.Pool, table, column, value strin
 	if err != nil {
 		t.Fatal(err)
 	}
+}
+
+// mustComplete completes c with the named writes made through
+// pgstore.Tx, and checks they were committed.
+func mustComplete(t *testing.T, s idempotency.Store, c idempotency.Claim, writes ...string) {
+	t.Helper()
+	ctx := context.Background()
+	tx, hctx := unitOf(t, s, c)
+	for _, name := range writes {
+		if err := write(hctx, name); err != nil {
+			t.Fatalf("write(%s): %v", name, err)
+		}
+	}
+	if err := tx.Complete(ctx, created("ord_"+c.Key)); err != nil {
+		t.Fatalf("Complete: %v", err)
+	}
+}
+
+// isUniqueViolation reports whether err is PostgreSQL's unique_violation.
+func isUniqueViolation(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == "23505"
 }

@@ -320,7 +320,11 @@ func (h *handler) idem(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "processor", http.StatusBadGateway)
 		return
 	}
-	tx, _ := pgstore.TxFromContext(ctx)
+	tx, err := pgstore.Tx(ctx)
+	if err != nil {
+		http.Error(w, "database", http.StatusServiceUnavailable)
+		return
+	}
 	resp, err := h.write(ctx, tx, claim.ClientID, in)
 	if err != nil {
 		http.Error(w, "database", http.StatusInternalServerError)

@@ -180,7 +180,11 @@ func openPgstore(ctx context.Context, url string, conns int, opts idempotency.Op
 		return nil, nil, err
 	}
 	h := idempotency.Middleware(pgstore.New(pool), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := pgstore.TxFromContext(r.Context())
+		tx, err := pgstore.Tx(r.Context())
+		if err != nil {
+			http.Error(w, err.Error(), 503)
+			return
+		}
 		if _, err := tx.Exec(r.Context(), insertSQL, "book", 2); err != nil {
 			http.Error(w, err.Error(), 500)
 			return

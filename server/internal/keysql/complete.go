@@ -15,9 +15,21 @@ func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID strin
 		Micros(req.LockTimeout), Micros(req.Retention)}
 }
 
-// ShowIsolationSQL reads the transaction's isolation level. SHOW takes no
-// snapshot, so it changes nothing of the transaction.
-const ShowIsolationSQL = `SHOW transaction_isolation`
+// TxIDSQL reads the ID of the transaction it runs in, sent with its BEGIN:
+// the store checks at the end that the handler's transaction is still
+// that one (TxGuardSQL, TxStatusSQL). It assigns the ID at once, which the
+// completion's write would do anyway.
+const TxIDSQL = `SELECT pg_current_xact_id()::text`
+
+// TxGuardSQL fails with division_by_zero unless it runs in the transaction
+// whose ID is $1 (TxIDSQL): sent before the completion, in one pipeline
+// with it and its COMMIT, it makes PostgreSQL skip both when the handler
+// ended that transaction and began another (COMMIT AND CHAIN).
+const TxGuardSQL = `SELECT 1 / (pg_current_xact_id() = $1::xid8)::integer`
+
+// TxStatusSQL tells whether the transaction whose ID is $1 (TxIDSQL)
+// committed, aborted or is in progress; NULL once it is too old to tell.
+const TxStatusSQL = `SELECT pg_xact_status($1::xid8)`
 
 // CompleteSQL completes a key its claim still owns ($1 client, $2 key, $3
 // token) with the response ($4 status, $5 content type, $6 headers, $7

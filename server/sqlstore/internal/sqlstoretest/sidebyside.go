@@ -69,8 +69,13 @@ func testSideBySide(t *testing.T, driver string) {
 		answer(w, r, func(q string, args ...any) error { _, err := tx.ExecContext(r.Context(), q, args...); return err })
 	}))
 	onPgx := idempotency.Middleware(pgstore.New(pool), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := pgstore.TxFromContext(r.Context())
-		answer(w, r, func(q string, args ...any) error { _, err := tx.Exec(r.Context(), q, args...); return err })
+		answer(w, r, func(q string, args ...any) error {
+			tx, err := pgstore.Tx(r.Context())
+			if err == nil {
+				_, err = tx.Exec(r.Context(), q, args...)
+			}
+			return err
+		})
 	}))
 	replicas := []http.Handler{onSQL, onPgx}
 	for i := range 6 {

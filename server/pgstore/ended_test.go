@@ -1,0 +1,152 @@
+package pgstore_test
+
+import (
+	"context"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/server/idempotency"
+)
+
+// commitRewriter is a pgx.QueryRewriter that sends COMMIT instead of its
+// statement: a driver feature that ends the transaction behind any check
+// of the SQL text.
+type commitRewriter struct{}
+
+func (commitRewriter) RewriteQuery(context.Context, *pgx.Conn, string, []any) (string, []any, error) {
+	return "COMMIT", nil, nil
+}
+
+// TestHandlerEndsTransaction ends the request's transaction from the
+// handler in every way there is (pgx's Commit and Rollback, COMMIT,
+// ROLLBACK, COMMIT AND CHAIN and PREPARE TRANSACTION as SQL, on the
+// transaction or its Conn, a COMMIT hidden from any SQL reader by
+// standard_conforming_strings, a query rewriter, a DO block, a COMMIT
+// followed by a transaction of the handler's own that fails), writing
+// before and after, and answering a success or a server error. The store
+// does not police the SQL; it checks at the end, and fails closed: a
+// transaction that is no longer the one it began, or no longer open,
+// completes the key with idempotency.UnitEndedResponse, and the retry gets
+// that 500 replayed without running again. Whatever happens, no row is
+// committed twice, and a retry never runs a request whose writes may have
+// committed.
+func TestHandlerEndsTransaction(t *testing.T) {
+	for _, tt := range []struct {
+		name   string
+		end    func(ctx context.Context, tx pgx.Tx) error
+		status int
+		ended  bool // the transaction's writes may have committed: fail closed
+	}{
+		{"pgx Commit", func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) }, 201, true},
+		{"pgx Commit, then a 500", func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) }, 500, true},
+		{"pgx Rollback, then a write on the Conn", func(ctx context.Context, tx pgx.Tx) error {
+			if err := tx.Rollback(ctx); err != nil {
+				return err
+			}
+			_, err := tx.Conn().Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, "autocommitted")
+			return err
+		}, 201, true},
+		{"COMMIT", endWith("COMMIT"), 201, true},
+		{"COMMIT, then a 503", endWith("COMMIT"), 503, true},
+		{"ROLLBACK, then a write", endWith("ROLLBACK"), 201, true},
+		{"END", endWith("END"), 201, true},
+		{"COMMIT AND CHAIN", endWith("COMMIT AND CHAIN"), 201, true},
+		{"COMMIT AND CHAIN, then a 500", endWith("COMMIT AND CHAIN"), 500, true},
+		{"ROLLBACK AND CHAIN", endWith("ROLLBACK AND CHAIN"), 201, true},
+		{"COMMIT on the Conn", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Conn().Exec(ctx, "COMMIT")
+			return err
+		}, 201, true},
+		{"COMMIT hidden by standard_conforming_strings", func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SET LOCAL standard_conforming_strings = off`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `SELECT '\' '; COMMIT; -- '`)
+			return err
+		}, 201, true},
+		{"COMMIT hidden by a unicode-escaped SET", func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `SET LOCAL U&"standard\005fconforming\005fstrings" = off`); err != nil {
+				return err
+			}
+			_, err := tx.Exec(ctx, `SELECT '\' '; COMMIT; -- '`)
+			return err
+		}, 201, true},
+		{"a query rewriter", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "SELECT 1", commitRewriter{})
+			return err
+		}, 201, true},
+		{"COMMIT, then a failing transaction of its own", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, "COMMIT; BEGIN; SELECT 1/0")
+			_ = err // the division fails, leaving the handler's own transaction aborted
+			return nil
+		}, 201, true},
+		{"PREPARE TRANSACTION", endWith("PREPARE TRANSACTION 'idem_ended_test'"), 201, false},
+		{"a DO block that commits", endWith("DO $$ BEGIN COMMIT; END $$"), 201, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			runs := 0
+			var s *service
+			s = newService(t, idempotency.Options{}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+				runs++
+				if err := insert(r.Context(), tx, s.row(r, "before")); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				_ = tt.end(r.Context(), tx) // an error too leaves the transaction as it is
+				_ = insert(r.Context(), tx, s.row(r, "after"))
+				w.WriteHeader(tt.status)
+			})
+			t.Cleanup(func() { // a prepared transaction outlives its session
+				_, _ = s.pool.Exec(ctx, `ROLLBACK PREPARED 'idem_ended_test'`)
+			})
+			status, p := s.send("k")
+			require.Nil(t, p)
+			first := s.committed(t, "k")
+			if tt.ended {
+				assert.Equal(t, http.StatusInternalServerError, status, "the answer to a request whose handler ended its transaction")
+			}
+			again, body, replayed := s.sendAgain(t, "k")
+			switch {
+			case tt.ended || status == http.StatusInternalServerError && replayed:
+				assert.Equal(t, http.StatusInternalServerError, again, "the retry")
+				assert.True(t, replayed, "the retry is a replay of the stored 500")
+				assert.Contains(t, body, "ended the transaction", "the replayed problem")
+				assert.Equal(t, 1, runs, "the handler ran again under a key whose writes may have committed")
+				assert.Equal(t, first, s.committed(t, "k"), "rows after the retry")
+			default:
+				// Nothing of the first committed: the retry may run.
+				assert.Empty(t, first, "rows of a request whose transaction did not commit")
+			}
+			for _, label := range s.committed(t, "k") {
+				assert.NotEqual(t, 2, strings.Count(strings.Join(s.committed(t, "k"), ","), label), "row %s committed twice", label)
+			}
+		})
+	}
+}
+
+// endWith ends a transaction with sql.
+func endWith(sql string) func(ctx context.Context, tx pgx.Tx) error {
+	return func(ctx context.Context, tx pgx.Tx) error {
+		_, err := tx.Exec(ctx, sql)
+		return err
+	}
+}
+
+// sendAgain sends key again and returns the status, the body and whether
+// it was a replay.
+func (s *service) sendAgain(t *testing.T, key string) (status int, body string, replayed bool) {
+	t.Helper()
+	r := httptest.NewRequestWithContext(idempotency.WithClientID(context.Background(), "cli_a"),
+		"POST", "/v1/orders", strings.NewReader(`{"item":"book"}`))
+	r.Header.Set("Idempotency-Key", key)
+	rec := httptest.NewRecorder()
+	s.h.ServeHTTP(rec, r)
+	return rec.Code, rec.Body.String(), rec.Header().Get("Idempotent-Replayed") == "true"
+}
