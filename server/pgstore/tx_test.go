@@ -4,13 +4,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
@@ -79,7 +77,7 @@ func TestTxBeginsLazily(t *testing.T) {
 
 	// A handler that never writes: no connection, the key completes alone.
 	c = mustClaim(t, s, req("key-2", "a"), idempotency.Claimed).Claim
-	tx, hctx = unitOf(t, s, c)
+	tx, _ = unitOf(t, s, c)
 	if n := acquired(); n != 0 {
 		t.Errorf("%d connections acquired by a handler that did not write, want 0", n)
 	}
@@ -328,26 +326,6 @@ func TestTxNeverBegan(t *testing.T) {
 // TestTxCommitRefused: the COMMIT pipelined behind the key's completion
 // fails (a deferred constraint of the handler's table refuses its row at
 // commit): Complete returns an error, and neither the row nor the key's
-// refuseAtCommit makes every transaction that inserts a row into table
-// whose column is value fail at its commit, after the statement has
-// returned its rows: a deferred constraint trigger.
-func refuseAtCommit(t *testing.T, pool *pgxpool.Pool, table, column, value string) {
-	t.Helper()
-	_, err := pool.Exec(context.Background(), fmt.Sprintf(`
-		CREATE FUNCTION refuse_%[1]s() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN
-			IF NEW.%[2]s = %[3]s THEN
-				RAISE EXCEPTION 'refused at commit';
-			END IF;
-			RETURN NULL;
-		END $$;
-		CREATE CONSTRAINT TRIGGER refuse_%[1]s AFTER INSERT ON %[1]s
-			DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION refuse_%[1]s()`,
-		table, column, "'"+strings.ReplaceAll(value, "'", "''")+"'"))
-	if err != nil {
-		t.Fatal(err)
-	}
-}
 
 // mustComplete completes c with the named writes made through
 // pgstore.Tx, and checks they were committed.
