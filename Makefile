@@ -58,7 +58,6 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzFingerprint$$' -fuzztime 30s ./server/idempotency
 	$(GO) test -run '^$$' -fuzz '^FuzzCanonicalDifferential$$' -fuzztime 30s ./server/idempotency
 	$(GO) test -run '^$$' -fuzz '^FuzzSealOpen$$' -fuzztime 30s ./server/idempotency
-	$(GO) test -run '^$$' -fuzz '^FuzzScanSQL$$' -fuzztime 30s ./server/internal/keysql
 
 scenarios:
 	$(GO) run ./examples/scenarios

@@ -2,6 +2,7 @@ package pgstore_test
 
 import (
 	"context"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -37,6 +38,12 @@ func (commitRewriter) RewriteQuery(context.Context, *pgx.Conn, string, []any) (s
 // committed twice, and a retry never runs a request whose writes may have
 // committed.
 func TestHandlerEndsTransaction(t *testing.T) {
+	for _, oneTx := range []bool{false, true} {
+		testHandlerEndsTransaction(t, oneTx)
+	}
+}
+
+func testHandlerEndsTransaction(t *testing.T, oneTx bool) {
 	for _, tt := range []struct {
 		name   string
 		end    func(ctx context.Context, tx pgx.Tx) error
@@ -89,11 +96,11 @@ func TestHandlerEndsTransaction(t *testing.T) {
 		{"PREPARE TRANSACTION", endWith("PREPARE TRANSACTION 'idem_ended_test'"), 201, false},
 		{"a DO block that commits", endWith("DO $$ BEGIN COMMIT; END $$"), 201, false},
 	} {
-		t.Run(tt.name, func(t *testing.T) {
+		t.Run(fmt.Sprintf("onetx=%v/%s", oneTx, tt.name), func(t *testing.T) {
 			ctx := context.Background()
 			runs := 0
 			var s *service
-			s = newService(t, idempotency.Options{}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			s = newService(t, idempotency.Options{OneTransaction: oneTx}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
 				runs++
 				if err := insert(r.Context(), tx, s.row(r, "before")); err != nil {
 					http.Error(w, err.Error(), 500)

@@ -4,8 +4,6 @@
 // the service's tables, and a handler's writes commit in the same
 // transaction as its key's stored outcome.
 //
-//	import _ "github.com/idemkit/idem/server/sqlstore/pgxpipeline" // on pgx's stdlib: pgstore's round trips
-//
 //	db, err := sql.Open("pgx", dsn) // or "postgres", lib/pq
 //	if err := sqlstore.Migrate(ctx, db); err != nil { ... } // the key table only
 //	keyed := idempotency.Middleware(sqlstore.New(db), idempotency.Options{ClientID: clientOf})
@@ -13,23 +11,25 @@
 //
 // and in the handler, with sqlc's generated code:
 //
-//	tx, _ := sqlstore.TxFromContext(r.Context())
-//	order, err := queries.New(tx).CreateOrder(r.Context(), params)
+//	tx, err := sqlstore.Tx(r.Context()) // database/sql's own *sql.Tx, begun now
+//	if err == nil {
+//		order, err = queries.New(tx).CreateOrder(r.Context(), params)
+//	}
 //
-// or with GORM (gorm.io/driver/postgres), on the same transaction; GORM's
-// own transaction around each write is not needed, the middleware's is the
-// one:
+// or with GORM (gorm.io/driver/postgres) on the same transaction, whose
+// db.Transaction then nests as savepoints:
 //
 //	gdb, err := gorm.Open(postgres.New(postgres.Config{Conn: tx}), &gorm.Config{SkipDefaultTransaction: true})
 //
-// [Tx] has the four methods of sqlc's DBTX and of GORM's ConnPool
-// (ExecContext, QueryContext, QueryRowContext, PrepareContext), and no
-// Commit or Rollback: the order row and the key's outcome commit together,
-// a retry gets the stored response and finds the row, and a request whose
-// outcome is not stored (a 400, a 5xx, a panic, a request taken over while
-// it ran) leaves no row. The transaction begins on its first statement, so
-// a handler that calls a slow downstream system first holds no connection
-// meanwhile.
+// [Tx] is database/sql's *sql.Tx, so anything that takes one takes it
+// (River's riverdatabasesql InsertTx, sqlx, bun). The order row and the
+// key's outcome commit together, a retry gets the stored response and
+// finds the row, and a request whose outcome is not stored (a 400, a 5xx,
+// a panic, a request taken over while it ran) leaves no row. The
+// transaction begins when the handler asks for it, so a handler that
+// calls a slow downstream system first holds no connection meanwhile. The
+// one rule is pgstore's: never end the transaction; the store checks at
+// the end, and fails closed (see [Tx]).
 //
 // # One table, two stores
 //
@@ -55,38 +55,17 @@
 // caches the statements it runs itself, so on pgx the store prepares
 // nothing.
 //
-// database/sql sends one statement per round trip, and hands out nothing
-// but its own types, so:
-//
-//   - A first execution costs five round trips where pgstore's costs three:
-//     the claim, the BEGIN, the handler's statements, the completion and
-//     the COMMIT (pgstore sends the BEGIN with the first statement and the
-//     completion with the COMMIT), and 1.14 to 1.32 times pgstore's CPU
-//     on pgx's stdlib, 1.29 to 1.35 in one transaction (BEGIN and claim
-//     apart too), 1.5 on lib/pq, a good part of it lib/pq's own cost (BENCHMARKS.md,
-//     "sqlstore against pgstore").
-//   - On pgx's stdlib, a service that imports server/sqlstore/pgxpipeline
-//     sends the completion with the COMMIT, the BEGIN with the handler's
-//     first statement when that is an ExecContext with arguments (as
-//     pgstore does), and a claim in one transaction with the BEGIN, in
-//     one pgx batch each: pgstore's three round trips in both modes, for
-//     about pgstore's CPU (0.93 to 0.97 times in two commits, 0.98 to 1.02
-//     in one transaction). The handler's other statements go through
-//     database/sql; the store then runs the transaction on a *sql.Conn.
-//     lib/pq has no way to send two statements with parameters in one
-//     round trip.
-//   - Claims in one transaction ([idempotency.Options.OneTransaction]) are
-//     pgstore's (an advisory lock taken without waiting, the key inserted,
-//     completed, by the completion in the handler's commit; see pgstore's
-//     package documentation), but for the round trips above. The store is an
-//     [idempotency.Inspector] and an [idempotency.Sweepable], on pgstore's
-//     statements, for the operators' API and the sweeper, once
-//     [CreateOpenKeysIndex] made the index they walk.
-//   - [TxFromContext] lists how the handler's transaction keeps pgstore's
-//     rules (refused COMMIT and ROLLBACK, QueryRowContext that reads its
-//     row at once, statements that stop working when the request ends)
-//     and where database/sql's own types (its Rows and Stmt) end
-//     differently, and the one about isolation levels.
+// database/sql sends one statement per round trip, so a first execution
+// costs six round trips where pgstore's costs five: the claim, the BEGIN,
+// the read of the transaction's ID, the handler's statements, the
+// completion and the COMMIT (pgstore sends the ID with the BEGIN and the
+// completion with the COMMIT). Claims in one transaction
+// ([idempotency.Options.OneTransaction]) are pgstore's (an advisory lock
+// taken without waiting, the key inserted, completed, by the completion
+// in the handler's commit; see pgstore's package documentation), but for
+// the round trips. The store is an [idempotency.Inspector] and an
+// [idempotency.Sweepable], on pgstore's statements, for the operators' API
+// and the sweeper, once [CreateOpenKeysIndex] made the index they walk.
 //
 // The response headers are stored as JSON text in the jsonb column, the
 // bodies and fingerprints byte for byte (bytea), and the times are the

@@ -17,7 +17,6 @@ import (
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/sqlstore"
-	_ "github.com/idemkit/idem/server/sqlstore/pgxpipeline" // on pgx's stdlib: the completion with the COMMIT, one round trip
 )
 
 // exampleDB is the database of the runnable example, which has no
@@ -111,8 +110,11 @@ func newOrderService(db *sql.DB) http.Handler {
 			return
 		}
 		tenant, _ := idempotency.ClientIDFromContext(r.Context()) // the client the key is scoped by
-		tx, _ := sqlstore.TxFromContext(r.Context())              // commits with the key's stored outcome
-		order, err := New(tx).CreateOrder(r.Context(), CreateOrderParams{Tenant: tenant, Item: in.Item, Qty: in.Qty})
+		tx, err := sqlstore.Tx(r.Context())                       // a *sql.Tx; commits with the key's stored outcome
+		var order Order
+		if err == nil {
+			order, err = New(tx).CreateOrder(r.Context(), CreateOrderParams{Tenant: tenant, Item: in.Item, Qty: in.Qty})
+		}
 		if err != nil {
 			http.Error(w, "try again with the same key", http.StatusServiceUnavailable) // nothing commits
 			return

@@ -7,7 +7,6 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
-	"github.com/idemkit/idem/server/internal/sqlpipe"
 )
 
 // Claims in one transaction (idempotency.ClaimRequest.OneTransaction), as
@@ -43,15 +42,10 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	var none idempotency.ClaimResult
 	u := &unit{store: s}
 	var row keysql.ClaimRow
-	var err error
-	if s.pipe != nil {
-		err = u.beginPiped(ctx, &row, keysql.ClaimArgs(req))
-	} else {
-		if u.begin(ctx); u.err != nil {
-			return none, false, u.err
-		}
-		err = on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
+	if err := u.beginLocked(ctx); err != nil {
+		return none, false, err
 	}
+	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
 	if err == nil && row.Outcome() == idempotency.Claimed {
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
@@ -70,21 +64,6 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	return res, err == nil, err
 }
 
-// beginPiped begins the unit's transaction with the claim of args,
-// keysql.ClaimTxSQL, in one round trip, reading its row into row. It
-// leaves the connection in u, in the transaction, unless it failed to get
-// one.
-func (u *unit) beginPiped(ctx context.Context, row *keysql.ClaimRow, args []any) error {
-	conn, err := u.store.db.Conn(ctx)
-	if err != nil {
-		return err
-	}
-	u.conn = conn
-	_, err = u.store.runOn(ctx, conn, sqlpipe.Stmt{SQL: "BEGIN"},
-		sqlpipe.Stmt{SQL: keysql.ClaimTxSQL, Args: args, Dest: row.Dests(&row.RespHeader)})
-	return err
-}
-
 // beginInTx returns the unit of work of c, a claim made in one
 // transaction: the one its claim opened, the first time; later, or once it
 // ended, one that owns nothing, whose statements fail and whose Complete
@@ -94,30 +73,6 @@ func (s *Store) beginInTx(c idempotency.Claim) *unit {
 		return u
 	}
 	return &unit{store: s, claim: c, inTx: []any{}, err: errInTxOver}
-}
-
-// completeInTx completes the unit of a claim made in one transaction: it
-// inserts the key, completed (keysql.CompleteNewInTxSQL), and commits it
-// with the handler's writes. args are keysql.CompleteSQL's parameters. A
-// handler whose write failed has nothing to commit: its transaction is
-// rolled back, key included, and a stored 4xx outcome is inserted alone.
-// The caller holds u.mu.
-func (u *unit) completeInTx(ctx context.Context, status int, args []any) error {
-	if u.conn == nil {
-		return idempotency.ErrFenced // its transaction ended: the key went with it
-	}
-	args = append(args, u.inTx...)
-	done, err := u.commitLocked(ctx, keysql.CompleteNewInTxSQL, status, args)
-	if done {
-		if retryable(err) && u.store.takenMeanwhile(ctx, u.claim) {
-			// Under REPEATABLE READ or SERIALIZABLE, a row committed
-			// after the transaction's snapshot fails the insert this way,
-			// not as a conflict.
-			return idempotency.ErrFenced
-		}
-		return err
-	}
-	return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteNewSQL, args[3:], idempotency.StatusCompleted)
 }
 
 // takenMeanwhile reports whether c's key, claimed in one transaction, has

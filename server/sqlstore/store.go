@@ -16,7 +16,6 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
-	"github.com/idemkit/idem/server/internal/sqlpipe"
 )
 
 // Store is the PostgreSQL [idempotency.Store] over database/sql, on the
@@ -49,12 +48,18 @@ import (
 // use by many goroutines and many processes.
 type Store struct {
 	db      *sql.DB
-	stmts   sync.Map       // query text → *sql.Stmt: the store's statements, prepared on first use
-	prepare bool           // the driver does not cache statements: prepare those of a first execution
-	ready   atomic.Bool    // all of prepared are in stmts (see prepareAll)
-	pipe    sqlpipe.Runner // the driver's, or nil: the handler's transactions are piped (see piped.go)
+	stmts   sync.Map    // query text → *sql.Stmt: the store's statements, prepared on first use
+	prepare bool        // the driver does not cache statements: prepare those of a first execution
+	ready   atomic.Bool // all of prepared are in stmts (see prepareAll)
 
-	units keysql.Units[*unit] // the units of work of claims in one transaction
+	// Isolation is the level of the handlers' transactions ([Tx]).
+	// Defaults to sql.LevelDefault, the database's
+	// default_transaction_isolation (READ COMMITTED unless set). Under
+	// REPEATABLE READ or SERIALIZABLE the lease is not renewed while a
+	// transaction is open, as with pgstore. Set it before first use.
+	Isolation sql.IsolationLevel
+
+	units keysql.Units[*unit] // the units of work of this process (see Renew)
 
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index
 }
@@ -63,7 +68,7 @@ type Store struct {
 // "pgx", or lib/pq, "postgres"), whose search_path must reach the table
 // created by [Migrate].
 func New(db *sql.DB) *Store {
-	return &Store{db: db, prepare: !caches(db.Driver()), pipe: sqlpipe.For(db.Driver())}
+	return &Store{db: db, prepare: !caches(db.Driver())}
 }
 
 // stmt returns query prepared on the pool, preparing it on first use;
@@ -163,12 +168,12 @@ func (o on) ExecContext(ctx context.Context, query string, args ...any) (sql.Res
 }
 
 func (o on) QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row {
-	switch st, err := o.stmt(ctx, query); {
-	case err != nil:
-		return (&readRow{err: err}).row()
-	case st != nil:
+	// A statement that could not be prepared runs as it is, and fails, if
+	// it does, with the same error.
+	if st, err := o.stmt(ctx, query); err == nil && st != nil {
 		return st.QueryRowContext(ctx, args...)
-	case o.tx != nil:
+	}
+	if o.tx != nil {
 		return o.tx.QueryRowContext(ctx, query, args...)
 	}
 	return o.s.db.QueryRowContext(ctx, query, args...)
@@ -292,7 +297,9 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 	if c.OneTransaction {
 		return s.beginInTx(c), nil
 	}
-	return &unit{store: s, claim: c}, nil
+	u := &unit{store: s, claim: c}
+	s.units.Add(c, u, true)
+	return u, nil
 }
 
 // Renew implements [idempotency.Store.Renew] in one statement,
@@ -302,7 +309,23 @@ func (s *Store) Renew(ctx context.Context, c idempotency.Claim) error {
 	if c.OneTransaction {
 		return s.units.Renew(ctx, c)
 	}
+	if u, ok := s.units.Of(c); ok {
+		return u.renew(ctx)
+	}
 	return s.ownedUpdate(ctx, c, keysql.RenewSQL, nil, "")
+}
+
+// checkOwned returns ErrFenced unless c still owns its key, reading the
+// row without writing it.
+func (s *Store) checkOwned(ctx context.Context, c idempotency.Claim) error {
+	var owned bool
+	if err := s.db.QueryRowContext(ctx, keysql.OwnedSQL, c.ClientID, c.Key, c.Token).Scan(&owned); err != nil {
+		return interpretError(err)
+	}
+	if !owned {
+		return idempotency.ErrFenced
+	}
+	return nil
 }
 
 // Release implements [idempotency.Store.Release] in one statement,

@@ -6,10 +6,9 @@
 // driver (unkeyed-*: BEGIN, the INSERT, COMMIT, no middleware; unkeyed-pgx-1rt
 // sends the three in one round trip, pricing a round trip). The -1tx
 // stores are the same handler with idempotency.Options.OneTransaction,
-// compared with pgstore-1tx. Built with -tags piped, the sqlstores on
-// pgx's stdlib pipe their transactions (server/sqlstore/pgxpipeline).
+// compared with pgstore-1tx.
 //
-//	go run [-tags piped] ./cmd/sqlcost [-database-url URL] [-n 2000] [-c 4] [-rounds 4]
+//	go run ./cmd/sqlcost [-database-url URL] [-n 2000] [-c 4] [-rounds 4]
 //
 // Each round runs every store once, in turn, on a schema of its own (made
 // and dropped here): n requests with new keys, from c goroutines calling
@@ -200,7 +199,11 @@ func openSQLStore(ctx context.Context, driver, url string, conns int, opts idemp
 		return nil, nil, err
 	}
 	h := idempotency.Middleware(sqlstore.New(db), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := sqlstore.TxFromContext(r.Context())
+		tx, err := sqlstore.Tx(r.Context())
+		if err != nil {
+			http.Error(w, err.Error(), 503)
+			return
+		}
 		if _, err := tx.ExecContext(r.Context(), insertSQL, "book", 2); err != nil {
 			http.Error(w, err.Error(), 500)
 			return

@@ -27,6 +27,41 @@ const TxIDSQL = `SELECT pg_current_xact_id()::text`
 // ended that transaction and began another (COMMIT AND CHAIN).
 const TxGuardSQL = `SELECT 1 / (pg_current_xact_id() = $1::xid8)::integer`
 
+// txIsExpr8 and txIsExpr16 are 1 in the transaction whose ID is $8 or $16
+// (TxIDSQL); in any other they fail with numeric_value_out_of_range
+// (TxChangedCode), which no other part of a completion raises.
+const (
+	txIsExpr8  = `((CASE WHEN pg_current_xact_id() = $8::xid8 THEN 0 ELSE 2147483647 END) + 1)`
+	txIsExpr16 = `((CASE WHEN pg_current_xact_id() = $16::xid8 THEN 0 ELSE 2147483647 END) + 1)`
+)
+
+// TxChangedCode is the SQLSTATE of a checked completion
+// (CompleteCheckedInTxSQL, CompleteNewCheckedInTxSQL) run in another
+// transaction than the one whose ID it was given: the handler ended that
+// one.
+const TxChangedCode = "22003"
+
+// CompleteCheckedInTxSQL is CompleteInTxSQL that also checks, first, that
+// it runs in the transaction whose ID is $8 (TxIDSQL): sent on a
+// database/sql transaction, which cannot pipeline TxGuardSQL before it,
+// it fails with TxChangedCode when the handler ended that transaction
+// (outside any transaction, it then commits nothing either).
+const CompleteCheckedInTxSQL = `
+WITH done AS (` + CompleteSQL + `
+    RETURNING 1)
+SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
+
+// CompleteNewCheckedInTxSQL is CompleteNewInTxSQL with the check of
+// CompleteCheckedInTxSQL, on $16.
+const CompleteNewCheckedInTxSQL = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
+    response_status, response_content_type, response_headers, response_body,
+    request_method, request_path, request_hash, fingerprint_version, operation_id,
+    created_at, locked_at, lease_us, retention_us, expires_at)
+SELECT $1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
+    CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END
+WHERE ` + txIsExpr16 + ` > 0`
+
 // TxStatusSQL tells whether the transaction whose ID is $1 (TxIDSQL)
 // committed, aborted or is in progress; NULL once it is too old to tell.
 const TxStatusSQL = `SELECT pg_xact_status($1::xid8)`
@@ -153,8 +188,8 @@ VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12::u
 // COMMIT's behind it: a deferred constraint of the handler's own tables
 // fails the COMMIT with any SQLSTATE, and is no fence.
 func IsFence(query, code string) bool {
-	return query == CompleteInTxSQL && code == DivisionByZero ||
-		query == CompleteNewInTxSQL && code == UniqueViolation
+	return (query == CompleteInTxSQL || query == CompleteCheckedInTxSQL) && code == DivisionByZero ||
+		(query == CompleteNewInTxSQL || query == CompleteNewCheckedInTxSQL) && code == UniqueViolation
 }
 
 // TakenSQL tells whether a key ($1 client, $2 key) has a row under

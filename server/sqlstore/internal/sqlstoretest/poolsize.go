@@ -1,6 +1,7 @@
 package sqlstoretest
 
 import (
+	"database/sql"
 	"fmt"
 	"net/http"
 	"sync"
@@ -29,7 +30,7 @@ func testPoolAsSmallAsRequests(t *testing.T, driver string) {
 			release := make(chan struct{})
 			go func() { all.Wait(); close(release) }()
 			svc := newService(db, sqlstore.New(db), idempotency.Options{OneTransaction: oneTx},
-				func(w http.ResponseWriter, r *http.Request, tx sqlstore.Tx) {
+				func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
 					_, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, r.Header.Get("Idempotency-Key"))
 					all.Done()
 					if err != nil {

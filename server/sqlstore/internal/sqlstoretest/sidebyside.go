@@ -65,8 +65,13 @@ func testSideBySide(t *testing.T, driver string) {
 	}
 	opts := idempotency.Options{LockTimeout: time.Minute, Retention: time.Hour}
 	onSQL := idempotency.Middleware(sqlstore.New(db), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		tx, _ := sqlstore.TxFromContext(r.Context())
-		answer(w, r, func(q string, args ...any) error { _, err := tx.ExecContext(r.Context(), q, args...); return err })
+		answer(w, r, func(q string, args ...any) error {
+			tx, err := sqlstore.Tx(r.Context())
+			if err == nil {
+				_, err = tx.ExecContext(r.Context(), q, args...)
+			}
+			return err
+		})
 	}))
 	onPgx := idempotency.Middleware(pgstore.New(pool), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		answer(w, r, func(q string, args ...any) error {

@@ -1,0 +1,104 @@
+package sqlstoretest
+
+import (
+	"context"
+	"database/sql"
+	"fmt"
+	"net/http"
+	"testing"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+
+	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/sqlstore"
+)
+
+// testHandlerEndsTransaction ends the request's *sql.Tx from the handler
+// in every way database/sql and SQL allow (its Commit and Rollback,
+// COMMIT, END, ROLLBACK, COMMIT AND CHAIN, a COMMIT hidden by
+// standard_conforming_strings, COMMIT then a failing transaction of the
+// handler's own, PREPARE TRANSACTION, a DO block), writing before and
+// after, answering a success or a server error, in two commits and in one
+// transaction. The store polices no SQL; it checks at the end and fails
+// closed: the key is completed with idempotency.UnitEndedResponse, the
+// retry gets it replayed without running again, and no row is committed
+// twice.
+func testHandlerEndsTransaction(t *testing.T, driver string) {
+	for _, oneTx := range []bool{false, true} {
+		for _, tt := range []struct {
+			name   string
+			end    func(ctx context.Context, tx *sql.Tx) error
+			status int
+			ended  bool // the transaction's writes may have committed: fail closed
+		}{
+			{"Commit", func(_ context.Context, tx *sql.Tx) error { return tx.Commit() }, 201, true},
+			{"Commit, then a 500", func(_ context.Context, tx *sql.Tx) error { return tx.Commit() }, 500, true},
+			{"COMMIT", execSQL("COMMIT"), 201, true},
+			{"COMMIT, then a 503", execSQL("COMMIT"), 503, true},
+			{"END", execSQL("END"), 201, true},
+			{"ROLLBACK, then a write", execSQL("ROLLBACK"), 201, true},
+			{"COMMIT AND CHAIN", execSQL("COMMIT AND CHAIN"), 201, true},
+			{"COMMIT AND CHAIN, then a 500", execSQL("COMMIT AND CHAIN"), 500, true},
+			{"COMMIT hidden by standard_conforming_strings", func(ctx context.Context, tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, `SET LOCAL standard_conforming_strings = off`); err != nil {
+					return err
+				}
+				_, err := tx.ExecContext(ctx, `SELECT '\' '; COMMIT; -- '`)
+				return err
+			}, 201, true},
+			{"COMMIT, then a failing transaction of its own", func(ctx context.Context, tx *sql.Tx) error {
+				_, _ = tx.ExecContext(ctx, "COMMIT")
+				_, _ = tx.ExecContext(ctx, "BEGIN")
+				_, _ = tx.ExecContext(ctx, "SELECT 1/0")
+				return nil
+			}, 201, true},
+			{"PREPARE TRANSACTION", execSQL("PREPARE TRANSACTION 'idem_sqlstore_ended'"), 201, false},
+			{"a DO block that commits", execSQL("DO $$ BEGIN COMMIT; END $$"), 201, false},
+		} {
+			t.Run(fmt.Sprintf("onetx=%v/%s", oneTx, tt.name), func(t *testing.T) {
+				db := Open(t, driver)
+				ctx := context.Background()
+				t.Cleanup(func() { _, _ = db.ExecContext(ctx, `ROLLBACK PREPARED 'idem_sqlstore_ended'`) })
+				runs := 0
+				s := newService(db, sqlstore.New(db), idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
+					runs++
+					key := r.Header.Get("Idempotency-Key")
+					if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprintf("%s/before/%d", key, runs)); err != nil {
+						http.Error(w, err.Error(), 500)
+						return
+					}
+					_ = tt.end(r.Context(), tx) // an error too leaves the transaction as it is
+					_, _ = tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprintf("%s/after/%d", key, runs))
+					w.WriteHeader(tt.status)
+				})
+				rec, p := send(s.h, "k")
+				require.Nil(t, p)
+				first := rows(t, db, "k")
+				if tt.ended {
+					assert.Equal(t, http.StatusInternalServerError, rec.Code, "the answer to a request whose handler ended its transaction")
+				}
+				again, p := send(s.h, "k")
+				require.Nil(t, p)
+				replayed := again.Header().Get("Idempotent-Replayed") == "true"
+				if tt.ended || rec.Code == http.StatusInternalServerError && replayed {
+					assert.Equal(t, http.StatusInternalServerError, again.Code, "the retry")
+					assert.True(t, replayed, "the retry is a replay of the stored 500")
+					assert.Contains(t, again.Body.String(), "ended the transaction", "the replayed problem")
+					assert.Equal(t, 1, runs, "the handler ran again under a key whose writes may have committed")
+					assert.Equal(t, first, rows(t, db, "k"), "rows after the retry")
+				} else {
+					assert.Zero(t, first, "rows of a request whose transaction did not commit")
+				}
+			})
+		}
+	}
+}
+
+// execSQL ends a transaction with query.
+func execSQL(query string) func(ctx context.Context, tx *sql.Tx) error {
+	return func(ctx context.Context, tx *sql.Tx) error {
+		_, err := tx.ExecContext(ctx, query)
+		return err
+	}
+}
