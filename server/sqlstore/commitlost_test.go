@@ -175,15 +175,6 @@ func (r *cutDB) cut() {
 	}
 }
 
-// side opens a connection of its own on the test's schema.
-func (r *cutDB) side(t *testing.T) *pgx.Conn {
-	t.Helper()
-	c, err := pgx.Connect(context.Background(), r.url)
-	require.NoError(t, err)
-	t.Cleanup(func() { c.Close(context.Background()) })
-	return c
-}
-
 // syncBuf is a strings.Builder safe for the logger's goroutines.
 type syncBuf struct {
 	mu sync.Mutex

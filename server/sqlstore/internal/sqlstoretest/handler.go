@@ -361,14 +361,3 @@ func testSerializableRenewal(t *testing.T, driver string) {
 	assert.True(t, ok, "the handler's row committed")
 	assert.Equal(t, "completed", keyStatus(t, db, "key-1"))
 }
-
-// affected returns err, or an error unless res affected want rows.
-func affected(res sql.Result, err error, want int64) error {
-	if err != nil {
-		return err
-	}
-	if n, err := res.RowsAffected(); err != nil || n != want {
-		return fmt.Errorf("rows affected %d, %v; want %d", n, err, want)
-	}
-	return nil
-}
