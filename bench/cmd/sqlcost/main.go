@@ -181,7 +181,7 @@ func openPgstore(ctx context.Context, url string, conns int, opts idempotency.Op
 	h := idempotency.Middleware(pgstore.New(pool), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, err := pgstore.Tx(r.Context())
 		if err != nil {
-			http.Error(w, err.Error(), 503)
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		if _, err := tx.Exec(r.Context(), insertSQL, "book", 2); err != nil {
@@ -201,7 +201,7 @@ func openSQLStore(ctx context.Context, driver, url string, conns int, opts idemp
 	h := idempotency.Middleware(sqlstore.New(db), opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		tx, err := sqlstore.Tx(r.Context())
 		if err != nil {
-			http.Error(w, err.Error(), 503)
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
 			return
 		}
 		if _, err := tx.ExecContext(r.Context(), insertSQL, "book", 2); err != nil {
