@@ -39,10 +39,12 @@ var errTxDone = errors.New("pgstore: the request's transaction is over (complete
 // on a route with [idempotency.Options.OneTransaction] it began with the
 // claim.
 //
-// The one rule: never end it. Its Commit and Rollback, a COMMIT, ROLLBACK,
-// COMMIT AND CHAIN or PREPARE TRANSACTION sent as SQL, on it or on its
-// Conn, end it behind the middleware's back, and what the handler wrote
-// may then be committed without the key's outcome. pgstore does not police
+// The one rule: never end it. Its Commit and Rollback (pgx's habitual
+// defer tx.Rollback(ctx) included: the middleware ends the transaction
+// after the handler returns), a COMMIT, ROLLBACK, COMMIT AND CHAIN or
+// PREPARE TRANSACTION sent as SQL, on it or on its Conn, end it behind the
+// middleware's back, and what the handler wrote may then be committed
+// without the key's outcome. pgstore does not police
 // the handler's SQL; it checks at the end: when the transaction is no
 // longer the one it began, or no longer open, it completes the key with
 // [idempotency.UnitEndedResponse] (a 500 that says so) and never runs the

@@ -31,7 +31,8 @@ var errTxDone = errors.New("sqlstore: the request's transaction is over (complet
 // failed (every later call returns it too).
 //
 // The one rule, as with pgstore.Tx: never end it (its Commit or Rollback,
-// or COMMIT, ROLLBACK, COMMIT AND CHAIN, PREPARE TRANSACTION as SQL).
+// a deferred Rollback included, or COMMIT, ROLLBACK, COMMIT AND CHAIN,
+// PREPARE TRANSACTION as SQL).
 // sqlstore polices none of the handler's SQL; at the end it checks that
 // the transaction is still the one it began and still open, and when the
 // handler ended it, it completes the key with
