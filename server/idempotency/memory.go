@@ -143,6 +143,7 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil
 	}
 	rec := k.rec.clone()
+	rec.OperationID, rec.Retention = k.operationID, k.retention
 	return ClaimResult{Outcome: Exists, Record: &rec}, nil
 }
 

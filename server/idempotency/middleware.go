@@ -759,6 +759,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		rec := res.Record
+		// The key's own retention, as stored with it, whatever this
+		// replica's: a replay, a 409 or a 422 tells the client how long
+		// this key is kept.
+		if rec.Retention > 0 {
+			w.Header().Set(RetentionHeader, strconv.FormatInt(int64(math.Ceil(rec.Retention.Seconds())), 10))
+		} else {
+			w.Header().Del(RetentionHeader)
+		}
 		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
 			// Compare, and claim, in the version the record was stored with.
 			recomputed = true

@@ -297,6 +297,8 @@ type Record struct {
 	Response           *StoredResponse // set when Status is StatusCompleted
 	CreatedAt          time.Time       // when its operation began
 	LockedAt           time.Time       // the last claim or renewal of its lease; once it finished, when it finished
+	OperationID        string          // the operation the key holds ([Claim.OperationID])
+	Retention          time.Duration   // how long the key is kept once finished, as stored with it; zero: forever
 }
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.

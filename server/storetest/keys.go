@@ -526,3 +526,22 @@ func testOperationIDDerived(t *testing.T, b Backend) {
 		t.Error("two first-sent times derived one operation ID")
 	}
 }
+
+// testRecordOfKey: the record a duplicate gets carries the key's
+// operation ID and the retention stored with it (whatever the duplicate
+// asked for), so that a replay or a 409 can say how long the key is kept.
+func testRecordOfKey(t *testing.T, b Backend) {
+	req := with(request("cli_a", "key-1", "a"), long, 90*time.Minute)
+	c := claim(t, b.Store, req, idempotency.Claimed).Claim
+	rec := claim(t, b.Store, with(request("cli_a", "key-1", "a"), long, time.Hour), idempotency.Exists).Record
+	if rec.OperationID != c.OperationID || rec.Retention != 90*time.Minute {
+		t.Errorf("record of a started key: operation %q, retention %v; want %q, 1h30m0s", rec.OperationID, rec.Retention, c.OperationID)
+	}
+	if err := complete(t, b, c, created("o1"), "w1"); err != nil {
+		t.Fatal(err)
+	}
+	rec = claim(t, b.Store, request("cli_a", "key-1", "a"), idempotency.Exists).Record
+	if rec.OperationID != c.OperationID || rec.Retention != 90*time.Minute {
+		t.Errorf("record of a completed key: operation %q, retention %v; want %q, 1h30m0s", rec.OperationID, rec.Retention, c.OperationID)
+	}
+}

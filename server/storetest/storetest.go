@@ -83,6 +83,7 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"ConcurrentClaims", testConcurrentClaims},
 		{"KeysScopedByClient", testKeysScopedByClient},
 		{"OperationIDDerived", testOperationIDDerived},
+		{"RecordOfKey", testRecordOfKey},
 		// Leases, takeovers and fencing.
 		{"TakeoverAfterLockTimeout", testTakeover},
 		{"TakeoverRace", testTakeoverRace},

@@ -133,11 +133,11 @@ WITH ` + existingCTE + `, renewed AS (
 ), ` + insertedCTE + `
 SELECT 1, lock_token, operation_id::text,
     NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, false
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, NULL::bigint, false
 FROM inserted
 UNION ALL
 SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM renewed
 UNION ALL
 ` + existingRow + `
@@ -205,15 +205,15 @@ const (
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
-	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, NULL,
+	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, operation_id::text,
     request_method, request_path, request_hash, fingerprint_version, status,
-    response_status, response_content_type, response_headers, response_body, created_at, locked_at,
+    response_status, response_content_type, response_headers, response_body, created_at, locked_at, retention_us,
     (expired OR stale OR free) AND NOT refused
 FROM existing`
 	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
 	// did not have, for a stale first-sent check ($10), which inserted
 	// nothing.
-	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 WHERE $10::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
 

@@ -123,10 +123,10 @@ WITH ` + existingCTE + `, probe AS (
 )
 SELECT 1, nextval('idempotency_lock_tokens'), $9::uuid::text,
     NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, false
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false
 FROM probe WHERE held
 UNION ALL
-SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM probe WHERE NOT held
 UNION ALL
 ` + existingRow + `

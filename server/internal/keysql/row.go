@@ -112,7 +112,8 @@ type ClaimRow struct {
 	RespBody           []byte
 	CreatedAt          *time.Time
 	LockedAt           *time.Time
-	Lost               bool // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
+	RetentionUS        *int64 // of a row found: the retention stored with it
+	Lost               bool   // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
 }
 
 // Dests returns the scan destinations of a claim row's columns, in order;
@@ -123,7 +124,7 @@ func (r *ClaimRow) Dests(header any) []any {
 	return []any{&r.Code, &r.Token, &r.OperationID,
 		&r.Method, &r.Path, &r.Fingerprint, &r.FingerprintVersion, &r.Status,
 		&r.RespStatus, &r.RespContentType, header, &r.RespBody, &r.CreatedAt, &r.LockedAt,
-		&r.Lost}
+		&r.RetentionUS, &r.Lost}
 }
 
 // Outcome is the row's outcome.
@@ -168,6 +169,12 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 	}
 	if r.LockedAt != nil {
 		rec.LockedAt = *r.LockedAt
+	}
+	if r.OperationID != nil {
+		rec.OperationID = *r.OperationID
+	}
+	if r.RetentionUS != nil {
+		rec.Retention = time.Duration(*r.RetentionUS) * time.Microsecond
 	}
 	if rec.Status == idempotency.StatusCompleted {
 		rec.Response = &idempotency.StoredResponse{
