@@ -182,17 +182,20 @@ func SealKeyID(resp StoredResponse) (id string, sealed bool) {
 }
 
 // Seal returns resp sealed with the first key, for the key key of client
-// clientID: the same status, in the clear (stores keep and check it), the
-// content type [SealedMediaType] naming the key, no other header, and a
-// body that holds the content type, the headers and the body of resp,
-// encrypted and authenticated with AES-256-GCM. The client, the key, the
+// clientID and its operation operationID ([Claim.OperationID]): the same
+// status, in the clear (stores keep and check it), the content type
+// [SealedMediaType] naming the key, no other header, and a body that holds
+// the content type, the headers and the body of resp, encrypted and
+// authenticated with AES-256-GCM. The client, the key, the operation, the
 // status and the key's id are authenticated with it, so the sealed
-// response opens only for the same client and key, with the same status.
+// response opens only for the same client, key and operation (whose ID is
+// derived from the request: see [ClaimRequest.OperationID]), with the
+// same status.
 // Each response is encrypted under its own key, derived from the seal key
 // and 16 random bytes with HKDF-SHA256, so a seal key has no practical
 // limit on how many responses it seals. Seal returns resp unchanged when
 // the first key is [SealKey.OpenOnly].
-func (k *SealKeys) Seal(clientID, key string, resp StoredResponse) (StoredResponse, error) {
+func (k *SealKeys) Seal(clientID, key, operationID string, resp StoredResponse) (StoredResponse, error) {
 	s := k.sealer
 	if s == nil {
 		return resp, nil
@@ -224,17 +227,17 @@ func (k *SealKeys) Seal(clientID, key string, resp StoredResponse) (StoredRespon
 		return StoredResponse{}, err
 	}
 	// The plaintext is sealed in place: dst is exactly its start.
-	env = aead.Seal(env[:head], zeroNonce[:], env[head:], sealAAD(clientID, key, resp.Status, s.id))
+	env = aead.Seal(env[:head], zeroNonce[:], env[head:], sealAAD(clientID, key, operationID, resp.Status, s.id))
 	return StoredResponse{Status: resp.Status, ContentType: s.contentType, Body: env}, nil
 }
 
 // Open returns the response that resp, sealed by [SealKeys.Seal] for the
-// key key of client clientID, holds; a response that is not sealed is
-// returned as it is (one stored before sealing was turned on). It returns
-// an error wrapping [ErrCannotOpen] when resp was sealed with a key k does
-// not hold, or was altered, or was sealed for another client, key or
-// status.
-func (k *SealKeys) Open(clientID, key string, resp StoredResponse) (StoredResponse, error) {
+// key key of client clientID and its operation operationID, holds; a
+// response that is not sealed is returned as it is (one stored before
+// sealing was turned on). It returns an error wrapping [ErrCannotOpen]
+// when resp was sealed with a key k does not hold, or was altered, or was
+// sealed for another client, key, operation or status.
+func (k *SealKeys) Open(clientID, key, operationID string, resp StoredResponse) (StoredResponse, error) {
 	id, sealed := SealKeyID(resp)
 	if !sealed {
 		return resp, nil
@@ -253,7 +256,7 @@ func (k *SealKeys) Open(clientID, key string, resp StoredResponse) (StoredRespon
 	if err != nil {
 		return StoredResponse{}, err
 	}
-	plain, err := aead.Open(nil, zeroNonce[:], env[head:], sealAAD(clientID, key, resp.Status, id))
+	plain, err := aead.Open(nil, zeroNonce[:], env[head:], sealAAD(clientID, key, operationID, resp.Status, id))
 	if err != nil {
 		return StoredResponse{}, fmt.Errorf("%w: it does not open with key %q: it was altered, or copied from another client's or key's row, or its status was changed", ErrCannotOpen, id)
 	}
@@ -304,13 +307,16 @@ func (s *sealKey) aead(salt []byte) (cipher.AEAD, error) {
 }
 
 // sealAAD returns the additional data a sealed response is bound to: the
-// row's client and key, the status and the seal key's id, each
-// length-prefixed so that no two tuples give the same bytes.
-func sealAAD(clientID, key string, status int, keyID string) []byte {
-	aad := make([]byte, 0, len(sealInfo)+len(clientID)+len(key)+len(keyID)+4*binary.MaxVarintLen64)
+// row's client, key and operation (so that a key reused for another
+// operation, after it expired, cannot be given an old answer back), the
+// status and the seal key's id, each length-prefixed so that no two tuples
+// give the same bytes.
+func sealAAD(clientID, key, operationID string, status int, keyID string) []byte {
+	aad := make([]byte, 0, len(sealInfo)+len(clientID)+len(key)+len(operationID)+len(keyID)+5*binary.MaxVarintLen64)
 	aad = appendLenString(aad, sealInfo)
 	aad = appendLenString(aad, clientID)
 	aad = appendLenString(aad, key)
+	aad = appendLenString(aad, operationID)
 	aad = binary.AppendUvarint(aad, uint64(status))
 	return appendLenString(aad, keyID)
 }
@@ -432,7 +438,7 @@ func (s *sealedStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 		}
 		return res, nil
 	}
-	if opened, err := s.keys.Open(rec.ClientID, rec.Key, *rec.Response); err == nil {
+	if opened, err := s.keys.Open(rec.ClientID, rec.Key, rec.OperationID, *rec.Response); err == nil {
 		rec.Response = &opened
 	}
 	return res, nil
@@ -467,7 +473,7 @@ func (t *sealedTx) Complete(ctx context.Context, resp StoredResponse) error {
 		}
 	}
 	if err == nil {
-		resp, err = t.keys.Seal(t.claim.ClientID, t.claim.Key, resp)
+		resp, err = t.keys.Seal(t.claim.ClientID, t.claim.Key, t.claim.OperationID, resp)
 	}
 	if err != nil {
 		_ = t.tx.Rollback(ctx)

@@ -107,16 +107,16 @@ func BenchmarkSeal(b *testing.B) {
 	b.Run("seal", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			if _, err := ks.Seal("c", "k", resp); err != nil {
+			if _, err := ks.Seal("c", "k", "op-1", resp); err != nil {
 				b.Fatal(err)
 			}
 		}
 	})
-	sealed, _ := ks.Seal("c", "k", resp)
+	sealed, _ := ks.Seal("c", "k", "op-1", resp)
 	b.Run("open", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			if _, err := ks.Open("c", "k", sealed); err != nil {
+			if _, err := ks.Open("c", "k", "op-1", sealed); err != nil {
 				b.Fatal(err)
 			}
 		}

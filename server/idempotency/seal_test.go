@@ -68,9 +68,9 @@ func TestNewSealKeysRefuses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	sealed, _ := ks.Seal("c", "k", StoredResponse{Status: 201, Body: []byte("x")})
+	sealed, _ := ks.Seal("c", "k", "op-1", StoredResponse{Status: 201, Body: []byte("x")})
 	k.Secret[0] ^= 1
-	if _, err := ks.Open("c", "k", sealed); err != nil {
+	if _, err := ks.Open("c", "k", "op-1", sealed); err != nil {
 		t.Errorf("after the caller changed its secret: %v", err)
 	}
 }
@@ -89,7 +89,7 @@ var sealCases = []StoredResponse{
 func TestSealOpen(t *testing.T) {
 	ks := testSealKeys(t, "k1")
 	for i, resp := range sealCases {
-		sealed, err := ks.Seal("cli_1", "key-1", resp)
+		sealed, err := ks.Seal("cli_1", "key-1", "op-1", resp)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -101,11 +101,11 @@ func TestSealOpen(t *testing.T) {
 				t.Errorf("case %d: the sealed body shows %q", i, clear)
 			}
 		}
-		again, _ := ks.Seal("cli_1", "key-1", resp)
+		again, _ := ks.Seal("cli_1", "key-1", "op-1", resp)
 		if bytes.Equal(again.Body, sealed.Body) {
 			t.Errorf("case %d: two seals of one response gave the same bytes", i)
 		}
-		got, err := ks.Open("cli_1", "key-1", sealed)
+		got, err := ks.Open("cli_1", "key-1", "op-1", sealed)
 		if err != nil {
 			t.Fatalf("case %d: Open: %v", i, err)
 		}
@@ -126,13 +126,13 @@ func sameStored(a, b StoredResponse) bool {
 func TestSealBinding(t *testing.T) {
 	ks := testSealKeys(t, "k1", "k2")
 	resp := sealCases[0]
-	sealed, err := ks.Seal("ab", "c", resp)
+	sealed, err := ks.Seal("ab", "c", "op-1", resp)
 	if err != nil {
 		t.Fatal(err)
 	}
 	mustNotOpen := func(what, client, key string, s StoredResponse, why string) {
 		t.Helper()
-		got, err := ks.Open(client, key, s)
+		got, err := ks.Open(client, key, "op-1", s)
 		if !errors.Is(err, ErrCannotOpen) || !strings.Contains(err.Error(), why) {
 			t.Errorf("%s: %+v, %v; want ErrCannotOpen saying %q", what, got, err, why)
 		}
@@ -140,6 +140,9 @@ func TestSealBinding(t *testing.T) {
 	mustNotOpen("another client", "ab2", "c", sealed, "copied from another")
 	mustNotOpen("another key", "ab", "c2", sealed, "copied from another")
 	mustNotOpen("the client and key split elsewhere", "a", "bc", sealed, "copied from another")
+	if got, err := ks.Open("ab", "c", "op-2", sealed); !errors.Is(err, ErrCannotOpen) {
+		t.Errorf("another operation of the same key (a key reused after it expired): %+v, %v; want ErrCannotOpen", got, err)
+	}
 	other := sealed
 	other.Status = 200
 	mustNotOpen("another status", "ab", "c", other, "status was changed")
@@ -152,46 +155,46 @@ func TestSealBinding(t *testing.T) {
 		other = sealed
 		other.Body = bytes.Clone(sealed.Body)
 		other.Body[i] ^= 0x20
-		if _, err := ks.Open("ab", "c", other); !errors.Is(err, ErrCannotOpen) {
+		if _, err := ks.Open("ab", "c", "op-1", other); !errors.Is(err, ErrCannotOpen) {
 			t.Fatalf("byte %d changed: %v, want ErrCannotOpen", i, err)
 		}
 	}
 	for n := range len(sealed.Body) {
 		other = sealed
 		other.Body = sealed.Body[:n]
-		if _, err := ks.Open("ab", "c", other); !errors.Is(err, ErrCannotOpen) {
+		if _, err := ks.Open("ab", "c", "op-1", other); !errors.Is(err, ErrCannotOpen) {
 			t.Fatalf("cut to %d bytes: %v, want ErrCannotOpen", n, err)
 		}
 	}
 	withdrawn := testSealKeys(t, "k2")
-	if _, err := withdrawn.Open("ab", "c", sealed); !errors.Is(err, ErrCannotOpen) || !strings.Contains(err.Error(), `key "k1", which is not among`) {
+	if _, err := withdrawn.Open("ab", "c", "op-1", sealed); !errors.Is(err, ErrCannotOpen) || !strings.Contains(err.Error(), `key "k1", which is not among`) {
 		t.Errorf("k1 withdrawn: %v", err)
 	}
 	// A key of the same id and another secret is another key.
 	impostor, _ := NewSealKeys(SealKey{ID: "k1", Secret: bytes.Repeat([]byte{1}, 32)})
-	if _, err := impostor.Open("ab", "c", sealed); !errors.Is(err, ErrCannotOpen) {
+	if _, err := impostor.Open("ab", "c", "op-1", sealed); !errors.Is(err, ErrCannotOpen) {
 		t.Errorf("another secret under the id k1: %v", err)
 	}
 }
 
 func TestSealRotation(t *testing.T) {
 	old := testSealKeys(t, "k1")
-	sealed, _ := old.Seal("c", "k", sealCases[0])
+	sealed, _ := old.Seal("c", "k", "op-1", sealCases[0])
 	rotated := testSealKeys(t, "k2", "k1")
-	if got, err := rotated.Open("c", "k", sealed); err != nil || !sameStored(got, sealCases[0]) {
+	if got, err := rotated.Open("c", "k", "op-1", sealed); err != nil || !sameStored(got, sealCases[0]) {
 		t.Errorf("k1's response with k2 first: %+v, %v", got, err)
 	}
-	if s, _ := rotated.Seal("c", "k", sealCases[0]); s.ContentType != SealedMediaType+"; key=k2" {
+	if s, _ := rotated.Seal("c", "k", "op-1", sealCases[0]); s.ContentType != SealedMediaType+"; key=k2" {
 		t.Errorf("sealed after the rotation with %q, want k2", s.ContentType)
 	}
 	off, err := NewSealKeys(SealKey{ID: "k2", Secret: testSealKey("k2").Secret, OpenOnly: true}, testSealKey("k1"))
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s, _ := off.Seal("c", "k", sealCases[0]); !sameStored(s, sealCases[0]) {
+	if s, _ := off.Seal("c", "k", "op-1", sealCases[0]); !sameStored(s, sealCases[0]) {
 		t.Errorf("sealed with an open-only first key: %+v, want the response as it is", s)
 	}
-	if got, err := off.Open("c", "k", sealed); err != nil || !sameStored(got, sealCases[0]) {
+	if got, err := off.Open("c", "k", "op-1", sealed); err != nil || !sameStored(got, sealCases[0]) {
 		t.Errorf("k1's response with sealing off: %+v, %v", got, err)
 	}
 }
@@ -245,19 +248,19 @@ func FuzzSealOpen(f *testing.F) {
 		if name != "" {
 			resp.Header = map[string]string{name: value}
 		}
-		sealed, err := ks.Seal(client, key, resp)
+		sealed, err := ks.Seal(client, key, "op", resp)
 		if err != nil {
 			t.Fatal(err)
 		}
-		got, err := ks.Open(client, key, sealed)
+		got, err := ks.Open(client, key, "op", sealed)
 		if err != nil || !sameStored(got, resp) {
 			t.Fatalf("opened %+v, %v; want %+v", got, err, resp)
 		}
-		if _, err := ks.Open(client+"x", key, sealed); err == nil {
+		if _, err := ks.Open(client+"x", key, "op", sealed); err == nil {
 			t.Fatal("opened for another client")
 		}
 		// Any bytes as a sealed body.
-		_, _ = ks.Open(client, key, StoredResponse{Status: status, ContentType: SealedMediaType + "; key=k1", Body: body})
+		_, _ = ks.Open(client, key, "op", StoredResponse{Status: status, ContentType: SealedMediaType + "; key=k1", Body: body})
 	})
 }
 

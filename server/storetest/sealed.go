@@ -6,6 +6,7 @@ import (
 	"errors"
 	"maps"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 )
@@ -29,6 +30,7 @@ func ExerciseSealed(t *testing.T, newBackend func(t *testing.T) Backend) {
 	}{
 		{"SealedAtRest", testSealedAtRest},
 		{"SealedCopiedToAnotherRow", testSealedCopied},
+		{"SealedCopiedToAReusedKey", testSealedReusedKey},
 		{"SealedKeyRotation", testSealedRotation},
 		{"UnsealedResponseReplays", testUnsealedReplays},
 	}
@@ -161,14 +163,15 @@ func testSealedCopied(t *testing.T, b Backend) {
 		if err := complete(t, b, c, resp); err != nil {
 			t.Fatalf("%s: storing the copy: %v", to.what, err)
 		}
-		got := claim(t, sealed, to.req, idempotency.Exists).Record.Response
+		rec := claim(t, sealed, to.req, idempotency.Exists).Record
+		got := rec.Response
 		if got == nil {
 			t.Fatalf("%s: no response", to.what)
 		}
 		if _, sealed := idempotency.SealKeyID(*got); !sealed {
 			t.Errorf("%s: the copied response was opened: %+v", to.what, got)
 		}
-		if _, err := keys.Open(to.req.ClientID, to.req.Key, *got); !errors.Is(err, idempotency.ErrCannotOpen) {
+		if _, err := keys.Open(to.req.ClientID, to.req.Key, rec.OperationID, *got); !errors.Is(err, idempotency.ErrCannotOpen) {
 			t.Errorf("%s: Open: %v, want ErrCannotOpen", to.what, err)
 		}
 	}
@@ -235,4 +238,43 @@ func testUnsealedReplays(t *testing.T, b Backend) {
 	if got := claim(t, sealed, req, idempotency.Exists).Record.Response; !sameResponse(got, secretResponse("ord_1")) {
 		t.Errorf("an unsealed response through the sealed store: %+v", got)
 	}
+}
+
+// testSealedReusedKey puts a sealed response back into the row of the
+// same client and key after the key expired and was used again for
+// another request (another amount): the response is bound to its
+// operation, so it does not open for the new one, and the replay is
+// refused rather than answering the old outcome.
+func testSealedReusedKey(t *testing.T, b Backend) {
+	keys := SealKeys(t, "k1")
+	sb := sealedBackend(b, keys)
+	judged(t, func(key string) bool {
+		old := with(request("cli_a", key, "amount 1"), 0, retention)
+		start := time.Now()
+		if err := complete(t, sb, claim(t, sb.Store, old, idempotency.Claimed).Claim, secretResponse("ord_old")); err != nil {
+			t.Fatal(err)
+		}
+		res := try(t, b.Store, old)
+		if !before(start, retention) {
+			return false
+		}
+		if res.Outcome != idempotency.Exists || res.Record.Response == nil {
+			t.Fatalf("the old operation's key right after it completed: %s (record %+v)", res.Outcome, res.Record)
+		}
+		copied := *res.Record.Response
+		time.Sleep(pause) // expired
+		reused := request("cli_a", key, "amount 2")
+		c := claim(t, b.Store, reused, idempotency.Claimed).Claim
+		if err := complete(t, b, c, copied); err != nil {
+			t.Fatalf("storing the old ciphertext under the new operation: %v", err)
+		}
+		rec := claim(t, sb.Store, reused, idempotency.Exists).Record
+		if _, sealed := idempotency.SealKeyID(*rec.Response); !sealed {
+			t.Errorf("the old operation's answer opened for the new one: %+v", rec.Response)
+		}
+		if _, err := keys.Open(rec.ClientID, rec.Key, rec.OperationID, *rec.Response); !errors.Is(err, idempotency.ErrCannotOpen) {
+			t.Errorf("Open under the new operation: %v, want ErrCannotOpen", err)
+		}
+		return true
+	})
 }
