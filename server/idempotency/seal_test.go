@@ -284,6 +284,18 @@ func storedOf(t *testing.T, mem *MemoryStore, client, key string) StoredResponse
 	return *k.rec.clone().Response
 }
 
+// operationOf returns the operation ID of a key of mem.
+func operationOf(t *testing.T, mem *MemoryStore, client, key string) string {
+	t.Helper()
+	mem.mu.Lock()
+	defer mem.mu.Unlock()
+	k := mem.keys[keyRef{client, key}]
+	if k == nil {
+		t.Fatalf("key %s of %s: absent", key, client)
+	}
+	return k.operationID
+}
+
 // sealedHandler answers 201 with a Location, an ETag and a body worth
 // sealing, and counts its runs.
 func sealedHandler(calls *atomic.Int32) http.HandlerFunc {
