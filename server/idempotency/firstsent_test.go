@@ -161,3 +161,30 @@ func TestFirstSentOptions(t *testing.T) {
 	}
 	assert.True(t, strings.HasPrefix(ProblemKeyExpired, "https://idemkit.dev/problems/"))
 }
+
+// TestFirstSentRefusalSaysWhichRule: a 410 says why it refused: a retry
+// first sent longer ago than the retention is told so; one first sent
+// seconds ago, whose key an operator expired, is told that its key was
+// let go of, not that it is too old.
+func TestFirstSentRefusalSaysWhichRule(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := NewMemoryStore()
+		h := testHandler(t, store, Options{Retention: time.Hour}, func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusCreated)
+		})
+		c, hdr := sentAt("k1", "{}", time.Now())
+		require.Equal(t, http.StatusCreated, serveWith(t, h, c, hdr).status)
+		time.Sleep(2 * time.Second)
+		_, err := store.Expire(t.Context(), "c", "k1", false)
+		require.NoError(t, err)
+		r := serveWith(t, h, c, hdr)
+		require.Equal(t, http.StatusGone, r.status, "%s", r.body)
+		assert.Contains(t, r.problem(t).Detail, "let go of")
+		assert.NotContains(t, r.problem(t).Detail, "longer ago")
+
+		time.Sleep(2 * time.Hour)
+		r = serveWith(t, h, c, hdr)
+		require.Equal(t, http.StatusGone, r.status, "%s", r.body)
+		assert.Contains(t, r.problem(t).Detail, "first sent longer ago than its Idempotency-Key is kept (1h0m0s)")
+	})
+}

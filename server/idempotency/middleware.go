@@ -747,11 +747,17 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		case Refused:
 			m.event(EventExpiredRetry)
-			log.Info("idempotency: refused a retry first sent longer ago than its key is kept; its key is gone or expired",
-				"first_sent", r.Header.Get(m.firstSentHeader))
-			writeProblem(w, r, ProblemKeyExpired, http.StatusGone, fmt.Sprintf(
-				"This request was first sent longer ago than its %s is kept (%s), and the key is gone: the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.",
-				m.keyHeader, m.retention))
+			// Say which rule refused it: the age of the request, or a key
+			// let go of (expired, by its retention or an operator) after
+			// this request's operation began.
+			why := fmt.Sprintf("was first sent longer ago than its %s is kept (%s), and the key is gone", m.keyHeader, m.retention)
+			if !req.FirstSent.Stale {
+				why = fmt.Sprintf("belongs to an operation whose %s was let go of (it expired, or an operator expired it) after the operation began", m.keyHeader)
+			}
+			log.Info("idempotency: refused a retry of an operation whose key is gone or expired", "first_sent", r.Header.Get(m.firstSentHeader),
+				"stale", req.FirstSent.Stale)
+			writeProblem(w, r, ProblemKeyExpired, http.StatusGone, "This request "+why+
+				": the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.")
 			return
 		default:
 			log.Error("idempotency: store returned an unknown outcome", "outcome", res.Outcome)
