@@ -38,6 +38,7 @@ func Run(t *testing.T, driver string) {
 		{"ConnectionLostUnderClaim", testConnLost},
 		{"SideBySideWithPgstore", testSideBySide},
 		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
+		{"SmallPoolAnswersEveryRequest", testSmallPoolAnswersEveryRequest},
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
 		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
