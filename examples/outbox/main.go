@@ -2,9 +2,11 @@
 // an outbox, with River (github.com/riverqueue/river) as the queue.
 //
 // POST /orders runs behind the idempotency middleware on PostgreSQL
-// (server/pgstore). Its handler writes the order and enqueues a River job
-// to ship it, both through pgstore.Tx: the order, the job and
-// the key's stored outcome commit in one transaction, or none of them does.
+// (server/pgstore; with -store sql, server/sqlstore on database/sql). Its
+// handler writes the order and enqueues a River job to ship it, both
+// through the key's transaction (pgstore.Tx, or sqlstore.Tx and River's
+// riverdatabasesql driver): the order, the job and the key's stored
+// outcome commit in one transaction, or none of them does.
 // A worker (River) runs the job: it calls the shipping API through
 // idem.Transport with an Idempotency-Key derived from the claim's
 // OperationID, stored in the job, and records the shipment on the order in
@@ -35,11 +37,14 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/riverqueue/river"
+	"github.com/riverqueue/river/riverdriver/riverdatabasesql"
 	"github.com/riverqueue/river/riverdriver/riverpgxv5"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
+	"github.com/idemkit/idem/server/sqlstore"
 )
 
 func main() {
@@ -57,6 +62,7 @@ type config struct {
 	addr        string
 	databaseURL string
 	shippingURL string
+	store       string // pgx or sql: the service's key store and transaction
 	service     serviceOptions
 	worker      workerOptions
 }
@@ -72,6 +78,7 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (confi
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:8080", "the service's listen address")
 	fs.StringVar(&c.databaseURL, "database-url", getenv("DATABASE_URL"), "PostgreSQL (pgx connection string); default $DATABASE_URL")
 	fs.StringVar(&c.shippingURL, "shipping-url", "", "base URL of the shipping API; empty: a fake one in this process")
+	fs.StringVar(&c.store, "store", "pgx", "the service's keys and transaction: pgx (server/pgstore, a pgx.Tx, River's riverpgxv5) or sql (server/sqlstore on pgx's database/sql driver, a *sql.Tx, River's riverdatabasesql)")
 	fs.BoolVar(&c.service.twoCommits, "two-commits", false,
 		"claim each key in a commit of its own before the handler runs, as for a handler that calls other systems; default: the key, the order and its job in one transaction (idempotency.Options.OneTransaction)")
 	fs.DurationVar(&c.service.lockTimeout, "lock-timeout", 0, "with -two-commits: how long a key whose service died stays locked (idempotency.Options.LockTimeout); 0: the library's default")
@@ -88,6 +95,8 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (confi
 		return c, fmt.Errorf("unexpected arguments: %q", fs.Args())
 	case c.role != "service" && c.role != "worker" && c.role != "all":
 		return c, fmt.Errorf("-role %q: want service, worker or all", c.role)
+	case c.store != "pgx" && c.store != "sql":
+		return c, fmt.Errorf("-store %q: want pgx or sql", c.store)
 	case c.databaseURL == "":
 		return c, errors.New("-database-url or DATABASE_URL is required: the orders, the outbox and the keys live in PostgreSQL")
 	}
@@ -135,15 +144,31 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		log.Info("working", "queue", river.QueueDefault, "shipping_url", shipping)
 	}
 	if c.role != "worker" {
-		if jobs == nil {
-			// A client with no queues only inserts: the service needs no workers.
-			if jobs, err = river.NewClient(riverpgxv5.New(pool), &river.Config{Logger: log}); err != nil {
+		// The key table, beside orders and River's jobs; a River client
+		// with no queues only inserts: the service needs no workers.
+		var (
+			store  idempotency.Store
+			orders orderWriter
+		)
+		switch c.store {
+		case "sql":
+			db := stdlib.OpenDBFromPool(pool)
+			defer db.Close()
+			inserter, err := river.NewClient(riverdatabasesql.New(db), &river.Config{Logger: log})
+			if err != nil {
 				return err
 			}
+			store, orders = sqlstore.New(db), sqlOrders{jobs: inserter}
+		default:
+			if jobs == nil {
+				if jobs, err = river.NewClient(riverpgxv5.New(pool), &river.Config{Logger: log}); err != nil {
+					return err
+				}
+			}
+			store, orders = pgstore.New(pool), pgxOrders{jobs: jobs}
 		}
-		store := pgstore.New(pool) // the key table, beside orders and River's jobs
 		go (&idempotency.Purger{Store: store, Logger: log}).Run(ctx)
-		srv, err := listen(ctx, c.addr, newService(store, jobs, c.service), log, errc)
+		srv, err := listen(ctx, c.addr, newService(store, orders, c.service), log, errc)
 		if err != nil {
 			return err
 		}

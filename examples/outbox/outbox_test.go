@@ -60,6 +60,15 @@ const (
 // connections and loses answers; the shipping API loses the first answer of
 // every third shipment, so a worker must ask again with the same key.
 func TestOutboxSurvivesKills(t *testing.T) {
+	for _, store := range []string{"pgx", "sql"} {
+		t.Run(store, func(t *testing.T) { testOutboxSurvivesKills(t, store) })
+	}
+}
+
+// testOutboxSurvivesKills is TestOutboxSurvivesKills with the service on
+// store: pgx (pgstore, River's riverpgxv5) or sql (sqlstore on a *sql.Tx,
+// River's riverdatabasesql).
+func testOutboxSurvivesKills(t *testing.T, store string) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	dbURL := pgtest.SchemaURL(t)
@@ -77,7 +86,7 @@ func TestOutboxSurvivesKills(t *testing.T) {
 	dir := t.TempDir()
 	service := &proc{name: "service", ready: "listening", logPath: filepath.Join(dir, "service.log"), args: []string{
 		"-role", "service", "-addr", "127.0.0.1:0", "-database-url", dbURL,
-		"-order-delay", orderDelay.String(),
+		"-order-delay", orderDelay.String(), "-store", store,
 	}}
 	worker := &proc{name: "worker", ready: "working", logPath: filepath.Join(dir, "worker.log"), args: []string{
 		"-role", "worker", "-database-url", dbURL, "-shipping-url", shipping.URL,
@@ -426,6 +435,7 @@ func TestParseFlags(t *testing.T) {
 		{[]string{}, "DATABASE_URL is required"},
 		{[]string{"-database-url", "postgres://x", "-role", "both"}, `-role "both"`},
 		{[]string{"-database-url", "postgres://x", "extra"}, "unexpected arguments"},
+		{[]string{"-database-url", "postgres://x", "-store", "gorm"}, `-store "gorm": want pgx or sql`},
 	} {
 		_, err := parseFlags(tc.args, noEnv, io.Discard)
 		if assert.Error(t, err, "%q", tc.args) {
@@ -436,4 +446,5 @@ func TestParseFlags(t *testing.T) {
 	require.NoError(t, err)
 	assert.Equal(t, "postgres://db", c.databaseURL)
 	assert.Equal(t, "all", c.role)
+	assert.Equal(t, "pgx", c.store)
 }

@@ -1,6 +1,8 @@
 package main
 
 import (
+	"context"
+	"database/sql"
 	"encoding/json"
 	"log/slog"
 	"net/http"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
+	"github.com/idemkit/idem/server/sqlstore"
 )
 
 // serviceOptions configures the order service.
@@ -27,7 +30,7 @@ type serviceOptions struct {
 // its order, its job and the key's outcome commit together, in one
 // transaction with the key's claim (idempotency.Options.OneTransaction). jobs only
 // enqueues; the workers may run in other processes.
-func newService(store *pgstore.Store, jobs *river.Client[pgx.Tx], opts serviceOptions) http.Handler {
+func newService(store idempotency.Store, orders orderWriter, opts serviceOptions) http.Handler {
 	keyed := idempotency.Middleware(store, idempotency.Options{
 		// The handler writes only to this database, so its key, its order
 		// and its job commit in one transaction: a killed service leaves
@@ -41,7 +44,7 @@ func newService(store *pgstore.Store, jobs *river.Client[pgx.Tx], opts serviceOp
 		},
 		Logger: opts.log,
 	})
-	o := &orderHandler{jobs: jobs, delay: opts.delay, log: opts.log}
+	o := &orderHandler{orders: orders, delay: opts.delay, log: opts.log}
 	mux := http.NewServeMux()
 	mux.Handle("POST /orders", keyed(http.HandlerFunc(o.create)))
 	return mux
@@ -49,9 +52,58 @@ func newService(store *pgstore.Store, jobs *river.Client[pgx.Tx], opts serviceOp
 
 // orderHandler creates orders.
 type orderHandler struct {
-	jobs  *river.Client[pgx.Tx]
-	delay time.Duration
-	log   *slog.Logger
+	orders orderWriter
+	delay  time.Duration
+	log    *slog.Logger
+}
+
+// orderWriter writes an order and enqueues its shipment in the key's
+// transaction (the outbox), on the transaction of the store's driver.
+type orderWriter interface {
+	write(ctx context.Context, tenant string, claim idempotency.Claim, in *order) error
+}
+
+// pgxOrders writes through pgstore.Tx, a pgx.Tx, and River's riverpgxv5.
+type pgxOrders struct{ jobs *river.Client[pgx.Tx] }
+
+func (o pgxOrders) write(ctx context.Context, tenant string, claim idempotency.Claim, in *order) error {
+	tx, err := pgstore.Tx(ctx) // commits with the key's stored outcome
+	if err != nil {
+		return err
+	}
+	err = tx.QueryRow(ctx, insertOrderSQL, tenant, claim.OperationID, in.Item, in.Qty).Scan(&in.ID)
+	if err != nil {
+		return err
+	}
+	// The outbox: the job is a row in the same transaction, so it exists
+	// if and only if the order does.
+	_, err = o.jobs.InsertTx(ctx, tx, shipArgsOf(tenant, claim, in), nil)
+	return err
+}
+
+// sqlOrders writes through sqlstore.Tx, a *sql.Tx, and River's
+// riverdatabasesql.
+type sqlOrders struct{ jobs *river.Client[*sql.Tx] }
+
+func (o sqlOrders) write(ctx context.Context, tenant string, claim idempotency.Claim, in *order) error {
+	tx, err := sqlstore.Tx(ctx) // commits with the key's stored outcome
+	if err != nil {
+		return err
+	}
+	err = tx.QueryRowContext(ctx, insertOrderSQL, tenant, claim.OperationID, in.Item, in.Qty).Scan(&in.ID)
+	if err != nil {
+		return err
+	}
+	_, err = o.jobs.InsertTx(ctx, tx, shipArgsOf(tenant, claim, in), nil)
+	return err
+}
+
+// insertOrderSQL writes an order: $1 tenant, $2 operation, $3 item, $4 qty.
+const insertOrderSQL = `INSERT INTO orders (tenant, operation_id, item, qty) VALUES ($1, $2, $3, $4) RETURNING id`
+
+// shipArgsOf is the shipment job of an order.
+func shipArgsOf(tenant string, claim idempotency.Claim, in *order) shipArgs {
+	return shipArgs{OrderID: in.ID, Tenant: tenant, OperationID: claim.OperationID, Item: in.Item, Qty: in.Qty}
 }
 
 // order is the body of POST /orders and of its answer.
@@ -78,24 +130,7 @@ func (o *orderHandler) create(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "POST /orders is served without the idempotency middleware", http.StatusInternalServerError)
 		return
 	}
-	tx, err := pgstore.Tx(ctx) // commits with the key's stored outcome
-	if err != nil {
-		http.Error(w, "the database is unavailable; retry with the same key", http.StatusServiceUnavailable)
-		return
-	}
-	err = tx.QueryRow(ctx, `INSERT INTO orders (tenant, operation_id, item, qty) VALUES ($1, $2, $3, $4) RETURNING id`,
-		tenant, claim.OperationID, in.Item, in.Qty).Scan(&in.ID)
-	if err == nil {
-		// The outbox: the job is a row in the same transaction, so it exists
-		// if and only if the order does.
-		_, err = o.jobs.InsertTx(ctx, tx, shipArgs{
-			OrderID:     in.ID,
-			Tenant:      tenant,
-			OperationID: claim.OperationID,
-			Item:        in.Item,
-			Qty:         in.Qty,
-		}, nil)
-	}
+	err := o.orders.write(ctx, tenant, claim, &in)
 	if err != nil {
 		o.log.Error("outbox: order not written", "err", err)
 		http.Error(w, "try again with the same key", http.StatusServiceUnavailable) // the order and the job roll back
