@@ -25,9 +25,10 @@
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-VALUES (:client, :key, :method, :path, :fp, :fpver, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
-    statement_timestamp(), statement_timestamp(), :lockus, :retus, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
-            THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END)
+SELECT :client::text, :key::text, :method::text, :path::text, :fp::bytea, :fpver::integer, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), :lockus::bigint, :retus::bigint, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
+            THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END
+WHERE pg_try_advisory_xact_lock_shared(hashtextextended(:key, hashtextextended(:client, 'idempotency_keys'::regclass::oid::bigint)))
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text
 \gset

@@ -138,6 +138,12 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 		return ClaimResult{Outcome: TookOver, Claim: k.claim()}, nil
 	}
 	if k == nil {
+		if s.pending[ref] != nil {
+			// Held by a claim in one transaction: its key is not stored
+			// yet, and a claim in a commit of its own must not run it
+			// beside it.
+			return ClaimResult{Outcome: Busy}, nil
+		}
 		k = s.newKey(req, now)
 		s.keys[ref] = k
 		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil

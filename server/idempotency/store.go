@@ -226,8 +226,9 @@ const (
 	// ([ClaimRequest.OneTransaction]) and has not ended. Nothing of that
 	// request can be read until it commits, not even its fingerprint;
 	// the caller answers as for a started key (409, or a wait) and
-	// claims again later. Only a store that claims in one transaction
-	// returns it.
+	// claims again later. A claim in a commit of its own gets it too, so
+	// that two handlers never run one key at once. Only a store that
+	// claims in one transaction returns it.
 	Busy
 )
 

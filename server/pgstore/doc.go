@@ -71,11 +71,14 @@
 // commit, a rollback, or the end of its connection: a panic, a 5xx, a crash
 // of the service or a connection cut under the request leave neither the
 // key nor the rows, and the retry runs at once. A claim of the key from a
-// route without the option does not see the lock: it claims the key in its
-// own commit, and the completion of the request in one transaction then
-// finds the key taken and commits nothing (409, and its retry gets the
-// other request's outcome); the purge leaves that key's row alone while
-// the request holds its lock, however long it runs. A key that has a row (from such a route,
+// route without the option (a replica of a rolling deploy that turns it
+// on) respects the lock too: it tries it shared, and gets Busy (409) while
+// the request holds it, so two handlers never run one key at once. One
+// that raced it (its key committed between the claim's snapshot and its
+// lock) fences the completion of the request in one transaction, which
+// then commits nothing (409, and its retry gets the other request's
+// outcome); the purge leaves a key's row alone while a request holds its
+// lock, however long it runs. A key that has a row (from such a route,
 // released, or expired) is claimed as without the option.
 //
 // The price is the connection, held from the claim to the completion,

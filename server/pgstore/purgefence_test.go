@@ -16,20 +16,14 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// TestPurgeSparesKeyOfOneTxRequest (found by a review): the fence of a
-// claim in one transaction is the key row another claim left (the completion's INSERT
-// ... ON CONFLICT DO NOTHING). Nothing bounds how long a one-transaction
-// request runs (it has no lease), so that row can expire and be purged
-// while it runs, and then the completion inserts the key and commits: two
-// operations committed for one key, both clients told 201.
-//
-// Sequence: A (route with OneTransaction) claims key k, writes its row, and
-// is held. B (a route without the option, Retention 50 ms) claims k in its
-// own commit, writes its row, and completes 201. 50 ms later the key has
-// expired and Purge deletes it. A is let go: its completion finds no row,
-// inserts k completed, commits: 201. That was two rows for k; the purge
-// now passes over a key whose one-transaction lock is held (PurgeSQL), so
-// A's completion still finds B's row and commits nothing.
+// TestPurgeSparesKeyOfOneTxRequest: a request in one transaction (A)
+// holds key k, with no row, for as long as it runs (it has no lease). A
+// request with k from a route without the option (B, Retention 50 ms)
+// respects the hold: 409, nothing written. The purge that runs meanwhile
+// passes over the key A holds (PurgeSQL). A completes alone: one row for
+// k. (Before claims in commits of their own respected the hold, B claimed
+// k and completed 201, its key expired and was purged while A ran, and A
+// then committed k again: two operations for one key, both told 201.)
 func TestPurgeSparesKeyOfOneTxRequest(t *testing.T) {
 	store, pool := newStore(t, nil)
 	var attempt atomic.Int64
@@ -65,8 +59,12 @@ func TestPurgeSparesKeyOfOneTxRequest(t *testing.T) {
 	first := make(chan int, 1)
 	go func() { first <- send(a) }()
 	<-entered
-	require.Equal(t, 201, send(b), "B, in a commit of its own, while A holds k in one transaction")
-	time.Sleep(200 * time.Millisecond) // B's key expires (Retention 50 ms)
+	statusB := send(b)
+	if statusB != http.StatusConflict {
+		close(release)
+		<-first
+		t.Fatalf("B, in a commit of its own, while A holds k in one transaction: %d, want 409", statusB)
+	}
 	n, err := store.Purge(context.Background(), 100)
 	require.NoError(t, err)
 	t.Logf("purged %d", n)
@@ -75,7 +73,7 @@ func TestPurgeSparesKeyOfOneTxRequest(t *testing.T) {
 	var rows int
 	require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM writes WHERE name LIKE 'k/%'`).Scan(&rows))
 	t.Logf("A got %d; rows committed for k: %d", statusA, rows)
-	if rows > 1 {
-		t.Errorf("%d operations committed for one key (A got %d, B got 201)", rows, statusA)
+	if rows != 1 || statusA != http.StatusCreated {
+		t.Errorf("%d operations committed for one key, A got %d; want 1, 201", rows, statusA)
 	}
 }

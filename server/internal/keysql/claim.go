@@ -98,7 +98,7 @@ const (
 // or released: the statement then returns no row, or an Exists row flagged
 // lost, and the caller runs it again with a fresh snapshot.
 const ClaimSQL = `
-WITH ` + existingCTE + `, renewed AS (
+WITH ` + existingCTE + `, ` + heldCTE + `, renewed AS (
     UPDATE idempotency_keys k SET
         request_method = $3,
         request_path = $4,
@@ -143,7 +143,9 @@ UNION ALL
 ` + existingRow + `
 WHERE NOT EXISTS (SELECT FROM renewed)
 UNION ALL
-` + refusedAbsentRow
+` + refusedAbsentRow + `
+UNION ALL
+` + busyAbsentRow
 
 // ClaimInsertSQL is the claim that Claim runs first (for a request whose
 // first-sent check is not stale, which must not insert the key): a plain insert of the key's row, started, which inserts
@@ -152,13 +154,20 @@ UNION ALL
 // CTE to set up (a sixth less CPU than a statement that reads the row and
 // inserts it when it is absent; see bench/pgcost). It returns the new token
 // and operation ID, or no row, and then Claim reads the row with
-// ClaimReadSQL. Parameters $1 to $9 as ClaimSQL's.
+// ClaimReadSQL. It inserts nothing either while a claim in one transaction
+// holds the key (its advisory lock, keyLockExpr, taken exclusive; the
+// insert tries it shared, so that claims in commits of their own do not
+// hold one another off, and holds it only to its own commit): a route
+// without the mode never runs a key that a route with it is running
+// (ClaimReadSQL then answers Busy).
+// Parameters $1 to $9 as ClaimSQL's.
 const ClaimInsertSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, $4, $5, $6, 'started', $9::uuid, nextval('idempotency_lock_tokens'),
-    statement_timestamp(), statement_timestamp(), $7, $8, ` + claimedExpiryExpr + `)
+SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, $6::integer, 'started', $9::uuid, nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), $7::bigint, $8::bigint, ` + claimedExpiryExpr + `
+WHERE pg_try_advisory_xact_lock_shared(` + keyLockExpr + `)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text`
 
@@ -174,10 +183,12 @@ RETURNING lock_token, operation_id::text`
 const ClaimReadSQL = `
 WITH ` + existingCTE + `, typed AS (
     SELECT $3::text, $4::text, $7::bigint, $8::bigint, $9::uuid -- unused: typed for the prepared statement
-)
+), ` + heldCTE + `
 ` + existingRow + `
 UNION ALL
-` + refusedAbsentRow
+` + refusedAbsentRow + `
+UNION ALL
+` + busyAbsentRow
 
 // The parts that ClaimSQL, ClaimReadSQL and ClaimTxSQL share. existingCTE reads the
 // key's row without locking it, with what ClaimSQL may do with it:
@@ -201,7 +212,7 @@ const (
         lease_us, retention_us, expires_at)
     SELECT $1, $2, $3, $4, $5, $6, 'started', $9::uuid, nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
         $7, $8, ` + claimedExpiryExpr + `
-    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean AND (SELECT free FROM held)
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
@@ -210,6 +221,18 @@ const (
     response_status, response_content_type, response_headers, response_body, created_at, locked_at, retention_us,
     (expired OR stale OR free) AND NOT refused
 FROM existing`
+	// heldCTE tells, for a key the snapshot does not have (and a request
+	// whose first-sent check is not stale), whether a claim in one
+	// transaction holds it: free is false then. It tries the key's advisory
+	// lock shared, for this statement's transaction only.
+	heldCTE = `held AS (
+    SELECT pg_try_advisory_xact_lock_shared(` + keyLockExpr + `) AS free
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean
+)`
+	// busyAbsentRow is the outcome 5 (Busy) row of a key the snapshot did
+	// not have, held by a claim in one transaction (heldCTE).
+	busyAbsentRow = `SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+FROM held WHERE NOT free`
 	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
 	// did not have, for a stale first-sent check ($10), which inserted
 	// nothing.
