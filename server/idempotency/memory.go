@@ -22,7 +22,7 @@ var errTxDone = errors.New("idempotency: unit of work already completed or rolle
 // completion that applies the staged writes ([MemoryStore.Stage]) together
 // with the key's completion or not at all, a bounded purge, and the same
 // refusal of text PostgreSQL cannot store. It emulates claims in one
-// transaction ([ClaimRequest.OneTransaction]): such a claim of an absent key
+// transaction ([MemoryStore.ClaimInTx]): such a claim of an absent key
 // holds the key apart, where other claims of it see [Busy], until the unit of
 // work completes (the key is then stored, completed, with the staged writes)
 // or ends otherwise (the key is forgotten). It keeps everything in process
@@ -100,6 +100,19 @@ func checkText(fields ...string) error {
 
 // Claim implements [Store.Claim].
 func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	return s.claim(ctx, req, false)
+}
+
+var _ TxClaimer = (*MemoryStore)(nil)
+
+// ClaimInTx implements [TxClaimer.ClaimInTx].
+func (s *MemoryStore) ClaimInTx(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	return s.claim(ctx, req, true)
+}
+
+// claim claims req's key, an absent one in one transaction when inTx is
+// true.
+func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (ClaimResult, error) {
 	if err := ctx.Err(); err != nil {
 		return ClaimResult{}, err
 	}
@@ -119,7 +132,7 @@ func (s *MemoryStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult,
 	switch {
 	case k == nil && req.FirstSent.Stale:
 		return ClaimResult{Outcome: Refused}, nil
-	case k == nil && req.OneTransaction:
+	case k == nil && inTx:
 		return s.claimApart(ref, req, now), nil
 	case k == nil:
 	case k.expired(now) && req.FirstSent.refuses(k.rec.CreatedAt):

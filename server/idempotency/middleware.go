@@ -253,8 +253,8 @@ type Options struct {
 	//
 	// A crash, a panic, a lost connection or an answer that is not stored
 	// (a 5xx, a 4xx that releases the key) rolls the key back with the
-	// writes, so the retry runs at once, as a new operation (a new
-	// OperationID: nothing of the old one was kept). There is no lease,
+	// writes, so the retry runs at once, under the same OperationID (it is
+	// derived from the request, see [ClaimRequest.OperationID]). There is no lease,
 	// no renewal and no takeover for these keys; LockTimeout does not
 	// apply to them. A duplicate that arrives while the first request
 	// runs gets 409 at once (or waits, see WaitForCompletion), however
@@ -273,14 +273,17 @@ type Options struct {
 	// isolation level (a SET TRANSACTION after the claim fails; set the
 	// connections' default_transaction_isolation instead). Do not use it
 	// for a handler that calls a slow or external system: the connection
-	// is held across the call, and a crash after a call keyed by the
-	// OperationID leaves nothing that kept the OperationID, so the retry
-	// calls again under a new one (a second charge). The default, where
-	// the claim commits first, is made for such handlers.
+	// is held across the call, and after a failure nothing of the request
+	// is kept, so another request under the key runs as a new operation
+	// and leaves the first call's work behind (a charge with no payment;
+	// the retry of the same request calls again under the same
+	// OperationID). The default, where the claim commits first, is made
+	// for such handlers.
 	//
-	// A store that cannot claim in a unit of work ([Store.Claim]) claims
-	// in a commit of its own, and the request runs as without the option.
-	// [MemoryStore] emulates the mode; pgstore does it.
+	// A store that cannot claim in a unit of work (one that is not a
+	// [TxClaimer]) claims in a commit of its own, and the request runs as
+	// without the option. [MemoryStore] emulates the mode; pgstore and
+	// sqlstore do it.
 	OneTransaction bool
 
 	// Logger receives what an operator must act on, at Warn and Error:
@@ -466,7 +469,10 @@ func (e Event) String() string {
 // same route (a router group's and the route's) passes requests through to
 // its handler, and logs once at Error that one should go.
 func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
-	m := &middleware{store: store, opts: opts}
+	m := &middleware{store: store, opts: opts, claim: store.Claim}
+	if tc, ok := store.(TxClaimer); ok && opts.OneTransaction {
+		m.claim = tc.ClaimInTx
+	}
 	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
 	m.lockTimeout = durationOpt(opts.LockTimeout, DefaultLockTimeout)
 	m.retention = durationOpt(opts.Retention, DefaultRetention)
@@ -539,7 +545,9 @@ func durationOpt(d, def time.Duration) time.Duration {
 }
 
 type middleware struct {
-	store       Store
+	store Store
+	// claim is store's Claim, or its ClaimInTx with Options.OneTransaction.
+	claim       func(context.Context, ClaimRequest) (ClaimResult, error)
 	opts        Options
 	keyHeader   string
 	lockTimeout time.Duration
@@ -680,7 +688,6 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		LockTimeout:        m.lockTimeout,
 		Retention:          m.retention,
 		FirstSent:          firstSent,
-		OneTransaction:     m.opts.OneTransaction,
 	}
 	ctx := r.Context()
 	var deadline time.Time
@@ -700,7 +707,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// to release it, a 409 to every retry until the lease runs out
 		// (forever without a lease). Run to its end, it is released below
 		// if the client is gone.
-		res, err := m.store.Claim(context.WithoutCancel(ctx), req)
+		res, err := m.claim(context.WithoutCancel(ctx), req)
 		if errors.Is(err, ErrReadOnly) {
 			log.Error("idempotency: the key store's database is read-only: point this replica at the primary "+
 				"(a multi-host URL with target_session_attrs=read-write follows a failover)", "err", err)

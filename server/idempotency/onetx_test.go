@@ -76,10 +76,10 @@ func TestOneTransactionDuplicates(t *testing.T) {
 
 // TestOneTransactionFailureLeavesNoKey fails the first request of a key
 // claimed in one transaction with a 500, a panic, and a 400: its staged
-// write is dropped, and the key with it, so that the retry runs at once as
-// a new operation (a new OperationID), and even another request with the
-// key is a new operation, where a key claimed in its own commit would
-// answer 422 after a 500 or a panic.
+// write is dropped, and the key with it, so that even another request
+// with the key runs at once as a new operation (another OperationID),
+// where a key claimed in its own commit would answer 422 after a 500 or a
+// panic.
 func TestOneTransactionFailureLeavesNoKey(t *testing.T) {
 	for _, fail := range []string{"500", "panic", "400"} {
 		t.Run(fail, func(t *testing.T) {
@@ -130,6 +130,33 @@ func TestOneTransactionFailureLeavesNoKey(t *testing.T) {
 			assert.Equal(t, 1, ev.count(EventCompleted))
 		})
 	}
+}
+
+// TestOneTransactionRetryKeepsOperation fails the first request of a key
+// claimed in one transaction with a 500: its key goes with the rollback,
+// and the retry of the same request runs under the same OperationID, so
+// that a downstream call keyed by it is found, not made again.
+func TestOneTransactionRetryKeepsOperation(t *testing.T) {
+	var mu sync.Mutex
+	var ops []string
+	ts := mwServer(t, NewMemoryStore(), Options{OneTransaction: true}, func(w http.ResponseWriter, r *http.Request) {
+		claim, _ := ClaimFromContext(r.Context())
+		mu.Lock()
+		ops = append(ops, claim.OperationID)
+		n := len(ops)
+		mu.Unlock()
+		if n == 1 {
+			w.WriteHeader(http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	require.Equal(t, http.StatusInternalServerError, ts.mustSend(t, keyed("k", `{"a":1}`)).status)
+	require.Equal(t, http.StatusCreated, ts.mustSend(t, keyed("k", `{"a":1}`)).status)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Len(t, ops, 2)
+	assert.Equal(t, ops[0], ops[1], "the retry of the same request got another operation")
 }
 
 // TestOneTransactionWaitForCompletion holds the first request of a key

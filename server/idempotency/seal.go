@@ -426,6 +426,23 @@ type sealedStore struct {
 // or leaves it sealed when it cannot.
 func (s *sealedStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
 	res, err := s.Store.Claim(ctx, req)
+	return s.opened(req, res, err)
+}
+
+// ClaimInTx implements [TxClaimer.ClaimInTx] with the store's, or with its
+// Claim when it is not a TxClaimer (the claim then says so).
+func (s *sealedStore) ClaimInTx(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	claim := s.Store.Claim
+	if tc, ok := s.Store.(TxClaimer); ok {
+		claim = tc.ClaimInTx
+	}
+	res, err := claim(ctx, req)
+	return s.opened(req, res, err)
+}
+
+// opened returns the result of a claim of req with its record's response
+// opened, or left sealed when it cannot be.
+func (s *sealedStore) opened(req ClaimRequest, res ClaimResult, err error) (ClaimResult, error) {
 	if err != nil || res.Record == nil || res.Record.Response == nil {
 		return res, err
 	}

@@ -401,6 +401,34 @@ func TestSealedMiddleware(t *testing.T) {
 	}
 }
 
+// TestSealedClaimsInOneTransaction: a sealed store claims in one
+// transaction when the store it wraps can (the handler sees a claim made
+// in one transaction), and in a commit of its own when it cannot; the
+// replay opens either way.
+func TestSealedClaimsInOneTransaction(t *testing.T) {
+	for _, inner := range []Store{NewMemoryStore(), plainStore{NewMemoryStore()}} {
+		_, canTx := inner.(TxClaimer)
+		t.Run(fmt.Sprintf("TxClaimer=%v", canTx), func(t *testing.T) {
+			var oneTx []bool
+			ts := mwServer(t, Sealed(inner, testSealKeys(t, "k1")), Options{OneTransaction: true},
+				func(w http.ResponseWriter, r *http.Request) {
+					c, _ := ClaimFromContext(r.Context())
+					oneTx = append(oneTx, c.OneTransaction)
+					w.WriteHeader(http.StatusCreated)
+					io.WriteString(w, `{"id":"ord_1"}`)
+				})
+			first := ts.mustSend(t, keyed("k", `{"a":1}`))
+			mustReplay(t, first, ts.mustSend(t, keyed("k", `{"a":1}`)))
+			if len(oneTx) != 1 || oneTx[0] != canTx {
+				t.Errorf("claims in one transaction as the handler saw them: %v, want [%v]", oneTx, canTx)
+			}
+		})
+	}
+}
+
+// plainStore hides every method of its Store but the Store's own.
+type plainStore struct{ Store }
+
 // TestSealedMismatchFirst: a request that is not the key's own gets 422,
 // whether or not the stored response opens.
 func TestSealedMismatchFirst(t *testing.T) {

@@ -134,20 +134,6 @@ type ClaimRequest struct {
 	// that does not know the field never refuses, and serves such a
 	// request as a new operation.
 	FirstSent FirstSentCheck
-	// OneTransaction asks the store to claim a key that has no row in the
-	// claim's unit of work rather than in a commit of its own (see
-	// [Options.OneTransaction]). The store opens the unit of work with
-	// the claim, and the key exists only in it: other requests see
-	// nothing of it, and a claim of theirs gets [Busy] at once, never
-	// waiting for the unit of work to end, until [Tx.Complete] commits
-	// the key, completed, with the unit's writes; a rollback leaves no
-	// trace of it. The claim says so ([Claim.OneTransaction]). A key
-	// that has a row (live, released or expired) is claimed, or found,
-	// as without the field, whatever the row's state. A store that
-	// cannot claim in a unit of work ignores the field and claims in a
-	// commit of its own; the caller reads [Claim.OneTransaction] to know
-	// which it got.
-	OneTransaction bool
 }
 
 // operationSpace is the name space of the operation IDs that
@@ -223,7 +209,7 @@ const (
 	Refused
 	// Busy: the key has no committed row, and another request holds it
 	// in a unit of work that claimed it in one transaction
-	// ([ClaimRequest.OneTransaction]) and has not ended. Nothing of that
+	// ([TxClaimer.ClaimInTx]) and has not ended. Nothing of that
 	// request can be read until it commits, not even its fingerprint;
 	// the caller answers as for a started key (409, or a wait) and
 	// claims again later. A claim in a commit of its own gets it too, so
@@ -275,14 +261,8 @@ type Claim struct {
 	// claimed by another request gets another one.
 	OperationID string
 	// OneTransaction reports a claim made in its unit of work
-	// ([ClaimRequest.OneTransaction]). The store holds the unit of work
-	// open from the claim: the caller opens it with [Store.Begin] and
-	// ends it with [Tx.Complete] or [Tx.Rollback], or ends it with
-	// [Store.Release] without beginning it. The key exists only in the
-	// unit of work, with no lease ([Store.Renew] does nothing), and goes
-	// with it when it rolls back: nothing is left to release, the claim
-	// owns nothing more ([ErrFenced]), and the next claim of the key is a
-	// new operation, with a new OperationID.
+	// ([TxClaimer.ClaimInTx]), which changes what Begin, Renew and
+	// Release do with it (see [TxClaimer]).
 	OneTransaction bool
 }
 
@@ -348,12 +328,6 @@ type Store interface {
 	//   - otherwise (started with a live lease, completed, or another
 	//     fingerprint): Exists.
 	//
-	// A claim that asks for one transaction (req.OneTransaction) of a key
-	// that has no row gets, from a store that does it, Claimed in a unit
-	// of work of its own ([Claim.OneTransaction]), or Busy while another
-	// such claim of the key holds its unit of work open; a key that has a
-	// row is served as above.
-	//
 	// Every claim stores req.LockTimeout and req.Retention with the key.
 	// A store refuses, with an error wrapping [ErrInvalidText], a client,
 	// key, method or path that is not valid text.
@@ -364,9 +338,7 @@ type Store interface {
 	// must not hold scarce resources (a pooled connection, a lock) until
 	// they are needed: the PostgreSQL store begins its transaction on its
 	// first use, the memory store stages writes and applies them in
-	// Complete. For a claim made in one transaction
-	// ([Claim.OneTransaction]) it returns the unit of work that the claim
-	// opened; once that has ended, one whose Complete returns ErrFenced.
+	// Complete. For a claim made in one transaction, see [TxClaimer].
 	Begin(ctx context.Context, c Claim) (Tx, error)
 	// Renew extends the lease of a started key still owned by c by the
 	// lock timeout it was claimed with, counted from now, and pushes its
@@ -398,12 +370,7 @@ type Store interface {
 	// operation is found again only by a retry of the same request, which
 	// is why a key released with [ReleaseFailed] refuses every other
 	// request.
-	//
-	// A claim made in one transaction ([Claim.OneTransaction]) has no row
-	// to mark: Release rolls back its unit of work, begun or not, which
-	// takes the key with it (the next claim is a new operation, whatever
-	// kind says), and returns nil; once the unit of work has ended, it
-	// returns ErrFenced.
+	// For a claim made in one transaction, see [TxClaimer].
 	Release(ctx context.Context, c Claim, kind ReleaseKind) error
 	// Purge deletes at most limit expired keys (see
 	// [ClaimRequest.Retention]), whatever their status, those that expired
@@ -427,14 +394,41 @@ type Tx interface {
 	// connection was lost under a commit that may still be on its way, is
 	// released under the claim's token (so that the commit, should it
 	// arrive, is fenced; the caller's Release then returns nil);
-	// the key of a claim made in one transaction ([Claim.OneTransaction]),
-	// which Complete writes, completed, with the outcome, is absent.
+	// the key of a claim made in one transaction, which Complete writes,
+	// completed, with the outcome, is absent.
 	Complete(ctx context.Context, resp StoredResponse) error
 	// Rollback abandons the unit of work and its writes; the key stays
 	// started, or, for a claim made in one transaction, goes with them.
 	// Safe to call after Complete (it does nothing then) and more than
 	// once.
 	Rollback(ctx context.Context) error
+}
+
+// TxClaimer is a [Store] that can also claim a key in the unit of work of
+// its request ([Options.OneTransaction]): the key, the handler's writes
+// and the outcome commit together, and nothing of the request is visible
+// before. A store offers it when it can; [MemoryStore], pgstore and
+// sqlstore do.
+type TxClaimer interface {
+	Store
+	// ClaimInTx claims a key that has no row in a unit of work that it
+	// opens, as [Claim.OneTransaction] says: the key exists only in it,
+	// and another claim of the key, of either kind, gets [Busy] at once
+	// until it ends. A key that has a row (live, released or expired) is
+	// claimed, or found, as by [Store.Claim], in a commit of its own.
+	//
+	// A claim made in one transaction has no lease and no row until its
+	// unit of work commits: [Store.Begin] returns the unit of work the
+	// claim opened (once that has ended, one whose Complete returns
+	// [ErrFenced]); [Store.Renew] returns nil while it is open and
+	// ErrFenced after; [Store.Release] rolls it back, begun or not, which
+	// takes the key with it, and returns nil (ErrFenced once it has
+	// ended); [Tx.Complete] inserts the key, completed, with the outcome.
+	// A retry after a rollback claims the key anew with the same
+	// OperationID ([ClaimRequest.OperationID]). A store that wraps
+	// another one that cannot claim in one transaction claims in a commit
+	// of its own; the claim says which it got.
+	ClaimInTx(ctx context.Context, req ClaimRequest) (ClaimResult, error)
 }
 
 // ValidStatus reports whether status is an HTTP status code a [Store]

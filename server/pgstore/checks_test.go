@@ -89,9 +89,11 @@ func TestMigrateDropChecksDoesNotStallClaims(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := pgstore.New(pool)
-	held := req("held", "a")
-	held.OneTransaction = true
-	c := mustClaim(t, s, held, idempotency.Claimed).Claim
+	res, err := s.ClaimInTx(ctx, req("held", "a"))
+	if err != nil || res.Outcome != idempotency.Claimed {
+		t.Fatalf("ClaimInTx = %+v, %v; want Claimed", res, err)
+	}
+	c := res.Claim
 	tx, _ := unitOf(t, s, c) // its transaction stays open: the handler runs
 
 	migrated := make(chan error, 1)
@@ -103,7 +105,7 @@ func TestMigrateDropChecksDoesNotStallClaims(t *testing.T) {
 	cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
 	defer ccancel()
 	began := time.Now()
-	_, err := s.Claim(cctx, leased(req("other", "b"), time.Minute, time.Hour))
+	_, err = s.Claim(cctx, leased(req("other", "b"), time.Minute, time.Hour))
 	if err != nil {
 		t.Errorf("a claim while Migrate drops the CHECK constraints: %v after %v (stalled behind the ALTER TABLE)",
 			err, time.Since(began).Round(time.Millisecond))

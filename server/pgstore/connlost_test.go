@@ -182,9 +182,7 @@ func TestClaimInTxConnLost(t *testing.T) {
 	ctx := context.Background()
 	k := &terminator{prefix: "WITH existing"}
 	s, pool := terminatedStore(t, k)
-	req := lostReq
-	req.OneTransaction = true
-	res, err := s.Claim(ctx, req)
+	res, err := s.ClaimInTx(ctx, lostReq)
 	k.check(t)
 	if err != nil || res.Outcome != idempotency.Claimed || !res.Claim.OneTransaction {
 		t.Fatalf("Claim = %+v, %v; want Claimed in one transaction", res, err)

@@ -1,8 +1,13 @@
 package pgstore_test
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -80,6 +85,70 @@ func TestSmallPoolAnswersEveryRequest(t *testing.T) {
 				}
 			}
 			t.Logf("statuses: %v", statuses)
+		})
+	}
+}
+
+// TestSmallPoolStopsGracefully stops a service on a pool half the size of
+// its in-flight requests, each holding its transaction's connection
+// across a downstream call that does not answer: the graceful stop runs
+// out its timeout, the forced close cancels the requests, and the pool
+// then closes, every connection back: the stop ends, whatever the renewals
+// were waiting for. Under REPEATABLE READ the renewals and the begins share
+// a lock that a request waiting on it must never hold a connection for.
+func TestSmallPoolStopsGracefully(t *testing.T) {
+	for _, level := range []pgx.TxIsoLevel{"", pgx.RepeatableRead} {
+		t.Run(fmt.Sprintf("isolation %q", level), func(t *testing.T) {
+			const conns, requests = 4, 8
+			held := make(chan struct{}, requests)
+			s := newService(t, idempotency.Options{LockTimeout: 150 * time.Millisecond},
+				func(cfg *pgxpool.Config) { cfg.MaxConns = conns },
+				func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+					if err := insert(r.Context(), tx, s2row(r)); err != nil {
+						http.Error(w, err.Error(), http.StatusServiceUnavailable)
+						return
+					}
+					held <- struct{}{}
+					<-r.Context().Done() // the downstream call, which never answers
+					w.WriteHeader(http.StatusServiceUnavailable)
+				})
+			s.store.Isolation = level
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				s.h.ServeHTTP(w, r.WithContext(idempotency.WithClientID(r.Context(), "cli_a")))
+			}))
+			var wg sync.WaitGroup
+			for i := range requests {
+				wg.Go(func() {
+					req, _ := http.NewRequest("POST", srv.URL+"/v1/orders", strings.NewReader(`{"item":"book"}`))
+					req.Header.Set("Idempotency-Key", fmt.Sprint("stop-", i))
+					if resp, err := srv.Client().Do(req); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				})
+			}
+			for range conns {
+				<-held
+			}
+			stopped := make(chan error, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				defer cancel()
+				err := srv.Config.Shutdown(ctx)
+				srv.Config.Close() // cuts the requests still in flight, as a service does after its timeout
+				srv.Close()        // waits for their handlers
+				wg.Wait()
+				s.pool.Close() // waits for every connection to come back
+				stopped <- err
+			}()
+			select {
+			case err := <-stopped:
+				if !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("Shutdown with handlers waiting on the downstream: %v, want its timeout", err)
+				}
+			case <-time.After(time.Minute):
+				t.Fatal("the service had not stopped a minute after its graceful stop timed out (a deadlock)")
+			}
 		})
 	}
 }

@@ -12,7 +12,7 @@ import (
 	"github.com/idemkit/idem/server/internal/keysql"
 )
 
-// Claims in one transaction (idempotency.ClaimRequest.OneTransaction): the
+// Claims in one transaction (idempotency.TxClaimer): the
 // claim is the first statement of the request's transaction, and writes
 // nothing; the completion inserts the key, completed, and commits it with
 // the handler's writes. Until then the key has no row, neither committed nor
@@ -30,6 +30,22 @@ type inTxKey struct {
 // args returns the parameters of keysql.CompleteNewSQL from $8 on.
 func (k *inTxKey) args() []any {
 	return keysql.CompleteNewArgs(k.req, k.created, k.opID)
+}
+
+var _ idempotency.TxClaimer = (*Store)(nil)
+
+// ClaimInTx implements [idempotency.TxClaimer.ClaimInTx] with
+// keysql.ClaimTxSQL, sent with the BEGIN of the request's transaction, and
+// keysql.ClaimSQL for a key that has a row to renew. When the connection
+// broke under a claim, it runs it once more as Claim does.
+func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
+	if err := keysql.CheckClaim(req); err != nil {
+		return idempotency.ClaimResult{}, err
+	}
+	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+		return res, err
+	}
+	return s.claimLoop(ctx, keysql.ClaimSQL, req)
 }
 
 // claimInTx claims req's key in one transaction (keysql.ClaimTxSQL, sent with the

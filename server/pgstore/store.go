@@ -84,9 +84,7 @@ func New(pool *pgxpool.Pool) *Store {
 // key (keysql.ClaimInsertSQL), a second to read a key that has a row
 // (keysql.ClaimReadSQL), and keysql.ClaimSQL after it for a key to resume, replace or
 // take over; keysql.ClaimSQL is re-run when it lost a race to a concurrent writer
-// of the same key. A claim in one transaction
-// ([idempotency.ClaimRequest.OneTransaction]) is keysql.ClaimTxSQL, sent with
-// the BEGIN of the request's transaction, and keysql.ClaimSQL for a key to renew.
+// of the same key.
 //
 // When the connection broke under the statement, ended by PostgreSQL or
 // failed without a word from it (see errConnLost), and ctx is not done,
@@ -100,13 +98,6 @@ func New(pool *pgxpool.Pool) *Store {
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
-	}
-	if req.OneTransaction {
-		// A key that has a row to renew is claimed by keysql.ClaimSQL below.
-		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
-			return res, err
-		}
-		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	if req.FirstSent.Stale { // a stale request must not insert the key
 		return s.claimLoop(ctx, keysql.ClaimReadSQL, req)

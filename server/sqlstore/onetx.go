@@ -9,7 +9,7 @@ import (
 	"github.com/idemkit/idem/server/internal/keysql"
 )
 
-// Claims in one transaction (idempotency.ClaimRequest.OneTransaction), as
+// Claims in one transaction (idempotency.TxClaimer), as
 // pgstore makes them (see pgstore's package documentation): the claim is
 // keysql.ClaimTxSQL, the first statement of the request's transaction,
 // which writes nothing and holds the key with a transaction-level advisory
@@ -20,6 +20,24 @@ import (
 // errInTxOver is the error of every statement of a unit of work begun for
 // a claim in one transaction whose transaction has ended.
 var errInTxOver = fmt.Errorf("sqlstore: the claim's transaction is over: %w", idempotency.ErrFenced)
+
+var _ idempotency.TxClaimer = (*Store)(nil)
+
+// ClaimInTx implements [idempotency.TxClaimer.ClaimInTx] with
+// keysql.ClaimTxSQL, the first statement of the request's transaction
+// after its BEGIN, and keysql.ClaimSQL for a key that has a row to renew.
+func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
+	if err := keysql.CheckClaim(req); err != nil {
+		return idempotency.ClaimResult{}, err
+	}
+	if err := s.prepareAll(ctx); err != nil {
+		return idempotency.ClaimResult{}, interpretError(err)
+	}
+	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+		return res, err
+	}
+	return s.claimLoop(ctx, keysql.ClaimSQL, req)
+}
 
 // claimInTx claims req's key in one transaction. When it claimed the key,
 // the transaction stays open on its connection, as the unit of work that

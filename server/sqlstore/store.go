@@ -189,23 +189,13 @@ type querier interface {
 // new key, keysql.ClaimReadSQL to read a key that has a row, and
 // keysql.ClaimSQL after it for a key to resume, replace or take over. A
 // request whose first-sent check is stale starts with the read, and never
-// inserts. A claim in one transaction
-// ([idempotency.ClaimRequest.OneTransaction]) is keysql.ClaimTxSQL, the
-// first statement of the request's transaction after its BEGIN, and
-// keysql.ClaimSQL for a key to renew.
+// inserts.
 func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
 	if err := s.prepareAll(ctx); err != nil {
 		return idempotency.ClaimResult{}, interpretError(err)
-	}
-	if req.OneTransaction {
-		// A key that has a row to renew is claimed by keysql.ClaimSQL.
-		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
-			return res, err
-		}
-		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	if !req.FirstSent.Stale { // a stale request must not insert the key
 		c, claimed, err := s.insertClaim(ctx, req)

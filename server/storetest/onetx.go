@@ -10,9 +10,10 @@ import (
 	"github.com/idemkit/idem/server/idempotency"
 )
 
-// Claims in one transaction (idempotency.ClaimRequest.OneTransaction).
-// Exercise runs the subtests below, and the subtests of bothModes again
-// with every claim asking for one transaction, under "OneTransaction/".
+// Claims in one transaction (idempotency.TxClaimer). For a store that
+// offers them, Exercise runs the subtests below, and the subtests of
+// bothModes again with every claim made in one transaction, under
+// "OneTransaction/".
 
 // oneTransactionTests are the subtests of claims in one transaction.
 var oneTransactionTests = []struct {
@@ -42,27 +43,28 @@ var bothModes = []string{
 	"PurgeNothing",
 }
 
-// oneTxStore asks for one transaction on every claim.
-type oneTxStore struct{ idempotency.Store }
+// oneTxStore claims every key with ClaimInTx.
+type oneTxStore struct{ idempotency.TxClaimer }
 
 func (s oneTxStore) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
-	req.OneTransaction = true
-	return s.Store.Claim(ctx, req)
+	return s.ClaimInTx(ctx, req)
+}
+
+// inTx returns s, a TxClaimer, with every claim made in one transaction.
+func inTx(s idempotency.Store) idempotency.Store {
+	return oneTxStore{s.(idempotency.TxClaimer)}
 }
 
 // exerciseOneTransaction runs the subtests of claims in one transaction,
 // and those of tests named in bothModes with every claim in one
-// transaction; for a store that claims in a commit of its own
-// (Backend.NoOneTransaction), it checks that it does.
+// transaction, when the store offers them (an idempotency.TxClaimer).
 func exerciseOneTransaction(t *testing.T, newBackend func(t *testing.T) Backend, tests []struct {
 	name string
 	run  func(t *testing.T, b Backend)
 }) {
 	t.Run("OneTransaction", func(t *testing.T) {
 		t.Parallel()
-		probe := newBackend(t)
-		if probe.NoOneTransaction {
-			testOneTxFallback(t, probe)
+		if _, ok := newBackend(t).Store.(idempotency.TxClaimer); !ok {
 			return
 		}
 		for _, tt := range oneTransactionTests {
@@ -79,7 +81,7 @@ func exerciseOneTransaction(t *testing.T, newBackend func(t *testing.T) Backend,
 				t.Run(tt.name, func(t *testing.T) {
 					t.Parallel()
 					b := newBackend(t)
-					b.Store = oneTxStore{b.Store}
+					b.Store = inTx(b.Store)
 					tt.run(t, b)
 				})
 			}
@@ -87,20 +89,13 @@ func exerciseOneTransaction(t *testing.T, newBackend func(t *testing.T) Backend,
 	})
 }
 
-// oneTx returns req asking for one transaction.
-func oneTx(req idempotency.ClaimRequest) idempotency.ClaimRequest {
-	req.OneTransaction = true
-	return req
-}
-
 // claimInTx claims req in one transaction, which the store must do.
 func claimInTx(t *testing.T, b Backend, req idempotency.ClaimRequest) idempotency.Claim {
 	t.Helper()
-	c := claim(t, b.Store, oneTx(req), idempotency.Claimed).Claim
+	c := claim(t, inTx(b.Store), req, idempotency.Claimed).Claim
 	letGoAtEnd(t, b.Store, c)
 	if !c.OneTransaction {
-		t.Fatalf("Claim(%s, %s) in one transaction: the store claimed in a commit of its own; "+
-			"a store that cannot claim in one transaction sets Backend.NoOneTransaction", req.ClientID, req.Key)
+		t.Fatalf("ClaimInTx(%s, %s): the store claimed in a commit of its own", req.ClientID, req.Key)
 	}
 	return c
 }
@@ -175,14 +170,14 @@ func testOneTxClaim(t *testing.T, b Backend) {
 	if err := b.Write(wctx, "w1"); err != nil {
 		t.Fatal(err)
 	}
-	claimAtOnce(t, b.Store, oneTx(req), idempotency.Busy)
-	claimAtOnce(t, b.Store, oneTx(request("cli_a", "key-1", "b")), idempotency.Busy)
+	claimAtOnce(t, inTx(b.Store), req, idempotency.Busy)
+	claimAtOnce(t, inTx(b.Store), request("cli_a", "key-1", "b"), idempotency.Busy)
 	// Another client's key of the same name is its own. It is released,
 	// not completed, while the first is open: under SERIALIZABLE, two
 	// transactions that each read the key table and then insert into it
 	// may fail one another's commit (see pgstore), which a rollback
 	// cannot.
-	other := claimAtOnce(t, b.Store, oneTx(request("cli_b", "key-1", "a")), idempotency.Claimed).Claim
+	other := claimAtOnce(t, inTx(b.Store), request("cli_b", "key-1", "a"), idempotency.Claimed).Claim
 	if other.OperationID == c.OperationID || other.Token == c.Token {
 		t.Errorf("two clients' claims share an operation or a token: %+v and %+v", c, other)
 	}
@@ -196,12 +191,12 @@ func testOneTxClaim(t *testing.T, b Backend) {
 		t.Fatalf("Complete: %v", err)
 	}
 	mustBeWritten(t, b, "w1", true)
-	rec := claimAtOnce(t, b.Store, oneTx(req), idempotency.Exists).Record
+	rec := claimAtOnce(t, inTx(b.Store), req, idempotency.Exists).Record
 	if rec.Status != idempotency.StatusCompleted || rec.Response == nil || rec.Response.Status != 201 ||
 		string(rec.Response.Body) != `{"id":"ord_1"}` || rec.CreatedAt.IsZero() {
 		t.Errorf("replay of a key completed in one transaction: %+v", rec)
 	}
-	rec = claimAtOnce(t, b.Store, oneTx(request("cli_a", "key-1", "b")), idempotency.Exists).Record
+	rec = claimAtOnce(t, inTx(b.Store), request("cli_a", "key-1", "b"), idempotency.Exists).Record
 	if string(rec.Fingerprint) != string(fingerprint("a")) || rec.Method != "POST" || rec.Path != "/v1/orders" {
 		t.Errorf("another request finds %+v, want the first request's fingerprint, method and path", rec)
 	}
@@ -221,8 +216,8 @@ func testOneTxConcurrent(t *testing.T, b Backend) {
 	// Few enough that a store which let each claim hold its unit of work
 	// (a connection of a pool of 8, say) fails here rather than waits.
 	const n = 6
-	req := oneTx(request("cli_a", "key-1", "a"))
-	counts, results := raceClaims(t, b.Store, n, req)
+	req := request("cli_a", "key-1", "a")
+	counts, results := raceClaims(t, inTx(b.Store), n, req)
 	if counts[idempotency.Claimed] != 1 || counts[idempotency.Busy] != n-1 {
 		for _, r := range results {
 			letGo(b.Store, r)
@@ -236,7 +231,7 @@ func testOneTxConcurrent(t *testing.T, b Backend) {
 			}
 		}
 	}
-	counts, _ = raceClaims(t, b.Store, n, req)
+	counts, _ = raceClaims(t, inTx(b.Store), n, req)
 	if counts[idempotency.Exists] != n {
 		t.Errorf("%d claims of the completed key: %v, want %d Exists", n, counts, n)
 	}
@@ -295,7 +290,7 @@ func testOneTxRelease(t *testing.T, b Backend) {
 	if err := b.Store.Release(ctx, c, idempotency.ReleaseFailed); !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("second Release: %v, want ErrFenced", err)
 	}
-	again := claimAtOnce(t, b.Store, oneTx(request("cli_a", "key-1", "b")), idempotency.Claimed).Claim
+	again := claimAtOnce(t, inTx(b.Store), request("cli_a", "key-1", "b"), idempotency.Claimed).Claim
 	if again.OperationID == c.OperationID {
 		t.Errorf("claim after the release resumed operation %s, want a new one", c.OperationID)
 	}
@@ -355,7 +350,7 @@ func testOneTxFailedCompletion(t *testing.T, b Backend) {
 			t.Errorf("Rollback after a failed Complete: %v", err)
 		}
 		mustBeWritten(t, b, key+"-w", false)
-		retry := claimAtOnce(t, b.Store, oneTx(req), idempotency.Claimed).Claim
+		retry := claimAtOnce(t, inTx(b.Store), req, idempotency.Claimed).Claim
 		// Nothing of the failed one is left, but the same request
 		// derives the same operation ID: a downstream keyed by it
 		// finds whatever the failed one did there.
@@ -405,7 +400,7 @@ func testOneTxFencedByOwnCommit(t *testing.T, b Backend) {
 func testOneTxKeyWithRow(t *testing.T, b Backend) {
 	running := request("cli_a", "running", "a")
 	claim(t, b.Store, withLockTimeout(running), idempotency.Claimed)
-	if rec := claimAtOnce(t, b.Store, oneTx(running), idempotency.Exists).Record; rec.Status != idempotency.StatusStarted {
+	if rec := claimAtOnce(t, inTx(b.Store), running, idempotency.Exists).Record; rec.Status != idempotency.StatusStarted {
 		t.Errorf("started key: %+v", rec)
 	}
 
@@ -414,17 +409,17 @@ func testOneTxKeyWithRow(t *testing.T, b Backend) {
 	if err := complete(t, b, c, created("o1")); err != nil {
 		t.Fatal(err)
 	}
-	if rec := claimAtOnce(t, b.Store, oneTx(done), idempotency.Exists).Record; rec.Response == nil {
+	if rec := claimAtOnce(t, inTx(b.Store), done, idempotency.Exists).Record; rec.Response == nil {
 		t.Errorf("completed key: %+v, want its response", rec)
 	}
-	if rec := claimAtOnce(t, b.Store, oneTx(request("cli_a", "done", "b")), idempotency.Exists).Record; string(rec.Fingerprint) != string(fingerprint("a")) {
+	if rec := claimAtOnce(t, inTx(b.Store), request("cli_a", "done", "b"), idempotency.Exists).Record; string(rec.Fingerprint) != string(fingerprint("a")) {
 		t.Errorf("completed key, another request: %+v", rec)
 	}
 
 	released := request("cli_a", "released", "a")
 	c = claim(t, b.Store, released, idempotency.Claimed).Claim
 	release(t, b.Store, c, idempotency.ReleaseFailed)
-	resumed := claimAtOnce(t, b.Store, oneTx(released), idempotency.Claimed).Claim
+	resumed := claimAtOnce(t, inTx(b.Store), released, idempotency.Claimed).Claim
 	if resumed.OperationID != c.OperationID || resumed.OneTransaction {
 		t.Errorf("released key claimed in one transaction: %+v, want operation %s resumed in a commit of its own", resumed, c.OperationID)
 	}
@@ -439,7 +434,7 @@ func testOneTxKeyWithRow(t *testing.T, b Backend) {
 		t.Fatal(err)
 	}
 	time.Sleep(pause)
-	again := claimAtOnce(t, b.Store, oneTx(expiring), idempotency.Claimed).Claim
+	again := claimAtOnce(t, inTx(b.Store), expiring, idempotency.Claimed).Claim
 	if again.OneTransaction {
 		t.Errorf("expired key claimed in one transaction: %+v, want a new operation in a commit of its own", again)
 	}
@@ -453,8 +448,8 @@ func testOneTxDoneContext(t *testing.T, b Backend) {
 	ctx := context.Background()
 	done, cancel := context.WithCancel(ctx)
 	cancel()
-	req := oneTx(request("cli_a", "key", "a"))
-	if _, err := b.Store.Claim(done, req); !errors.Is(err, context.Canceled) {
+	req := request("cli_a", "key", "a")
+	if _, err := inTx(b.Store).Claim(done, req); !errors.Is(err, context.Canceled) {
 		t.Errorf("Claim with a done context: %v, want context.Canceled", err)
 	}
 	c := claimInTx(t, b, req)
@@ -466,27 +461,9 @@ func testOneTxDoneContext(t *testing.T, b Backend) {
 		t.Errorf("Complete with a done context: %v, want context.Canceled", err)
 	}
 	mustBeWritten(t, b, "w", false)
-	retry := claimAtOnce(t, b.Store, req, idempotency.Claimed).Claim
+	retry := claimAtOnce(t, inTx(b.Store), req, idempotency.Claimed).Claim
 	if err := complete(t, b, retry, created("o1"), "w2"); err != nil {
 		t.Fatal(err)
 	}
 	mustBeWritten(t, b, "w2", true)
-}
-
-// testOneTxFallback checks a store that claims in a commit of its own when
-// asked for one transaction: the claim says so, and the key is started, as
-// without the request.
-func testOneTxFallback(t *testing.T, b Backend) {
-	req := request("cli_a", "key-1", "a")
-	c := claim(t, b.Store, oneTx(req), idempotency.Claimed).Claim
-	if c.OneTransaction {
-		t.Fatalf("Backend.NoOneTransaction, but the claim says it was made in one transaction: %+v", c)
-	}
-	if st := status(t, b.Store, oneTx(req)); st != idempotency.StatusStarted {
-		t.Errorf("key claimed in a commit of its own: %q, want started", st)
-	}
-	if err := complete(t, b, c, created("ord_1"), "w"); err != nil {
-		t.Fatal(err)
-	}
-	mustBeWritten(t, b, "w", true)
 }

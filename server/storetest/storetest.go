@@ -57,19 +57,13 @@ type Backend struct {
 	// Written reports whether the write named name is committed, as seen
 	// from outside any unit of work.
 	Written func(ctx context.Context, name string) (bool, error)
-	// NoOneTransaction says that Store claims every key in a commit of
-	// its own, also when a claim asks for one transaction
-	// ([idempotency.ClaimRequest.OneTransaction]), as a store that cannot
-	// claim in a unit of work does: the suite then checks that instead
-	// of its subtests of claims in one transaction.
-	NoOneTransaction bool
 }
 
 // Exercise runs the conformance suite. newBackend is called once per
 // subtest and must return an empty store of its own (a fresh schema, say),
 // cleaned up by t.Cleanup. The subtests run in parallel. Those under
-// "OneTransaction/" claim in one transaction
-// ([idempotency.ClaimRequest.OneTransaction]).
+// "OneTransaction/" claim in one transaction, for a store that is an
+// [idempotency.TxClaimer].
 func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 	tests := []struct {
 		name string

@@ -87,10 +87,13 @@ func testClaimInvalidText(t *testing.T, b Backend) {
 func testClaimKeyLength(t *testing.T, b Backend) {
 	long := strings.Repeat("k", 254)
 	for _, oneTx := range []bool{false, true} {
+		s := b.Store
+		if _, ok := s.(idempotency.TxClaimer); ok && oneTx {
+			s = inTx(s)
+		}
 		for _, bad := range []string{"", long + "kk", long + "é"} {
 			req := request("cli_a", bad, "a")
-			req.OneTransaction = oneTx
-			if res, err := b.Store.Claim(context.Background(), req); !errors.Is(err, idempotency.ErrInvalidKey) {
+			if res, err := s.Claim(context.Background(), req); !errors.Is(err, idempotency.ErrInvalidKey) {
 				t.Errorf("Claim (one transaction: %v) of a key of %d bytes = %+v, %v; want an error wrapping ErrInvalidKey",
 					oneTx, len(bad), res, err)
 			}

@@ -36,12 +36,16 @@ func testCorruptRows(t *testing.T, driver string) {
 	ctx := context.Background()
 	_, err := db.ExecContext(ctx, corruptRowsSQL)
 	require.NoError(t, err)
-	for name, s := range map[string]idempotency.Store{"sqlstore": sqlstore.New(db), "pgstore": pgstore.New(pool)} {
+	for name, s := range map[string]idempotency.TxClaimer{"sqlstore": sqlstore.New(db), "pgstore": pgstore.New(pool)} {
 		for i := 1; i <= 4; i++ {
 			for _, oneTx := range []bool{false, true} {
 				r := idempotency.ClaimRequest{ClientID: "cli_a", Key: fmt.Sprintf("corrupt-%d", i), Method: "POST",
-					Path: "/v1/orders", Fingerprint: []byte("a"), FingerprintVersion: 1, OneTransaction: oneTx}
-				res, err := s.Claim(ctx, r)
+					Path: "/v1/orders", Fingerprint: []byte("a"), FingerprintVersion: 1}
+				claim := s.Claim
+				if oneTx {
+					claim = s.ClaimInTx
+				}
+				res, err := claim(ctx, r)
 				if err == nil || errors.Is(err, idempotency.ErrFenced) {
 					t.Errorf("%s: Claim of %s (one transaction: %v) = %+v, %v; want an error", name, r.Key, oneTx, res, err)
 				}

@@ -1,9 +1,14 @@
 package sqlstoretest
 
 import (
+	"context"
 	"database/sql"
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -132,6 +137,73 @@ func testSmallPoolAnswersEveryRequest(t *testing.T, driver string) {
 				}
 			}
 			t.Logf("statuses: %v", statuses)
+		})
+	}
+}
+
+// testSmallPoolStopsGracefully is pgstore's test of the same name on
+// sqlstore: a service on a pool half the size of its in-flight requests,
+// each holding its transaction's connection across a downstream call that
+// does not answer, is stopped; the graceful stop runs out its timeout, the
+// forced close cancels the requests, and every connection comes back, at
+// READ COMMITTED and at REPEATABLE READ.
+func testSmallPoolStopsGracefully(t *testing.T, driver string) {
+	for _, level := range []sql.IsolationLevel{sql.LevelDefault, sql.LevelRepeatableRead} {
+		t.Run(level.String(), func(t *testing.T) {
+			const conns, requests = 4, 8
+			db := Open(t, driver)
+			db.SetMaxOpenConns(conns)
+			store := sqlstore.New(db)
+			store.Isolation = level
+			held := make(chan struct{}, requests)
+			svc := newService(db, store, idempotency.Options{LockTimeout: 150 * time.Millisecond},
+				func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
+					if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, r.Header.Get("Idempotency-Key")); err != nil {
+						http.Error(w, err.Error(), http.StatusServiceUnavailable)
+						return
+					}
+					held <- struct{}{}
+					<-r.Context().Done() // the downstream call, which never answers
+					w.WriteHeader(http.StatusServiceUnavailable)
+				})
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				svc.h.ServeHTTP(w, r.WithContext(idempotency.WithClientID(r.Context(), "cli_a")))
+			}))
+			var wg sync.WaitGroup
+			for i := range requests {
+				wg.Go(func() {
+					req, _ := http.NewRequest("POST", srv.URL+"/v1/orders", strings.NewReader(`{"item":"book"}`))
+					req.Header.Set("Idempotency-Key", fmt.Sprint("stop-", i))
+					if resp, err := srv.Client().Do(req); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				})
+			}
+			for range conns {
+				<-held
+			}
+			stopped := make(chan error, 1)
+			go func() {
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				defer cancel()
+				err := srv.Config.Shutdown(ctx)
+				srv.Config.Close() // cuts the requests still in flight, as a service does after its timeout
+				srv.Close()        // waits for their handlers
+				wg.Wait()
+				for db.Stats().InUse != 0 {
+					time.Sleep(10 * time.Millisecond)
+				}
+				stopped <- err
+			}()
+			select {
+			case err := <-stopped:
+				if !errors.Is(err, context.DeadlineExceeded) {
+					t.Errorf("Shutdown with handlers waiting on the downstream: %v, want its timeout", err)
+				}
+			case <-time.After(time.Minute):
+				t.Fatalf("the service had not stopped a minute after its graceful stop timed out (a deadlock); %d connections in use", db.Stats().InUse)
+			}
 		})
 	}
 }

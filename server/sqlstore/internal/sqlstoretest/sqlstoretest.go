@@ -39,6 +39,7 @@ func Run(t *testing.T, driver string) {
 		{"SideBySideWithPgstore", testSideBySide},
 		{"PoolAsSmallAsRequests", testPoolAsSmallAsRequests},
 		{"SmallPoolAnswersEveryRequest", testSmallPoolAnswersEveryRequest},
+		{"SmallPoolStopsGracefully", testSmallPoolStopsGracefully},
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
 		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
