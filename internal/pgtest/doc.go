@@ -15,7 +15,7 @@
 //     if it answers;
 //  3. else a throwaway cluster made with initdb and started from the
 //     PostgreSQL binaries on the machine (PATH, then
-//     /usr/lib/postgresql/*/bin). It listens on a Unix socket in a temporary
+//     /usr/lib/postgresql/*/bin) by package pgcluster. It listens on a Unix socket in a temporary
 //     directory only, runs as the postgres OS user when the tests run as root
 //     (initdb refuses root), and is stopped and deleted when the test binary
 //     exits, however it exits. go test runs each package as its own binary,

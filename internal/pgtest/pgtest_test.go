@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"strings"
 	"testing"
 
@@ -145,40 +144,5 @@ func TestUnavailable(t *testing.T) {
 			t.Errorf("CI=%q: skipped %q, failed %q; want a %s naming %s and the cause",
 				tt.ci, r.skipped, r.failed, map[bool]string{false: "skip", true: "failure"}[tt.wantFail], EnvURL)
 		}
-	}
-}
-
-func TestThrowawayCluster(t *testing.T) {
-	if testing.Short() {
-		t.Skip("starts a PostgreSQL cluster")
-	}
-	// The fallback needs the PostgreSQL binaries; a machine without them
-	// skips this test, except under CI, where they must be there.
-	skip := t.Skip
-	if os.Getenv("CI") == "true" {
-		skip = t.Fatal
-	}
-	if _, err := findBin(); err != nil {
-		skip(err)
-	}
-	if _, _, err := runAs(); err != nil {
-		skip(err)
-	}
-	c, err := newCluster()
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx := context.Background()
-	if err := ping(ctx, c.url); err != nil {
-		t.Errorf("ping %s: %v", c.url, err)
-	}
-	if err := c.stop(); err != nil {
-		t.Errorf("stop: %v", err)
-	}
-	if _, err := os.Stat(c.dir); !errors.Is(err, os.ErrNotExist) {
-		t.Errorf("cluster directory %s after stop: %v; want it deleted", c.dir, err)
-	}
-	if err := ping(ctx, c.url); err == nil {
-		t.Error("cluster still answers after stop")
 	}
 }
