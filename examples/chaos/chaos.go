@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -85,31 +86,14 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 		}
 	}()
 
-	tmp, err := os.MkdirTemp("", "idem-chaos-")
+	wd, err := newWorkdir(cfg)
 	if err != nil {
 		return nil, err
 	}
-	logsDir := tmp
-	if cfg.logsDir != "" {
-		logsDir = cfg.logsDir
-	}
-	keepLogs := false // set when the run fails: the servers' logs explain it
-	defer func() {
-		if keepLogs && logsDir == tmp {
-			os.Remove(filepath.Join(tmp, "idem-server")) // the logs are worth keeping, not the binary
-			return
-		}
-		os.RemoveAll(tmp)
-	}()
-	if err := os.MkdirAll(logsDir, 0o755); err != nil {
+	defer wd.close()
+	bin, err := wd.serverBin(ctx, cfg, out)
+	if err != nil {
 		return nil, err
-	}
-	bin := cfg.serverBin
-	if bin == "" {
-		fmt.Fprintln(out, "building idem-server …")
-		if bin, err = buildServer(ctx, tmp); err != nil {
-			return nil, err
-		}
 	}
 
 	c := &chaos{cfg: cfg, out: out, db: db, fleet: &fleet{logs: map[string]int64{}}}
@@ -120,42 +104,22 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 		if i == 0 && cfg.slowDelay > 0 {
 			delay = cfg.slowDelay // slow but alive: leases renewed, never taken over
 		}
-		// Replicas of both fingerprint versions share the table: a retry
-		// that lands on the other version's replica is compared in the
-		// version its key was stored with.
-		version := strconv.Itoa(1 + i%2)
 		c.fleet.replicas = append(c.fleet.replicas, &replica{
 			n:       i,
 			appName: app,
 			bin:     bin,
-			args: append([]string{
-				"-database-url", db.serverURL(app),
-				"-api-keys", apiKeysFlag(accts),
-				"-lock-timeout", cfg.lockTimeout.String(),
-				"-retention", cfg.retention.String(),
-				"-fingerprint-version", version,
-				"-purge-interval", "1s",
-				"-sweep-grace", cfg.sweepGrace.String(),
-				"-sweep-interval", sweepInterval.String(),
+			args: replicaArgs(cfg, i, db.serverURL(app), accts,
 				"-processor-delay", delay.String(),
-				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64),
-				"-shutdown-timeout", cfg.shutdownTimeout().String(),
-				"-log-format", "json",
-				"-log-level", "debug", // the outcomes stored, counted in the report
-			}, append(holdArgs(cfg), cfg.serverArgs...)...),
-			logPath: filepath.Join(logsDir, fmt.Sprintf("replica-%d.log", i)),
+				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64)),
+			logPath: filepath.Join(wd.logs, fmt.Sprintf("replica-%d.log", i)),
 			onLog:   c.fleet.countLog,
 		})
 	}
 	defer c.fleet.stopAll(cfg.stopTimeout()) // on the error paths; a no-op after the stop below
-	var targets []string
-	for _, r := range c.fleet.replicas {
-		addr, err := r.start(ctx)
-		if err != nil {
-			keepLogs = true
-			return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
-		}
-		targets = append(targets, addr)
+	targets, err := c.fleet.startAll(ctx)
+	if err != nil {
+		wd.keep = true
+		return nil, fmt.Errorf("%w (logs in %s)", err, wd.logs)
 	}
 
 	c.proxy, err = faultproxy.Listen("127.0.0.1:0", faultproxy.Config{
@@ -204,26 +168,14 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 		return nil, err
 	}
 	c.event("faults off: %d operations without a definitive answer yet; waiting up to %s for them", cl.pending.Load(), cfg.grace)
-	grace := time.NewTimer(cfg.grace)
-	select {
-	case <-settled:
-		c.event("every client has a definitive answer for every operation")
-	case <-grace.C:
-		endRun()
-		<-settled
-		c.event("grace period over: %d operations without a definitive answer", cl.pending.Load())
-	case <-ctx.Done():
-		<-settled
-	}
-	grace.Stop()
-	if err := ctx.Err(); err != nil {
+	if err := c.settle(ctx, cl, settled, endRun); err != nil {
 		return nil, err
 	}
 	c.awaitSweepers(ctx, cl)
 	cl.lateRetries(ctx, c, rng(cfg.seed, streamLate))
 	if err := errors.Join(c.errs...); err != nil {
-		keepLogs = true
-		return nil, fmt.Errorf("%w (logs in %s)", err, logsDir)
+		wd.keep = true
+		return nil, fmt.Errorf("%w (logs in %s)", err, wd.logs)
 	}
 
 	rep = &report{cfg: cfg, schema: schema, stats: st, ops: cl.allOps(), late: cl.late}
@@ -240,8 +192,8 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 	}
 	rep.verdict = check(rep.ops, rep.db)
 	if cfg.logsDir != "" || rep.verdict.err() != nil || rep.stopProblem != nil {
-		keepLogs = true
-		rep.logsKeptIn = logsDir
+		wd.keep = true
+		rep.logsKeptIn = wd.logs
 	}
 	rep.print(out)
 	return rep, nil
@@ -249,6 +201,92 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 
 // sweepInterval is the replicas' -sweep-interval.
 const sweepInterval = 500 * time.Millisecond
+
+// settle waits, once no new operation starts, until every client goroutine
+// is done (settled is closed) or the grace period passes; then it ends the
+// run (endRun) and waits for them. It returns ctx's error if ctx ended
+// first.
+func (c *chaos) settle(ctx context.Context, cl *clients, settled <-chan struct{}, endRun func()) error {
+	grace := time.NewTimer(c.cfg.grace)
+	defer grace.Stop()
+	select {
+	case <-settled:
+		c.event("every client has a definitive answer for every operation")
+	case <-grace.C:
+		endRun()
+		<-settled
+		c.event("grace period over: %d operations without a definitive answer", cl.pending.Load())
+	case <-ctx.Done():
+		<-settled
+	}
+	return ctx.Err()
+}
+
+// replicaArgs are the flags of replica i but -addr: the database, the
+// run's settings, and processor, the flags that say which card processor
+// it charges through.
+func replicaArgs(cfg config, i int, databaseURL string, accts []account, processor ...string) []string {
+	args := []string{
+		"-database-url", databaseURL,
+		"-api-keys", apiKeysFlag(accts),
+		"-lock-timeout", cfg.lockTimeout.String(),
+		"-retention", cfg.retention.String(),
+		"-purge-interval", "1s",
+		"-sweep-grace", cfg.sweepGrace.String(),
+		"-sweep-interval", sweepInterval.String(),
+		"-shutdown-timeout", cfg.shutdownTimeout().String(),
+		"-log-format", "json",
+		"-log-level", "debug", // the outcomes stored, counted in the report
+	}
+	// Replicas of both fingerprint versions share the table: a retry that
+	// lands on the other version's replica is compared in the version its
+	// key was stored with.
+	args = append(args, "-fingerprint-version", strconv.Itoa(1+i%2))
+	args = append(args, processor...)
+	args = append(args, holdArgs(cfg)...)
+	return append(args, cfg.serverArgs...)
+}
+
+// workdir is a run's temporary directory, where idem-server is built, and
+// the directory of the replicas' logs: the temporary one unless -logs
+// names another.
+type workdir struct {
+	tmp, logs string
+	keep      bool // set when the run fails: the servers' logs explain it
+}
+
+func newWorkdir(cfg config) (*workdir, error) {
+	tmp, err := os.MkdirTemp("", "idem-chaos-")
+	if err != nil {
+		return nil, err
+	}
+	w := &workdir{tmp: tmp, logs: cmp.Or(cfg.logsDir, tmp)}
+	if err := os.MkdirAll(w.logs, 0o755); err != nil {
+		os.RemoveAll(tmp)
+		return nil, err
+	}
+	return w, nil
+}
+
+// serverBin returns the idem-server binary to run: -server-bin, or one
+// built into the temporary directory.
+func (w *workdir) serverBin(ctx context.Context, cfg config, out io.Writer) (string, error) {
+	if cfg.serverBin != "" {
+		return cfg.serverBin, nil
+	}
+	fmt.Fprintln(out, "building idem-server …")
+	return buildServer(ctx, w.tmp)
+}
+
+// close deletes the temporary directory, or only the binary in it when
+// the logs there are kept.
+func (w *workdir) close() {
+	if w.keep && w.logs == w.tmp {
+		os.Remove(filepath.Join(w.tmp, "idem-server")) // the logs are worth keeping, not the binary
+		return
+	}
+	os.RemoveAll(w.tmp)
+}
 
 // awaitSweepers waits, after the clients are done, until every downstream
 // charge has its payment, or for as long as the sweepers need to settle an

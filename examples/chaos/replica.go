@@ -178,6 +178,21 @@ func (f *fleet) logCounts() map[string]int64 {
 	return maps.Clone(f.logs)
 }
 
+// startAll starts every replica and returns their addresses, in order.
+func (f *fleet) startAll(ctx context.Context) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var addrs []string
+	for _, r := range f.replicas {
+		addr, err := r.start(ctx)
+		if err != nil {
+			return nil, err
+		}
+		addrs = append(addrs, addr)
+	}
+	return addrs, nil
+}
+
 // stopAll stops every replica gracefully, in parallel.
 func (f *fleet) stopAll(timeout time.Duration) error {
 	f.mu.Lock()

@@ -31,7 +31,7 @@ func printHeader(w io.Writer, cfg config, schema, dbURL string) {
 // operations, duplicates and lost.
 func (r *report) print(w io.Writer) {
 	p := func(format string, args ...any) { fmt.Fprintf(w, format+"\n", args...) }
-	row := func(label string, format string, args ...any) { p("  %-46s "+format, append([]any{label}, args...)...) }
+	row := func(label string, format string, args ...any) { printRow(w, label, format, args...) }
 	ps := r.proxy
 	p("")
 	p("faults injected")
@@ -53,45 +53,17 @@ func (r *report) print(w io.Writer) {
 	}
 	row("operations first sent with invalid text", "%6d", r.verdict.invalid)
 
-	st := r.stats
-	var unknown int64
-	for _, n := range st.unknown {
-		unknown += n
-	}
 	p("")
-	p("clients")
-	row("HTTP attempts", "%6d%s", st.attempts.Load(), breakdown(st.byResult))
-	row("calls (idem.Client.Post)", "%6d", st.calls)
-	row("  ended with an unknown outcome", "%6d%s", unknown, breakdown(st.unknown))
-	var times []time.Duration
-	retried := 0
-	for _, o := range r.ops {
-		if o.state == succeeded {
-			times = append(times, o.end.Sub(o.start))
-			if o.calls > 1 {
-				retried++
-			}
-		}
-	}
-	slices.Sort(times)
-	row("operations settled by a later call", "%6d", retried)
+	printClients(w, r.stats, r.ops)
 	if l := r.late; l != (lateStats{}) {
 		row("sent again after their retention", "%6d (%d refused with 410, %d replayed, %d paid again, %d other)",
 			l.refused+l.replayed+l.paid+l.other, l.refused, l.replayed, l.paid, l.other)
 	}
 	row("operations whose client vanished", "%6d (%d of them paid)", r.verdict.vanished, r.verdict.vanishedPaid)
-	if len(times) > 0 {
-		row("time to success", "p50 %s, p99 %s, max %s",
-			round(percentile(times, 0.50)), round(percentile(times, 0.99)), round(times[len(times)-1]))
-	}
+	printTimeToSuccess(w, r.ops)
 
 	p("")
-	p("servers (counted from their logs)")
-	for _, e := range serverEvents {
-		if n := r.serverLogs[e.msg]; n > 0 || e.always {
-			row(e.label, "%6d", n)
-		}
-	}
+	printServerLogs(w, r.serverLogs)
 
 	v := r.verdict
 	p("")
@@ -124,6 +96,59 @@ func (r *report) print(w io.Writer) {
 	p("operations: %d", v.operations)
 	p("duplicates: %d", v.duplicates())
 	p("lost: %d", v.lost())
+}
+
+// printRow writes one figure of a report, its label aligned.
+func printRow(w io.Writer, label string, format string, args ...any) {
+	fmt.Fprintf(w, "  %-46s "+format+"\n", append([]any{label}, args...)...)
+}
+
+// printClients writes the clients' section of a report: their attempts,
+// their calls, and the operations settled by a later call.
+func printClients(w io.Writer, st *stats, ops []*op) {
+	var unknown int64
+	for _, n := range st.unknown {
+		unknown += n
+	}
+	fmt.Fprintln(w, "clients")
+	printRow(w, "HTTP attempts", "%6d%s", st.attempts.Load(), breakdown(st.byResult))
+	printRow(w, "calls (idem.Client.Post)", "%6d", st.calls)
+	printRow(w, "  ended with an unknown outcome", "%6d%s", unknown, breakdown(st.unknown))
+	retried := 0
+	for _, o := range ops {
+		if o.state == succeeded && o.calls > 1 {
+			retried++
+		}
+	}
+	printRow(w, "operations settled by a later call", "%6d", retried)
+}
+
+// printTimeToSuccess writes the spread of the time from an operation's
+// first call to its success.
+func printTimeToSuccess(w io.Writer, ops []*op) {
+	var times []time.Duration
+	for _, o := range ops {
+		if o.state == succeeded {
+			times = append(times, o.end.Sub(o.start))
+		}
+	}
+	if len(times) == 0 {
+		return
+	}
+	slices.Sort(times)
+	printRow(w, "time to success", "p50 %s, p99 %s, max %s",
+		round(percentile(times, 0.50)), round(percentile(times, 0.99)), round(times[len(times)-1]))
+}
+
+// printServerLogs writes the servers' section of a report: the log
+// records worth a figure.
+func printServerLogs(w io.Writer, logs map[string]int64) {
+	fmt.Fprintln(w, "servers (counted from their logs)")
+	for _, e := range serverEvents {
+		if n := logs[e.msg]; n > 0 || e.always {
+			printRow(w, e.label, "%6d", n)
+		}
+	}
 }
 
 // serverEvents are the log records of idem-server worth a figure: the
