@@ -4,14 +4,15 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test quick check fmt vet staticcheck bench scenarios fuzz
+.PHONY: test quick check fmt vet staticcheck bench scenarios fuzz failover
 
 # bench/, otel/, examples/router, examples/outbox,
 # server/sqlstore/internal/pqtest and server/sqlstore/internal/gormtest are
 # modules of their own (the peer libraries, OpenTelemetry, failsafe-go,
 # River, lib/pq and GORM stay out of ours);
 # their tests run too. The chaos test runs last and verbose, so that
-# its timeline shows while it runs.
+# its timeline shows while it runs. The failover test is not part of it:
+# make failover runs it (CI runs both).
 test:
 	$(GO) test -race -count=1 $$($(GO) list $(PKGS) | grep -v '/examples/chaos$$')
 	cd bench && $(GO) test -race -count=1 ./...
@@ -21,7 +22,16 @@ test:
 	cd server/sqlstore/internal/pqtest && $(GO) test -race -count=1 ./...
 	cd server/sqlstore/internal/gormtest && $(GO) test -race -count=1 ./...
 	@echo "examples/chaos: the chaos test (replicas of idem-server killed and restarted; about two minutes):"
-	$(GO) test -race -count=1 -v ./examples/chaos
+	$(GO) test -race -count=1 -v -skip '^TestFailover$$' ./examples/chaos
+
+# failover: the failover test (docs/chaos.md, "The failover test"): a
+# PostgreSQL primary and a streaming standby of its own, the primary
+# killed under load and the standby promoted, with synchronous and then
+# asynchronous replication (20s of load each, about a minute in all). It
+# needs the PostgreSQL binaries (initdb, pg_basebackup), not a running
+# server; without them it is skipped, except under CI=true.
+failover:
+	$(GO) test -race -count=1 -v -run '^TestFailover$$' ./examples/chaos
 
 # quick: the tests without the chaos test and the long end-to-end runs
 # (-short), for the edit-test loop; make test is what CI runs.

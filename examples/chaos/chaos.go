@@ -238,10 +238,12 @@ func replicaArgs(cfg config, i int, databaseURL string, accts []account, process
 		"-log-format", "json",
 		"-log-level", "debug", // the outcomes stored, counted in the report
 	}
-	// Replicas of both fingerprint versions share the table: a retry that
-	// lands on the other version's replica is compared in the version its
-	// key was stored with.
-	args = append(args, "-fingerprint-version", strconv.Itoa(1+i%2))
+	if cfg.mixedVersions {
+		// Replicas of both fingerprint versions share the table: a retry
+		// that lands on the other version's replica is compared in the
+		// version its key was stored with.
+		args = append(args, "-fingerprint-version", strconv.Itoa(1+i%2))
+	}
 	args = append(args, processor...)
 	args = append(args, holdArgs(cfg)...)
 	return append(args, cfg.serverArgs...)

@@ -169,6 +169,25 @@ type stats struct {
 	byResult map[string]int64 // attempts by result
 	unknown  map[string]int64 // calls with an unknown outcome, by reason
 	calls    int64
+	// watchFrom, firstOK: the first 2xx answer after watchFrom (a
+	// failover's kill, see watch); zero until then.
+	watchFrom, firstOK time.Time
+}
+
+// watch makes s note the first 2xx answer after now, and returns now.
+func (s *stats) watch() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.watchFrom, s.firstOK = time.Now(), time.Time{}
+	return s.watchFrom
+}
+
+// firstSuccess returns when the first 2xx answer came after the time
+// watch returned, or zero.
+func (s *stats) firstSuccess() time.Time {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.firstOK
 }
 
 func newStats() *stats {
@@ -195,6 +214,9 @@ func (s *stats) onAttempt(a idem.Attempt) {
 	}
 	s.mu.Lock()
 	s.byResult[k]++
+	if a.Err == nil && a.Response.StatusCode < 300 && !s.watchFrom.IsZero() && s.firstOK.IsZero() {
+		s.firstOK = time.Now()
+	}
 	s.mu.Unlock()
 }
 

@@ -63,6 +63,8 @@ type verdict struct {
 	// Duplicates: more than one payment, or more than one downstream
 	// charge, for one operation; or a payment or charge of no operation.
 	extraPayments, extraCharges, strayPayments, strayCharges int
+	// chargedTwice: operations charged more than once downstream.
+	chargedTwice int
 	// Lost: a client never learned the outcome (unresolved), or was told
 	// of a payment the database does not hold.
 	missing int
@@ -167,6 +169,7 @@ func check(ops []*op, db dbState) verdict {
 		}
 		if n := len(charges); n > 1 {
 			v.extraCharges += n - 1
+			v.chargedTwice++
 			v.problem("op %d (client %s, key %s): %d downstream charges: %s", o.n, o.account.id, o.key, n, chargeIDs(charges))
 		}
 		if o.vanished {
