@@ -117,9 +117,22 @@ func (c *Cluster) StartStandby(cfg Config) (*Cluster, error) {
 	})
 }
 
+// errExited says that postgres exited while it started.
+var errExited = errors.New("postgres exited")
+
 // start makes a cluster's directory, fills its data directory with
-// makeData, and starts postgres on it.
+// makeData, and starts postgres on it. With TCP, a postgres that exits at
+// start, as it does when another process took the free port meanwhile, is
+// given two more tries, each with a new directory and a new port.
 func start(cfg Config, makeData func(*Cluster) error) (*Cluster, error) {
+	c, err := startOnce(cfg, makeData)
+	for try := 1; err != nil && errors.Is(err, errExited) && cfg.TCP && try < 3; try++ {
+		c, err = startOnce(cfg, makeData)
+	}
+	return c, err
+}
+
+func startOnce(cfg Config, makeData func(*Cluster) error) (*Cluster, error) {
 	bin, err := findBin()
 	if err != nil {
 		return nil, err
@@ -183,7 +196,7 @@ func start(cfg Config, makeData func(*Cluster) error) (*Cluster, error) {
 	if err := c.waitReady(readyTimeout); err != nil {
 		log, _ := os.ReadFile(c.LogPath())
 		c.Stop()
-		return nil, fmt.Errorf("postgres did not start: %v: %s", err, strings.TrimSpace(string(log)))
+		return nil, fmt.Errorf("postgres did not start: %w: %s", err, strings.TrimSpace(string(log)))
 	}
 	return c, nil
 }
@@ -274,8 +287,8 @@ func (c *Cluster) waitReady(timeout time.Duration) error {
 		switch {
 		case err == nil:
 			return nil
-		case syscall.Kill(c.pid, 0) != nil:
-			return fmt.Errorf("postgres exited (%v)", err)
+		case !alive(c.pid):
+			return fmt.Errorf("%w (%v)", errExited, err)
 		case time.Now().After(deadline):
 			return err
 		}

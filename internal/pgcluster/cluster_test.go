@@ -6,7 +6,9 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -54,6 +56,30 @@ func TestStartStop(t *testing.T) {
 	}
 	if err := ping(ctx, c.URL()); err == nil {
 		t.Error("cluster still answers after stop")
+	}
+}
+
+// TestStartFails starts a postgres that exits at once (an unknown
+// setting): Start says so without waiting out its timeout, with TCP after
+// its tries, and leaves no directory behind.
+func TestStartFails(t *testing.T) {
+	available(t)
+	for _, tcp := range []bool{false, true} {
+		begin := time.Now()
+		c, err := Start(Config{TCP: tcp, Settings: []string{"no_such_setting=1"}})
+		if err == nil {
+			c.Stop()
+			t.Fatalf("TCP %v: Start with an unknown setting succeeded", tcp)
+		}
+		if !errors.Is(err, errExited) || time.Since(begin) > readyTimeout/2 {
+			t.Errorf("TCP %v: Start: %v after %s; want errExited at once", tcp, err, time.Since(begin))
+		}
+	}
+	left, _ := filepath.Glob(filepath.Join(os.TempDir(), "pgcluster-*"))
+	for _, dir := range left {
+		if b, err := os.ReadFile(filepath.Join(dir, "postgres.log")); err == nil && strings.Contains(string(b), "no_such_setting") {
+			t.Errorf("directory %s left behind", dir)
+		}
 	}
 }
 
