@@ -27,16 +27,12 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
-	"slices"
-	"strconv"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/idemkit/idem"
 	"github.com/idemkit/idem/internal/faultproxy"
 	"github.com/idemkit/idem/internal/pgcluster"
 	"github.com/idemkit/idem/server"
@@ -340,60 +336,6 @@ func (c *chaos) verifyFailover(ctx context.Context, cl *clients, charges *counti
 	return nil
 }
 
-// startPair starts the run's primary and its standby, both on loopback:
-// with -failover sync, the primary names every standby synchronous
-// (synchronous_standby_names=*, on its command line, so that the standby
-// does not inherit it).
-func startPair(ctx context.Context, cfg config) (primary, standby *pgcluster.Cluster, err error) {
-	if err := pgcluster.Available(); err != nil {
-		return nil, nil, fmt.Errorf("the failover test starts its own PostgreSQL primary and standby: %w", err)
-	}
-	var settings []string
-	if cfg.failover == failoverSync {
-		settings = append(settings, "synchronous_standby_names=*")
-	}
-	if primary, err = pgcluster.Start(pgcluster.Config{TCP: true, Settings: settings}); err != nil {
-		return nil, nil, fmt.Errorf("primary: %w", err)
-	}
-	if standby, err = primary.StartStandby(pgcluster.Config{TCP: true}); err != nil {
-		primary.Stop()
-		return nil, nil, fmt.Errorf("standby: %w", err)
-	}
-	return primary, standby, nil
-}
-
-// awaitStandby waits until the standby streams from the primary with
-// sync_state want there (sync or async; a synchronous standby is reported
-// async for a moment after it starts streaming). A standby that inherited
-// synchronous_standby_names is an error: once promoted, it would wait at
-// every commit for a standby it does not have.
-func awaitStandby(ctx context.Context, primary, standby *pgcluster.Cluster, want string) error {
-	var names string
-	if err := queryRow(ctx, standby, "SHOW synchronous_standby_names", &names); err != nil {
-		return fmt.Errorf("standby: %w", err)
-	}
-	if names != "" {
-		return fmt.Errorf("the standby has synchronous_standby_names %q: once promoted, its commits would wait for a standby of its own", names)
-	}
-	deadline := time.Now().Add(30 * time.Second)
-	for {
-		var state string
-		err := queryRow(ctx, primary, "SELECT sync_state FROM pg_stat_replication WHERE state = 'streaming'", &state)
-		switch {
-		case err == nil && state == want:
-			return nil
-		case err != nil && !errors.Is(err, pgx.ErrNoRows):
-			return fmt.Errorf("primary: %w", err)
-		case time.Now().After(deadline):
-			return fmt.Errorf("the standby is not streaming with sync_state %s 30s after it started (%q, %v); see %s",
-				want, state, err, standby.LogPath())
-		}
-		if !sleep(ctx, 50*time.Millisecond) {
-			return ctx.Err()
-		}
-	}
-}
-
 // failover runs the failover while the load runs: with -failover async,
 // the standby stops receiving WAL cfg.lag before the kill; then the
 // primary is killed, and the standby promoted cfg.promoteAfter later. It
@@ -455,77 +397,6 @@ func (c *chaos) failover(ctx context.Context, primary, standby *pgcluster.Cluste
 	return killed, nil
 }
 
-// lsnDiff returns the bytes of WAL from LSN b to LSN a ("16/B374D848"),
-// or 0 when either cannot be read.
-func lsnDiff(a, b string) int64 {
-	parse := func(lsn string) (uint64, bool) {
-		hi, lo, ok := strings.Cut(lsn, "/")
-		h, err1 := strconv.ParseUint(hi, 16, 32)
-		l, err2 := strconv.ParseUint(lo, 16, 32)
-		return h<<32 | l, ok && err1 == nil && err2 == nil
-	}
-	x, ok1 := parse(a)
-	y, ok2 := parse(b)
-	if !ok1 || !ok2 {
-		return 0
-	}
-	return int64(x - y)
-}
-
-// holdBack makes the standby stop receiving WAL, as a lagging or
-// partitioned asynchronous standby does, and waits until the primary sees
-// no standby streaming. Pausing the standby's replay would not do: a
-// promotion replays all the WAL the standby received first.
-func holdBack(ctx context.Context, primary, standby *pgcluster.Cluster) error {
-	for _, sql := range []string{"ALTER SYSTEM SET primary_conninfo = ''", "SELECT pg_reload_conf()"} {
-		if err := execSQL(ctx, standby, sql); err != nil {
-			return fmt.Errorf("standby: %s: %w", sql, err)
-		}
-	}
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		var n int
-		if err := queryRow(ctx, primary, "SELECT count(*) FROM pg_stat_replication", &n); err != nil {
-			return fmt.Errorf("primary: %w", err)
-		}
-		if n == 0 {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return errors.New("the standby still streams 10s after its primary_conninfo was emptied")
-		}
-		if !sleep(ctx, 20*time.Millisecond) {
-			return ctx.Err()
-		}
-	}
-}
-
-// queryRow runs sql on a connection of its own to cluster c and scans its
-// one row into dst.
-func queryRow(ctx context.Context, c *pgcluster.Cluster, sql string, dst ...any) error {
-	return withConn(ctx, c, func(conn *pgx.Conn) error { return conn.QueryRow(ctx, sql).Scan(dst...) })
-}
-
-// execSQL runs sql on a connection of its own to cluster c.
-func execSQL(ctx context.Context, c *pgcluster.Cluster, sql string) error {
-	return withConn(ctx, c, func(conn *pgx.Conn) error {
-		_, err := conn.Exec(ctx, sql)
-		return err
-	})
-}
-
-// withConn calls f with a connection of its own to cluster c.
-func withConn(ctx context.Context, c *pgcluster.Cluster, f func(*pgx.Conn) error) error {
-	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
-	defer cancel()
-	conn, err := pgx.Connect(cctx, c.URL())
-	if err != nil {
-		return err
-	}
-	defer conn.Close(context.WithoutCancel(ctx))
-	return f(conn)
-}
-
 // serveProcessor serves p on a free port of 127.0.0.1 and returns its
 // base URL and a function that stops it.
 func serveProcessor(p *server.Processor) (string, func(), error) {
@@ -568,103 +439,6 @@ func (c *countingCharges) rows() []chargeRow {
 		rows = append(rows, chargeRow{id: ch.ID, key: ch.IdempotencyKey, amount: ch.Amount})
 	}
 	return rows
-}
-
-// told returns the operations whose client was told their payment and
-// whose payment the database does not hold.
-func told(ops []*op, state dbState) []*op {
-	paid := make(map[string]bool, len(state.payments))
-	for _, p := range state.payments {
-		paid[p.customer] = true
-	}
-	var gone []*op
-	for _, o := range ops {
-		if o.state == succeeded && !paid[o.customer] {
-			gone = append(gone, o)
-		}
-	}
-	return gone
-}
-
-// reconcile sends again, once the clients are done, every operation of
-// gone whose client was told its payment and the API now answers 404 for
-// it, with its key and first-sent time pinned, as a client reconciling
-// its records after a failover would. The key's row was lost with the
-// payment: the retry begins the operation again under the operation ID
-// derived from the same client, key, request and first-sent time, so the
-// processor answers with the charge it holds, and the payment is written
-// again with the ID and charge the client was told.
-func (cl *clients) reconcile(ctx context.Context, c *chaos, baseURL string, gone []*op) reconcileStats {
-	base := &http.Transport{}
-	defer base.CloseIdleConnections()
-	hc := &http.Client{Transport: &idem.Transport{Base: base}}
-	api := make([]*idem.Client, len(cl.accounts))
-	for i, a := range cl.accounts {
-		api[i] = &idem.Client{BaseURL: baseURL, Token: a.token, HTTPClient: hc}
-	}
-	var (
-		mu       sync.Mutex
-		rs       reconcileStats
-		problems []string
-		next     atomic.Int64
-		workers  sync.WaitGroup
-	)
-	for range cl.cfg.clients {
-		workers.Go(func() {
-			for i := int(next.Add(1)) - 1; i < len(gone); i = int(next.Add(1)) - 1 {
-				gotGone, restored, problem := resend(ctx, api[slices.Index(cl.accounts, gone[i].account)], gone[i])
-				mu.Lock()
-				if gotGone {
-					rs.gone++
-				}
-				switch {
-				case restored:
-					rs.restored++
-				case problem != "":
-					rs.other++
-					problems = append(problems, problem)
-				}
-				mu.Unlock()
-			}
-		})
-	}
-	workers.Wait()
-	c.event("reconciliation: %d payments told are gone (GET 404); sent again with their key and first-sent time: %d came back as told, %d other",
-		rs.gone, rs.restored, rs.other)
-	slices.Sort(problems)
-	for _, p := range problems[:min(len(problems), maxProblems)] {
-		c.event("  %s", p)
-	}
-	return rs
-}
-
-// resend asks the API for o's payment and, when it answers 404, sends o
-// again with its key and first-sent time. It reports whether the payment
-// was gone, whether it came back as o's client was told, and otherwise
-// what went wrong.
-func resend(ctx context.Context, client *idem.Client, o *op) (gone, restored bool, problem string) {
-	_, err := client.Get(ctx, "/v1/payments/"+o.paymentID, nil)
-	var apiErr *idem.APIError
-	switch {
-	case err == nil:
-		return false, false, fmt.Sprintf("op %d (client %s, key %s): payment %s is missing from the database, yet GET finds it", o.n, o.account.id, o.key, o.paymentID)
-	case !errors.As(err, &apiErr) || apiErr.StatusCode != http.StatusNotFound:
-		return false, false, fmt.Sprintf("op %d (client %s, key %s): GET its payment: %v", o.n, o.account.id, o.key, err)
-	}
-	var out struct {
-		ID     string `json:"id"`
-		Charge string `json:"charge"`
-	}
-	body := map[string]any{"amount": o.amount, "currency": "usd", "customer": o.customer}
-	resp, err := client.Post(idem.WithFirstSent(idem.WithKey(ctx, o.key), o.firstSent), "/v1/payments", body, &out)
-	switch {
-	case err != nil:
-		return true, false, fmt.Sprintf("op %d (client %s, key %s): sent again: %v", o.n, o.account.id, o.key, err)
-	case resp.StatusCode != http.StatusCreated || out.ID != o.paymentID || out.Charge != o.chargeID:
-		return true, false, fmt.Sprintf("op %d (client %s, key %s): told payment %s charge %s; sent again: %d, payment %s charge %s",
-			o.n, o.account.id, o.key, o.paymentID, o.chargeID, resp.StatusCode, out.ID, out.Charge)
-	}
-	return true, true, ""
 }
 
 func printFailoverHeader(w io.Writer, cfg config, schema string, primary, standby *pgcluster.Cluster, syncState, url string) {
