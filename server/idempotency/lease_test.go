@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"io"
@@ -332,7 +333,7 @@ func TestMiddlewareStopsRenewing(t *testing.T) {
 			{"no lease", Options{LockTimeout: -1}, func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }, false},
 		} {
 			store := &recordingStore{Store: NewMemoryStore()}
-			tt.opts.LockTimeout = cmpOr(tt.opts.LockTimeout, testLease)
+			tt.opts.LockTimeout = cmp.Or(tt.opts.LockTimeout, testLease)
 			h := testHandler(t, store, tt.opts, func(w http.ResponseWriter, r *http.Request) {
 				time.Sleep(2 * testLease) // renewed meanwhile
 				tt.handle(w, r)

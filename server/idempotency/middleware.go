@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -473,20 +474,20 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	if tc, ok := store.(TxClaimer); ok && opts.OneTransaction {
 		m.claim = tc.ClaimInTx
 	}
-	m.keyHeader = http.CanonicalHeaderKey(cmpOr(opts.KeyHeader, DefaultKeyHeader))
+	m.keyHeader = http.CanonicalHeaderKey(cmp.Or(opts.KeyHeader, DefaultKeyHeader))
 	m.lockTimeout = durationOpt(opts.LockTimeout, DefaultLockTimeout)
 	m.retention = durationOpt(opts.Retention, DefaultRetention)
-	m.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cmpOr(opts.RetryAfter, DefaultRetryAfter).Seconds()))))
+	m.retryAfter = strconv.Itoa(max(1, int(math.Ceil(cmp.Or(opts.RetryAfter, DefaultRetryAfter).Seconds()))))
 	m.maxBody = opts.MaxBodyBytes
 	if m.maxBody == 0 {
 		m.maxBody = DefaultMaxBodyBytes
 	}
-	m.fpVersion = cmpOr(opts.FingerprintVersion, FingerprintVersion)
+	m.fpVersion = cmp.Or(opts.FingerprintVersion, FingerprintVersion)
 	if !knownVersion(m.fpVersion) {
 		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
 			opts.FingerprintVersion, maxFingerprintVersion))
 	}
-	m.firstSentHeader = http.CanonicalHeaderKey(cmpOr(opts.FirstSentHeader, DefaultFirstSentHeader))
+	m.firstSentHeader = http.CanonicalHeaderKey(cmp.Or(opts.FirstSentHeader, DefaultFirstSentHeader))
 	m.skew = opts.FirstSentSkew
 	if m.skew == 0 {
 		m.skew = min(max(m.retention/10, time.Second), DefaultMaxFirstSentSkew)
@@ -522,14 +523,6 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 			m.serve(w, r, next)
 		})
 	}
-}
-
-func cmpOr[T comparable](v, def T) T {
-	var zero T
-	if v == zero {
-		return def
-	}
-	return v
 }
 
 // durationOpt maps an option to a store argument: zero takes the default,

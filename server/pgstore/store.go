@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -128,7 +129,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 			}
 		}
 		rows.Close()
-		return cmpOr(err, rows.Err())
+		return cmp.Or(err, rows.Err())
 	}
 	for range keysql.MaxRaces {
 		claimed = false

@@ -1,6 +1,7 @@
 package pgstore
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -207,22 +208,22 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	u.done = true
 	u.store.units.Remove(u.claim, u)
 	if err := ctx.Err(); err != nil {
-		return cmpOr(u.rollbackChecked(ctx), err)
+		return cmp.Or(u.rollbackChecked(ctx), err)
 	}
 	if !idempotency.ValidStatus(resp.Status) {
-		return cmpOr(u.rollbackChecked(ctx), fmt.Errorf("pgstore: %w: %d", idempotency.ErrInvalidStatus, resp.Status))
+		return cmp.Or(u.rollbackChecked(ctx), fmt.Errorf("pgstore: %w: %d", idempotency.ErrInvalidStatus, resp.Status))
 	}
 	if err := keysql.CheckText(resp.ContentType); err != nil {
-		return cmpOr(u.rollbackChecked(ctx), err)
+		return cmp.Or(u.rollbackChecked(ctx), err)
 	}
 	for name, v := range resp.Header {
 		if err := keysql.CheckText(name, v); err != nil {
-			return cmpOr(u.rollbackChecked(ctx), err)
+			return cmp.Or(u.rollbackChecked(ctx), err)
 		}
 	}
 	header, err := keysql.HeaderArg(resp.Header)
 	if err != nil {
-		return cmpOr(u.rollbackChecked(ctx), err)
+		return cmp.Or(u.rollbackChecked(ctx), err)
 	}
 	c := u.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}
@@ -263,16 +264,6 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		return err
 	}
 	return u.commitLocked(ctx, keysql.CompleteInTxSQL, args)
-}
-
-// cmpOr returns the first error that is not nil.
-func cmpOr(errs ...error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // errBusy: the handler returned with rows or a batch of its transaction

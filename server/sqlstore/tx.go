@@ -1,6 +1,7 @@
 package sqlstore
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -157,7 +158,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	u.store.units.Remove(u.claim, u)
 	args, err := completeArgs(ctx, u.claim, resp)
 	if err != nil {
-		return cmpOr(u.rollbackChecked(ctx), err)
+		return cmp.Or(u.rollbackChecked(ctx), err)
 	}
 	if u.inTx != nil {
 		if u.tx == nil {
@@ -307,16 +308,6 @@ func completeArgs(ctx context.Context, c idempotency.Claim, resp idempotency.Sto
 // inFailedTransaction is the SQLSTATE of a statement sent in a
 // transaction that a failed statement aborted.
 const inFailedTransaction = "25P02"
-
-// cmpOr returns the first error that is not nil.
-func cmpOr(errs ...error) error {
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
-	}
-	return nil
-}
 
 // Rollback implements [idempotency.Tx.Rollback]: it rolls back the
 // handler's transaction, if it began, and gives back its connection. A

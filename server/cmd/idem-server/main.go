@@ -194,7 +194,7 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		"most PostgreSQL connections in the pool, shared by the claims, completions and the fake processor's charges; "+
 			"above pgxpool's max(4, NumCPU), which leaves requests queueing for a connection while the database waits on WAL flushes. "+
 			"A pool_max_conns in the DSN takes precedence (giving both is an error)")
-	fs.StringVar(&o.apiKeys, "api-keys", cmpOr(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
+	fs.StringVar(&o.apiKeys, "api-keys", cmp.Or(getenv("IDEM_API_KEYS"), server.DefaultAPIKeys),
 		"comma-separated token:client_id `pairs` (env IDEM_API_KEYS)")
 	fs.DurationVar(&o.retention, "retention", idempotency.DefaultRetention,
 		"how long a key is kept after its request finished; older keys count as absent and the purge job deletes them. "+
@@ -356,13 +356,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 func knownFingerprintVersion(v int) bool {
 	_, err := idempotency.Fingerprint(v, "POST", "/", "", "", nil)
 	return err == nil
-}
-
-func cmpOr(s, def string) string {
-	if s == "" {
-		return def
-	}
-	return s
 }
 
 // openStore returns the store the options ask for: in memory without a
