@@ -145,11 +145,16 @@ type Inspector interface {
 	ForceRelease(ctx context.Context, clientID, key string, running bool) (KeyInfo, error)
 	// Expire makes a key count as absent at once, whatever its status,
 	// and returns it as it was: the next request with it is a new
-	// operation (unless it says it was first sent before the key's
-	// operation began, see [ClaimRequest.FirstSent]: a retry of that
-	// operation is refused), and the purge deletes it. Its owner, if it still runs, is
-	// fenced. A running key is refused with [ErrKeyRunning] unless running
-	// is true; an absent or already expired one with [ErrKeyNotFound].
+	// operation, unless it says it was first sent before the key's
+	// operation began (see [ClaimRequest.FirstSent]): a retry of that
+	// operation is refused. The purge keeps the key, expired, until its
+	// Retention has passed since its operation began ([KeyInfo.CreatedAt]),
+	// and deletes it after, when such a retry was first sent longer ago
+	// than the key is kept, and is refused without it (see [Store.Purge]);
+	// a key kept forever is purged at once. Its owner, if it still runs,
+	// is fenced. A running key is refused with [ErrKeyRunning] unless
+	// running is true; an absent or already expired one with
+	// [ErrKeyNotFound].
 	Expire(ctx context.Context, clientID, key string, running bool) (KeyInfo, error)
 	// Stats counts the keys that are not finished.
 	Stats(ctx context.Context) (KeyStats, error)
@@ -222,7 +227,10 @@ func (a *Admin) ForceRelease(ctx context.Context, clientID, key, reason string, 
 
 // Expire makes a key count as absent at once (see [Inspector.Expire]) and
 // returns it as it was. reason, required, is logged with the key; the
-// expiry is reported as [EventExpired].
+// expiry is reported as [EventExpired]. A retry of the key's operation,
+// which says it was first sent before the operation began, is refused
+// (410) for good: the purge keeps the key until the retry is too old to
+// be let in without it.
 func (a *Admin) Expire(ctx context.Context, clientID, key, reason string, running bool) (KeyInfo, error) {
 	return a.act(ctx, clientID, key, reason, running, EventExpired)
 }

@@ -64,6 +64,16 @@ func (k *memKey) expired(now time.Time) bool {
 	return !k.expiresAt.IsZero() && now.After(k.expiresAt)
 }
 
+// purgeable reports whether the purge may delete k at now: it is expired,
+// and its operation began longer than its retention ago. A key that
+// expired by its retention always did, as it expired the retention after
+// its last claim, renewal or finish; one an operator expired
+// ([MemoryStore.Expire]) is kept until then, as the PostgreSQL stores keep
+// it (see [Store.Purge]).
+func (k *memKey) purgeable(now time.Time) bool {
+	return k.expired(now) && (k.retention == 0 || now.After(k.rec.CreatedAt.Add(k.retention)))
+}
+
 // stale reports whether k is started and its lease ran out.
 func (k *memKey) stale(now time.Time) bool {
 	return k.rec.Status == StatusStarted && k.lease > 0 && now.Sub(k.rec.LockedAt) > k.lease
@@ -333,7 +343,7 @@ func (s *MemoryStore) Purge(ctx context.Context, limit int) (int64, error) {
 	now := s.now()
 	var old []keyRef
 	for ref, k := range s.keys {
-		if k.expired(now) {
+		if k.purgeable(now) {
 			old = append(old, ref)
 		}
 	}

@@ -150,7 +150,8 @@ func (s *MemoryStore) ForceRelease(ctx context.Context, clientID, key string, ru
 }
 
 // Expire implements [Inspector.Expire]: the key expires a nanosecond ago
-// by the store's clock.
+// by the store's clock, and keeps its creation time and retention, which
+// tell the purge when it may delete it (see memKey.purgeable).
 func (s *MemoryStore) Expire(ctx context.Context, clientID, key string, running bool) (KeyInfo, error) {
 	return s.act(ctx, clientID, key, running, func(k *memKey, now time.Time) error {
 		s.fence(k)

@@ -376,8 +376,14 @@ type Store interface {
 	// [ClaimRequest.Retention]), whatever their status, those that expired
 	// first first (or about so: a store may order them by a bound on their
 	// expiry), and returns how many it deleted. A key whose lease is
-	// live is never expired, and so never purged. A limit of zero or less
-	// deletes nothing.
+	// live is never expired, and so never purged. A key an operator
+	// expired early ([Inspector.Expire]) is kept, expired, until its
+	// retention has passed since its operation began ([Record.CreatedAt]),
+	// so that a claim's first-sent check refuses the retries of that
+	// operation by the key ([FirstSentCheck.EarliestBegin]) until the check
+	// refuses them as stale without it; a key that expired by its
+	// retention is past that already. A limit of zero or less deletes
+	// nothing.
 	Purge(ctx context.Context, limit int) (int64, error)
 }
 

@@ -243,3 +243,40 @@ func TestResumedKeyOutlivesItsRetention(t *testing.T) {
 		return true
 	})
 }
+
+// TestExpiredKeyPurgedAfterItsRetention: a key an operator expired is
+// kept by the purge until its retention has passed since its operation
+// began, and deleted after; time is moved in SQL (every time of the key
+// moved back, as if it had passed). One key is a minute short of its
+// retention, the other a minute past it.
+func TestExpiredKeyPurgedAfterItsRetention(t *testing.T) {
+	ctx := context.Background()
+	s, pool := newStore(t, nil)
+	const keep = time.Hour
+	for _, key := range []string{"short", "past"} {
+		c := mustClaim(t, s, leased(req(key, "a"), time.Minute, keep), idempotency.Claimed).Claim
+		mustComplete(t, s, c)
+		if _, err := s.Expire(ctx, "cli_a", key, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := s.Purge(ctx, 100); n != 0 || err != nil {
+		t.Fatalf("Purge right after the expiries = %d, %v; want 0", n, err)
+	}
+	for key, passed := range map[string]time.Duration{"short": keep - time.Minute, "past": keep + time.Minute} {
+		if _, err := pool.Exec(ctx, `UPDATE idempotency_keys SET created_at = created_at - $2::interval,
+			locked_at = locked_at - $2::interval, expires_at = expires_at - $2::interval
+			WHERE client_id = 'cli_a' AND idempotency_key = $1`, key, passed); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
+		t.Fatalf("Purge = %d, %v; want 1, the key past its retention", n, err)
+	}
+	if _, ok := readKey(t, pool, "past"); ok {
+		t.Error("the key past its retention was not purged")
+	}
+	if row, ok := readKey(t, pool, "short"); !ok || row.status != "completed" {
+		t.Errorf("the key a minute short of its retention: %+v, %v; want it kept, completed", row, ok)
+	}
+}

@@ -319,8 +319,10 @@ func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string
 // (see keysql.PurgeSQL), from the lowest, so about in the order in which the
 // keys expired (the keys claimed first first), passes over the few keys
 // whose expiry is still to come (those that ran longer than they have
-// been past their bound), locks at most limit expired keys (skipping those
-// another transaction holds) and deletes them by their physical address.
+// been past their bound) and the keys an operator expired before their
+// operation's retention ran out, locks at most limit expired keys
+// (skipping those another transaction holds) and deletes them by their
+// physical address.
 // A started key whose lease is renewed has no expiry in the past, so it is
 // never purged. A limit that is zero or negative purges nothing.
 func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {

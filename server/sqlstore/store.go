@@ -380,7 +380,8 @@ func hasStatusUnder(ctx context.Context, q querier, c idempotency.Claim, status 
 // Purge implements [idempotency.Store.Purge] in one statement,
 // keysql.PurgeSQL, as pgstore's: at most limit expired keys, those whose
 // bound below the expiry is lowest first, skipping those another
-// transaction holds. A limit that is zero or negative purges nothing.
+// transaction holds and those an operator expired before their
+// operation's retention ran out. A limit that is zero or negative purges nothing.
 func (s *Store) Purge(ctx context.Context, limit int) (int64, error) {
 	if limit <= 0 {
 		return 0, nil

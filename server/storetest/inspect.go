@@ -3,6 +3,7 @@ package storetest
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"testing"
 	"time"
@@ -26,6 +27,7 @@ func ExerciseInspector(t *testing.T, newBackend func(t *testing.T) Backend) {
 		{"ForceReleaseRunningFencesOwner", testForceReleaseRunning},
 		{"Expire", testExpire},
 		{"ExpireRunningFencesOwner", testExpireRunning},
+		{"ExpiredKeyKeptForRetries", testExpiredKeyKept},
 		{"Stats", testStats},
 	}
 	for _, tt := range tests {
@@ -239,7 +241,9 @@ func testForceReleaseRunning(t *testing.T, b Backend, in idempotency.Inspector) 
 }
 
 // testExpire: an expired key counts as absent at once, also one kept
-// forever: its next request is a new operation, and the purge deletes it.
+// forever: its next request is a new operation. The purge deletes at once
+// a key kept forever, and keeps one with a retention (see
+// testExpiredKeyKept).
 func testExpire(t *testing.T, b Backend, in idempotency.Inspector) {
 	ctx := context.Background()
 	for _, keep := range []time.Duration{long, 0} {
@@ -259,7 +263,11 @@ func testExpire(t *testing.T, b Backend, in idempotency.Inspector) {
 		mustFail(t, "Expire of an expired key", err, idempotency.ErrKeyNotFound)
 		_, err = in.ForceRelease(ctx, "c", key, false)
 		mustFail(t, "ForceRelease of an expired key", err, idempotency.ErrKeyNotFound)
-		purge(t, b.Store, 10, 1)
+		if keep == 0 {
+			purge(t, b.Store, 10, 1)
+		} else {
+			purge(t, b.Store, 10, 0)
+		}
 		// A new operation, under the ID the same request derives again:
 		// a downstream keyed by it finds the work of the expired one.
 		if again := claim(t, b.Store, req, idempotency.Claimed).Claim; again.OperationID != done.OperationID {
@@ -268,6 +276,65 @@ func testExpire(t *testing.T, b Backend, in idempotency.Inspector) {
 	}
 	_, err := in.Expire(ctx, "c", "absent", true)
 	mustFail(t, "Expire of an absent key", err, idempotency.ErrKeyNotFound)
+}
+
+// testExpiredKeyKept: a key an operator expired, completed or running,
+// is kept by the purge until its retention has passed since its operation
+// began, so that a retry of the operation, first sent before it began, is
+// refused after a purge too, running nothing and changing nothing (past
+// that, the retry is older than the retention, and refused without the
+// key); a new request, first sent after, claims the key at once, as a new
+// operation.
+func testExpiredKeyKept(t *testing.T, b Backend, in idempotency.Inspector) {
+	ctx := context.Background()
+	for _, running := range []bool{false, true} {
+		key := fmt.Sprintf("running-%v", running)
+		req := with(request("c", key, "a"), long, long)
+		sent := time.Now() // the client's first send, before its operation began
+		first := claim(t, b.Store, req, idempotency.Claimed).Claim
+		if !running {
+			if err := complete(t, b, first, created("o1"), key+"-1"); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if _, err := in.Expire(ctx, "c", key, running); err != nil {
+			t.Fatalf("Expire: %v", err)
+		}
+		purge(t, b.Store, 10, 0)
+		was := lookup(t, in, "c", key, false)
+		if !was.Expired || was.OperationID != first.OperationID {
+			t.Fatalf("key %s after Expire and a purge: %+v, want it kept, expired, with operation %s", key, was, first.OperationID)
+		}
+
+		// The retry of the operation: first sent before it began, the
+		// allowance taken off (a minute, generous, keeps the machine's
+		// pace out of it); and any request first sent longer ago than the
+		// retention.
+		retry := idempotency.FirstSentCheck{EarliestBegin: sent.Add(-time.Minute), Sent: sent.Truncate(time.Second)}
+		claim(t, b.Store, withCheck(req, retry), idempotency.Refused)
+		claim(t, b.Store, withCheck(req, staleCheck), idempotency.Refused)
+		purge(t, b.Store, 10, 0)
+		if k := lookup(t, in, "c", key, false); !k.Expired || k.Token != was.Token || k.Status != was.Status || !k.CreatedAt.Equal(was.CreatedAt) {
+			t.Errorf("key %s after the refused retries: %+v, want it as it was: %+v", key, k, was)
+		}
+		mustBeWritten(t, b, key+"-1", !running)
+		mustBeWritten(t, b, key+"-2", false)
+
+		// A new request, first sent after the expired operation began:
+		// a new operation, at once.
+		later := time.Now().Add(time.Minute)
+		next := claim(t, b.Store, withCheck(req, idempotency.FirstSentCheck{EarliestBegin: later, Sent: later}), idempotency.Claimed).Claim
+		if next.OperationID == first.OperationID {
+			t.Errorf("the new request resumed the expired operation %s", first.OperationID)
+		}
+		if err := complete(t, b, next, created("o2"), key+"-2"); err != nil {
+			t.Fatal(err)
+		}
+		mustBeWritten(t, b, key+"-2", true)
+		if k := lookup(t, in, "c", key, false); k.Expired || k.OperationID != next.OperationID {
+			t.Errorf("key %s after the new request: %+v, want it live, operation %s", key, k, next.OperationID)
+		}
+	}
 }
 
 // testExpireRunning: a running key (also one whose lease never runs out)

@@ -261,20 +261,41 @@ const ReleaseSQL = `
 UPDATE idempotency_keys SET status = 'released', release_rejected = $4, ` + finishedSetExpr + `
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
+// heldForRetriesExpr: k's operation began less than its retention ago.
+// A key that expired by its retention is never so: it expired the
+// retention after its last claim, renewal or finish (locked_at), none of
+// which comes before its operation began (created_at). A key an operator
+// expired (ExpireSQL) may be, and the purge keeps it until it is not, so
+// that the first-sent check refuses the retries of its operation (a
+// request first sent before created_at, plus the allowance, see
+// refusedExpr) as long as the check would not refuse them as stale
+// without the row: past created_at plus the retention, a request first
+// sent before created_at plus the allowance was first sent longer ago
+// than the retention less the allowance, which is the check's stale
+// (idempotency.FirstSentCheck), for a middleware whose Retention is no
+// longer than the key's.
+const heldForRetriesExpr = `(k.created_at + k.retention_us * interval '1 microsecond' >= statement_timestamp())`
+
 // PurgeSQL deletes a bounded batch of expired keys: $1 the batch size.
 // ctid = ANY (ARRAY(...)) is planned as a TID scan, never a scan of the
-// whole table. It passes over a key whose advisory lock (keyLockExpr) a
-// claim in one transaction holds: that request, which has no row of its
-// own, is fenced by this row (its completion finds the key taken and
-// commits nothing), however long it runs; deleting the row under it would
-// let it commit a second operation for the key. The lock is tried only on
-// an expired key, and the purge's statement holds it to its end.
+// whole table. It passes over a key an operator expired before its
+// operation's retention ran out (heldForRetriesExpr): such keys come
+// first in the expires_at index (ExpireSQL sets expires_at to the past),
+// and each batch reads them again until then, which costs little, as
+// operators expire few keys. It passes over a key whose advisory lock
+// (keyLockExpr) a claim in one transaction holds: that request, which has
+// no row of its own, is fenced by this row (its completion finds the key
+// taken and commits nothing), however long it runs; deleting the row under
+// it would let it commit a second operation for the key. The lock is tried
+// only on a key it would delete, and the purge's statement holds it to its
+// end.
 const PurgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM idempotency_keys k
     WHERE k.expires_at < statement_timestamp()
-        AND CASE WHEN ` + expiredExpr + ` IS TRUE THEN pg_try_advisory_xact_lock(` + rowLockExpr + `) ELSE false END
+        AND CASE WHEN ` + expiredExpr + ` IS TRUE AND NOT ` + heldForRetriesExpr + `
+            THEN pg_try_advisory_xact_lock(` + rowLockExpr + `) ELSE false END
     ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`

@@ -66,7 +66,11 @@ WHERE client_id = $1 AND idempotency_key = $2`
 // a millisecond ago, and so did its retention after its last renewal,
 // which is moved back for that when needed (a key kept forever is given a
 // retention of one microsecond). A started key is released as rejected,
-// so that nothing of the rules for started keys keeps it alive.
+// so that nothing of the rules for started keys keeps it alive. It keeps
+// created_at and the retention, which tell the purge to keep the row
+// until the retention has passed since its operation began (see
+// heldForRetriesExpr): the first-sent check refuses the retries of the
+// operation by the row meanwhile.
 const ExpireSQL = `
 UPDATE idempotency_keys SET
     status = CASE WHEN status = 'started' THEN 'released' ELSE status END,
