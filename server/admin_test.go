@@ -192,6 +192,55 @@ func testAdmin(t *testing.T, newStorage newStorageFunc) {
 	}
 }
 
+func TestExpiredKeyRefusesRetryAfterPurgeMemory(t *testing.T) {
+	testExpiredKeyRefusesRetryAfterPurge(t, memoryStorage)
+}
+
+func TestExpiredKeyRefusesRetryAfterPurgePostgres(t *testing.T) {
+	testExpiredKeyRefusesRetryAfterPurge(t, postgresStorage)
+}
+
+// testExpiredKeyRefusesRetryAfterPurge is issue 32's repro: an operator
+// expires a payment's key through the admin API, the purge runs, and the
+// client's retry of the payment comes, first sent before the payment
+// began. It is refused with 410, the processor asked once: the purge keeps
+// the expired key until the payment's retention has run out, and the
+// first-sent rule refuses the retry by it (it deleted the key, and the
+// retry ran as a new operation, before). The rest of the story (a new
+// request claims the key at once; the purge deletes the key after the
+// retention, and the retry is refused as too old) is the stores'
+// conformance suite's and TestExpiredByOperatorRefusedAfterPurge's in
+// package idempotency, which move time.
+func testExpiredKeyRefusesRetryAfterPurge(t *testing.T, newStorage newStorageFunc) {
+	ts := newTestServer(t, newStorage(t), Config{})
+	h, err := ts.AdminHandler(adminToken)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := httptest.NewServer(h)
+	defer hs.Close()
+
+	sent := http.Header{"Repeatability-First-Sent": {time.Now().UTC().Format(http.TimeFormat)}}
+	first := call{keys: []string{"k-expired"}, body: payment, header: sent}
+	if r := ts.mustSend(t, first); r.status != http.StatusCreated {
+		t.Fatalf("payment: %d %s", r.status, r.body)
+	}
+	if st := adminCall(t, hs, "POST", "/admin/keys/client_a/k-expired/expire", adminToken, `{"reason": "INC-9: reused keys"}`, nil); st != http.StatusOK {
+		t.Fatalf("expiry: %d", st)
+	}
+	if n, err := ts.Purge(context.Background()); err != nil || n != 0 {
+		t.Errorf("Purge = %d, %v; want 0: the expired key is kept for its operation's retries", n, err)
+	}
+	r := ts.mustSend(t, first)
+	if r.status != http.StatusGone || r.problem(t).Type != idempotency.ProblemKeyExpired {
+		t.Errorf("the retry after the expiry and a purge: %d %s, want 410", r.status, r.body)
+	}
+	if charges, asked := ts.charges.created.Load(), ts.counter(t, "idem_processor_charges_total"); charges != 1 || asked != 1 {
+		t.Errorf("%d charges, the processor asked %v times; want 1, 1", charges, asked)
+	}
+
+}
+
 // TestAdminHandlerRefuses: no admin API without a token, or on a key store
 // without Inspector.
 func TestAdminHandlerRefuses(t *testing.T) {

@@ -148,6 +148,7 @@ type call struct {
 	keys        []string // Idempotency-Key header lines
 	contentType string
 	body        string
+	header      http.Header // more header lines
 }
 
 func keyed(key, body string) call { return call{keys: []string{key}, body: body} }
@@ -240,6 +241,9 @@ func (ts *testServer) send(t *testing.T, c call) reply {
 	}
 	if c.contentType != "" {
 		req.Header.Set("Content-Type", c.contentType)
+	}
+	for k, vs := range c.header {
+		req.Header[k] = vs
 	}
 	resp, err := ts.client.Do(req)
 	if err != nil {

@@ -188,3 +188,48 @@ func TestFirstSentRefusalSaysWhichRule(t *testing.T) {
 		assert.Contains(t, r.problem(t).Detail, "first sent longer ago than its Idempotency-Key is kept (1h0m0s)")
 	})
 }
+
+// TestExpiredByOperatorRefusedAfterPurge is issue 32's: a completed key
+// that an operator expired, and that the purge ran over, no longer let
+// its operation's retry run again (a second charge). The purge keeps the
+// key until its retention has passed since its operation began, so the
+// retry is refused by the key, and after that as first sent longer ago
+// than the retention; a new request then claims the key.
+func TestExpiredByOperatorRefusedAfterPurge(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		store := NewMemoryStore()
+		var runs atomic.Int32
+		h := testHandler(t, store, Options{Retention: time.Hour}, func(w http.ResponseWriter, r *http.Request) {
+			runs.Add(1) // a charge
+			w.WriteHeader(http.StatusCreated)
+		})
+		admin := &Admin{Store: store, Logger: testLogger(t)}
+		purge := func() int64 {
+			t.Helper()
+			n, err := (&Purger{Store: store, Logger: testLogger(t)}).Purge(t.Context())
+			require.NoError(t, err)
+			return n
+		}
+
+		c, hdr := sentAt("k1", `{"amount":1}`, time.Now())
+		require.Equal(t, http.StatusCreated, serveWith(t, h, c, hdr).status)
+		time.Sleep(10 * time.Minute)
+		_, err := admin.Expire(t.Context(), "c", "k1", "INC-1: the client reuses its keys", false)
+		require.NoError(t, err)
+		assert.Zero(t, purge(), "purged within the operation's retention")
+		r := serveWith(t, h, c, hdr)
+		require.Equal(t, http.StatusGone, r.status, "retry after the expiry and a purge: %s", r.body)
+
+		time.Sleep(time.Hour) // past the retention since the operation began
+		assert.EqualValues(t, 1, purge(), "the expired key, past its operation's retention")
+		r = serveWith(t, h, c, hdr)
+		require.Equal(t, http.StatusGone, r.status, "retry after the key was purged: %s", r.body)
+		assert.Contains(t, r.problem(t).Detail, "first sent longer ago")
+		assert.Equal(t, int32(1), runs.Load(), "charges of the operation")
+
+		// A new operation under the key, first sent now.
+		c2, hdr2 := sentAt("k1", `{"amount":2}`, time.Now())
+		assert.Equal(t, http.StatusCreated, serveWith(t, h, c2, hdr2).status)
+		assert.Equal(t, int32(2), runs.Load())
+	})
+}
