@@ -37,7 +37,10 @@ func (s *Server) Admin() *idempotency.Admin {
 //
 // The reason is required; it is logged with the key and the action is
 // counted on /metrics. A key whose request is running is released or
-// expired only with "running": true, which fences its request. A client id
+// expired only with "running": true, which fences its request. An expired
+// key counts as absent at once: a new request claims it; the purge keeps
+// it until its retention has passed since its operation began, so that a
+// retry of that operation is refused (410) however late it comes. A client id
 // or key holding a slash is sent percent-encoded (%2F). Answers are JSON;
 // errors are problem details (404 for an unknown key, 409 for a running or
 // completed one). It returns an error for an empty token, or a key store
