@@ -170,6 +170,7 @@ func routes(pool *pgxpool.Pool, h *handler, oneTx bool, log *slog.Logger) http.H
 	mux.Handle("POST /idem"+path, keyed(http.HandlerFunc(h.idem)))
 	mux.Handle("POST /article"+path, &article{pool: pool, h: h})
 	mux.Handle("POST /unkeyed"+path, &unkeyed{pool: pool, h: h})
+	mux.HandleFunc("GET /read"+path+"/{id}", h.read(pool))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) { io.WriteString(w, "ok\n") })
 	return mux
 }
@@ -299,6 +300,47 @@ func (h *handler) write(ctx context.Context, q querier, client string, in reques
 		Customer string `json:"customer"`
 		Charge   string `json:"charge,omitempty"`
 	}{id, in.Amount, in.Currency, in.Customer, in.charge})
+}
+
+// read returns the handler of GET /read/v1/{orders,payments}/{id}: the
+// stored row by primary key, unkeyed, as a JSON body. It is the load
+// test's yardstick for a replay, which is one indexed read too.
+func (h *handler) read(pool *pgxpool.Pool) http.HandlerFunc {
+	query := `SELECT id, amount, currency, customer, '' FROM bench_orders WHERE id = $1 AND client_id = $2`
+	if h.name == "payments" {
+		query = `SELECT id, amount, currency, customer, charge_id FROM bench_payments WHERE id = $1 AND client_id = $2`
+	}
+	return func(w http.ResponseWriter, r *http.Request) {
+		client, ok := authenticate(r)
+		if !ok {
+			http.Error(w, "unauthorized", http.StatusUnauthorized)
+			return
+		}
+		id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+		if err != nil {
+			http.Error(w, "id", http.StatusBadRequest)
+			return
+		}
+		var out struct {
+			ID       int64  `json:"id"`
+			Amount   int64  `json:"amount"`
+			Currency string `json:"currency"`
+			Customer string `json:"customer"`
+			Charge   string `json:"charge,omitempty"`
+		}
+		err = pool.QueryRow(r.Context(), query, id, client).Scan(&out.ID, &out.Amount, &out.Currency, &out.Customer, &out.Charge)
+		if errors.Is(err, pgx.ErrNoRows) {
+			http.Error(w, "not found", http.StatusNotFound)
+			return
+		}
+		if err != nil {
+			http.Error(w, "database", http.StatusServiceUnavailable)
+			return
+		}
+		body, _ := json.Marshal(out)
+		w.Header().Set("Content-Type", "application/json")
+		w.Write(body)
+	}
 }
 
 // idem is the handler behind the middleware: its row is written in the

@@ -2,6 +2,8 @@ package main
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
@@ -90,6 +92,25 @@ func TestThreeWays(t *testing.T) {
 				want++
 			}
 			assert.Equal(t, want, rows(), "unkeyed: a row per request")
+			// read: the row a first execution answered, by its id.
+			_, created, _ := post("unkeyed", "", body, "sk_test_demo")
+			var row struct{ ID int64 }
+			require.NoError(t, json.Unmarshal([]byte(created), &row))
+			for _, tt := range []struct {
+				id, token string
+				status    int
+			}{{fmt.Sprint(row.ID), "sk_test_demo", http.StatusOK}, {fmt.Sprint(row.ID), "wrong", http.StatusUnauthorized}, {"0", "sk_test_demo", http.StatusNotFound}} {
+				req, _ := http.NewRequest(http.MethodGet, srv.URL+"/read/v1/"+tc.handler+"/"+tt.id, nil)
+				req.Header.Set("Authorization", "Bearer "+tt.token)
+				resp, err := http.DefaultClient.Do(req)
+				require.NoError(t, err)
+				b, _ := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				assert.Equal(t, tt.status, resp.StatusCode, "read %s: %s", tt.id, b)
+				if tt.status == http.StatusOK {
+					assert.JSONEq(t, created, string(b), "read: the row as its POST answered it")
+				}
+			}
 			status, _, _ := post("article", "", body, "sk_test_demo")
 			assert.Equal(t, http.StatusBadRequest, status, "article: a key is required")
 		})

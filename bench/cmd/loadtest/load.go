@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -122,6 +123,46 @@ func (c *client) post(ctx context.Context, key string, body []byte) outcome {
 		replayed: resp.Header.Get("Idempotent-Replayed") == "true",
 		err:      err,
 	}
+}
+
+// create sends an unkeyed POST of body and returns the id of the row the
+// 201 created.
+func (c *client) create(ctx context.Context, body []byte) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+c.path, bytes.NewReader(body))
+	if err != nil {
+		return "", err
+	}
+	req.Header["Authorization"] = []string{c.bearer}
+	req.Header["Content-Type"] = []string{"application/json"}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	var out struct {
+		ID json.Number `json:"id"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil || resp.StatusCode != http.StatusCreated || out.ID == "" {
+		return "", fmt.Errorf("status %d, id %q: %v", resp.StatusCode, out.ID, err)
+	}
+	return out.ID.String(), nil
+}
+
+// get sends GET to the route with id appended, and reads the answer to
+// the end; its status and the id it read are returned.
+func (c *client) get(ctx context.Context, id string) outcome {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, c.base+c.path+"/"+id, nil)
+	if err != nil {
+		return outcome{err: err}
+	}
+	req.Header["Authorization"] = []string{c.bearer}
+	resp, err := c.http.Do(req)
+	if err != nil {
+		return outcome{err: err}
+	}
+	_, err = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return outcome{status: resp.StatusCode, err: err}
 }
 
 // window is the measured part of a run: requests that start inside it are

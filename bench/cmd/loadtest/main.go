@@ -21,6 +21,8 @@
 //	retention 1,000,000 expired keys purged while "first" runs (see -expired-keys)
 //	article   with -handler: first executions of the seed article's Steps 2
 //	          and 3 written by hand (bench/cmd/benchserver/article.go)
+//	read      with -handler: GETs of stored rows by primary key, unkeyed, on
+//	          the same server and pool: the yardstick of a replay
 //
 // With -handler orders or -handler payments it drives the bench server
 // (bench/cmd/benchserver) instead of the reference server: one process that
@@ -118,7 +120,7 @@ type config struct {
 	oneTx       bool
 }
 
-var allScenarios = []string{"first", "article", "replay", "unkeyed", "conflict", "retention"}
+var allScenarios = []string{"first", "article", "replay", "unkeyed", "read", "conflict", "retention"}
 
 // defaultScenarios is what runs without -scenario: retention inserts a
 // million rows and is asked for by name.

@@ -202,6 +202,11 @@ func (r *runner) scenario(ctx context.Context, name string) (result, error) {
 		return r.replay(ctx)
 	case "unkeyed":
 		return r.unkeyed(ctx)
+	case "read":
+		if r.root == "" {
+			return result{}, fmt.Errorf("%w: read needs -handler (the bench server serves GET by primary key)", errSkipped)
+		}
+		return r.read(ctx)
 	case "conflict":
 		return r.conflict(ctx)
 	case "retention":
@@ -280,6 +285,35 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 		return result{}, err
 	}
 	return r.summarize("replay", t, w, commits), nil
+}
+
+// read measures GETs of stored rows by primary key, unkeyed, on the
+// bench server: a replay's yardstick, one indexed read and an answer. It
+// creates replayKeys rows first, untimed, through the unkeyed route.
+func (r *runner) read(ctx context.Context) (result, error) {
+	post := r.client(r.root + "/unkeyed")
+	defer post.close()
+	ids := make([]string, r.cfg.replayKeys)
+	for i := range ids {
+		id, err := post.create(ctx, paymentBody(int64(i)))
+		if err != nil {
+			return result{}, fmt.Errorf("creating the rows to read: %w", err)
+		}
+		ids[i] = id
+	}
+	c := r.client(r.root + "/read")
+	defer c.close()
+	w := r.measure()
+	var t *tally
+	commits, err := r.countCommits(ctx, w, pidOf(r.srv), r.root, func() {
+		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
+			return c.get(ctx, ids[seq%int64(len(ids))])
+		}, isStatus(http.StatusOK, false))
+	})
+	if err != nil {
+		return result{}, err
+	}
+	return r.summarize("read", t, w, commits), nil
 }
 
 // unkeyed measures the same payment without the idempotency layer: on a
