@@ -78,7 +78,7 @@ func TestMigrateDropsCheckConstraints(t *testing.T) {
 // for that transaction; every claim of every replica queues behind the
 // waiting ALTER TABLE, for as long as the slowest handler runs. Migrate
 // must give the lock up soon and leave the step for a later start, and
-// claims must go on meanwhile. (Found by a review.)
+// claims must go on meanwhile.
 func TestMigrateDropChecksDoesNotStallClaims(t *testing.T) {
 	ctx := context.Background()
 	pool := pgtest.Pool(t)

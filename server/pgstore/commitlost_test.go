@@ -80,7 +80,7 @@ func (c *cutConns) cutAll() {
 	}
 }
 
-// TestLostCommitReadAfterItEnds (found by a review): Complete learns whether a COMMIT whose answer was lost landed from
+// TestLostCommitReadAfterItEnds: Complete learns whether a COMMIT whose answer was lost landed from
 // the key (hasStatusUnder, FOR SHARE). In two-commit mode the key row
 // exists and FOR SHARE waits for the committing transaction; in one
 // transaction the key is an uncommitted INSERT that the check's snapshot
@@ -164,8 +164,7 @@ CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
 	}
 }
 
-// TestLostBatchBeforeItRuns (found by a review of sqlstore's pipeline, the
-// same in pgstore): in two commits the completion travels with the COMMIT
+// TestLostBatchBeforeItRuns: in two commits the completion travels with the COMMIT
 // in one batch, and the connection may be lost while the batch has not
 // run yet: on its way, or, here, waiting on the server for a table lock
 // ("lock": a side transaction holds SHARE on the key table, as a CREATE

@@ -3,7 +3,10 @@ package pgstore_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -278,5 +281,32 @@ func TestExpiredKeyPurgedAfterItsRetention(t *testing.T) {
 	}
 	if row, ok := readKey(t, pool, "short"); !ok || row.status != "completed" {
 		t.Errorf("the key a minute short of its retention: %+v, %v; want it kept, completed", row, ok)
+	}
+}
+
+// TestLongestDurationsDoNotOverflow serves a request with the largest durations an
+// Options can hold: no overflow in the lease, expiry or Retry-After.
+func TestLongestDurationsDoNotOverflow(t *testing.T) {
+	s, pool := newStore(t, nil)
+	const huge = time.Duration(1<<63 - 1)
+	opts := idempotency.Options{LockTimeout: huge, Retention: huge, RetryAfter: huge, WaitForCompletion: 0, Logger: slog.New(slog.DiscardHandler)}
+	h := idempotency.Middleware(s, opts)(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+	}))
+	for i := range 2 {
+		r := httptest.NewRequestWithContext(idempotency.WithClientID(context.Background(), "cli_a"), "POST", "/v1/orders", strings.NewReader("{}"))
+		r.Header.Set("Idempotency-Key", "k")
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, r)
+		if rec.Code != http.StatusCreated || (i == 1) != (rec.Header().Get("Idempotent-Replayed") == "true") {
+			t.Fatalf("request %d: %d %s", i, rec.Code, rec.Body)
+		}
+	}
+	var expires time.Time
+	if err := pool.QueryRow(context.Background(), `SELECT expires_at FROM idempotency_keys`).Scan(&expires); err != nil {
+		t.Fatal(err)
+	}
+	if expires.Before(time.Now().AddDate(200, 0, 0)) {
+		t.Errorf("expires_at %v, want about 292 years from now", expires)
 	}
 }
