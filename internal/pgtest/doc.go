@@ -24,4 +24,16 @@
 // When none of these works the test is skipped with a message naming
 // IDEM_TEST_DATABASE_URL, except under CI=true, where it fails: CI must never
 // pass by skipping the database tests.
+//
+// # Through PgBouncer
+//
+// [Bouncer] starts a throwaway PgBouncer (internal/pgbouncer) in front of
+// that database, on a fresh schema, for the tests of the stores behind a
+// pooler:
+//
+//	url := pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction})
+//	pool, err := pgxpool.New(ctx, url+" default_query_exec_mode=exec")
+//
+// Without pgbouncer on the machine such a test is skipped, naming the
+// command that installs it, and fails under CI=true.
 package pgtest

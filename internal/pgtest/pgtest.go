@@ -66,8 +66,17 @@ func URL(t testing.TB) string {
 // and everything in it are dropped when the test ends.
 func SchemaURL(t testing.TB) string {
 	t.Helper()
-	base := URL(t)
-	schema := schemaName(t.Name())
+	base, schema := newSchema(t)
+	return withSession(base, schema)
+}
+
+// newSchema creates a schema with a unique name, dropped when the test
+// ends, and returns the test database's connection string and the
+// schema's name.
+func newSchema(t testing.TB) (base, schema string) {
+	t.Helper()
+	base = URL(t)
+	schema = schemaName(t.Name())
 	ctx := context.Background()
 	if err := execOnce(ctx, base, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize()); err != nil {
 		t.Fatalf("pgtest: create schema %s (set %s to use another database): %v", schema, EnvURL, err)
@@ -79,7 +88,7 @@ func SchemaURL(t testing.TB) string {
 			t.Errorf("pgtest: %v", err)
 		}
 	})
-	return withSession(base, schema)
+	return base, schema
 }
 
 // Pool returns a pool whose connections use a fresh schema of their own as
