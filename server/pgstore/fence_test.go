@@ -127,7 +127,9 @@ func TestOneTransactionFenceIsFenced(t *testing.T) {
 // and succeeds; the old replica's Migrate may fail, once.
 func TestCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
 	ctx := context.Background()
-	pool := widePool(t, 4)
+	// Five connections: the writer's, the old Migrate's, the build's, its
+	// lock's and the test's own.
+	pool := widePool(t, 5)
 	// A writer keeps the build waiting after its first phase, so that the
 	// old Migrate's CREATE INDEX lands inside the build.
 	writer, err := pool.Begin(ctx)

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -42,27 +43,66 @@ var ErrNoOpenKeysIndex = errors.New("pgstore: the key table has no valid idempot
 // It builds the index with CREATE INDEX CONCURRENTLY, which does not block
 // the table's writes (a plain CREATE INDEX would, for as long as it reads
 // a large table) but waits for the transactions running in the database
-// when it starts, and cannot run in a transaction: it runs on a connection
-// of its own from pool. An index that is there and valid is left alone,
-// so a call at every start costs one catalog query once the index exists.
-// An invalid one, left by a build that did not finish (it failed, was
-// cancelled, or PostgreSQL stopped), is dropped, concurrently, and built
-// again. Calls from
-// many processes at once build it once: each waits for the build under
-// way, under a session-level advisory lock, and finds it done. To remove
-// the index: DROP INDEX CONCURRENTLY idempotency_keys_open_idx.
+// when it starts, and cannot run in a transaction: it runs its statements
+// on pool, outside any transaction. An index that is there and valid is
+// left alone, so a call at every start costs one catalog query once the
+// index exists. An invalid one, left by a build that did not finish (it
+// failed, was cancelled, or PostgreSQL stopped), is dropped, concurrently,
+// and built again. Calls from many processes at once build it once: each
+// waits for the build under way, which holds a transaction-level advisory
+// lock in a READ COMMITTED transaction of its own on another connection of
+// pool (one connection more, outside the pool, when the pool has only
+// one), and finds it done. Nothing is left on a session, so it works
+// behind a pooler in transaction mode (docs/operations.md, "Poolers"). To
+// remove the index: DROP INDEX CONCURRENTLY idempotency_keys_open_idx.
 func CreateOpenKeysIndex(ctx context.Context, pool *pgxpool.Pool) error {
-	c, err := pool.Acquire(ctx)
-	if err != nil {
+	if err := keysql.CreateOpenKeysIndex(ctx, sqlConn{pool}, lockTxOn(pool)); err != nil {
 		return fmt.Errorf("pgstore: creating the open keys' index: %w", err)
 	}
-	if err = keysql.CreateOpenKeysIndex(ctx, sqlConn{c}); err != nil {
-		// The session may still hold the build's advisory lock.
-		_ = c.Hijack().Close(context.WithoutCancel(ctx))
-		return fmt.Errorf("pgstore: creating the open keys' index: %w", err)
-	}
-	c.Release()
 	return nil
+}
+
+// lockTxOn returns the function that begins CreateOpenKeysIndex's
+// transactions for its lock: on a connection of pool, or, when the pool
+// has one connection only, which the build needs meanwhile, on a
+// connection of their own.
+func lockTxOn(pool *pgxpool.Pool) func(context.Context) (keysql.LockTx, error) {
+	opts := pgx.TxOptions{IsoLevel: pgx.ReadCommitted}
+	return func(ctx context.Context) (keysql.LockTx, error) {
+		if pool.Stat().MaxConns() > 1 {
+			tx, err := pool.BeginTx(ctx, opts)
+			if err != nil {
+				return nil, err
+			}
+			return lockTx{sqlConn{tx}, tx, nil}, nil
+		}
+		conn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig)
+		if err != nil {
+			return nil, err
+		}
+		tx, err := conn.BeginTx(ctx, opts)
+		if err != nil {
+			conn.Close(context.WithoutCancel(ctx))
+			return nil, err
+		}
+		return lockTx{sqlConn{tx}, tx, conn}, nil
+	}
+}
+
+// lockTx is a keysql.LockTx on pgx: a transaction, and the connection of
+// its own it runs on, if any, closed when it ends.
+type lockTx struct {
+	sqlConn
+	tx   pgx.Tx
+	conn *pgx.Conn
+}
+
+func (l lockTx) End(ctx context.Context) error {
+	err := l.tx.Rollback(ctx)
+	if l.conn != nil {
+		err = errors.Join(err, l.conn.Close(ctx))
+	}
+	return err
 }
 
 // needOpenIndex returns nil when the key table has the index that

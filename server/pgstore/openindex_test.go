@@ -33,7 +33,13 @@ func openIndex(t *testing.T, pool *pgxpool.Pool) (oid uint32, valid bool) {
 // leaves, which must be valid.
 func mustCreateOpenIndex(t *testing.T, pool *pgxpool.Pool) uint32 {
 	t.Helper()
-	if err := pgstore.CreateOpenKeysIndex(context.Background(), pool); err != nil {
+	return mustCreateOpenIndexCtx(t, context.Background(), pool)
+}
+
+// mustCreateOpenIndexCtx is mustCreateOpenIndex with a context.
+func mustCreateOpenIndexCtx(t *testing.T, ctx context.Context, pool *pgxpool.Pool) uint32 {
+	t.Helper()
+	if err := pgstore.CreateOpenKeysIndex(ctx, pool); err != nil {
 		t.Fatalf("CreateOpenKeysIndex: %v", err)
 	}
 	oid, valid := openIndex(t, pool)
@@ -222,5 +228,25 @@ func TestCreateOpenKeysIndexRefusesAnotherRelation(t *testing.T) {
 	}
 	if _, err := s.Stats(ctx); !errors.Is(err, pgstore.ErrNoOpenKeysIndex) {
 		t.Errorf("Stats with a table of the index's name: %v, want ErrNoOpenKeysIndex", err)
+	}
+}
+
+// TestCreateOpenKeysIndexPoolOfOne: the build holds its lock in a
+// transaction on a connection other than the one it builds on, which a
+// pool of one connection does not have: it opens one of its own for it,
+// and closes it after.
+func TestCreateOpenKeysIndexPoolOfOne(t *testing.T) {
+	ctx := context.Background()
+	_, pool := newStore(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 })
+	cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	mustCreateOpenIndexCtx(t, cctx, pool)
+	var sessions int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+		WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid()`).Scan(&sessions); err != nil {
+		t.Fatal(err)
+	}
+	if sessions != 0 {
+		t.Errorf("%d sessions besides the pool's one after CreateOpenKeysIndex; want its own closed", sessions)
 	}
 }

@@ -3,7 +3,6 @@ package sqlstore
 import (
 	"context"
 	"database/sql"
-	"database/sql/driver"
 	"errors"
 	"fmt"
 
@@ -34,27 +33,43 @@ var ErrNoOpenKeysIndex = errors.New("sqlstore: the key table has no valid idempo
 // which every renewal, completion and release changes, so none of them is
 // a HOT update; see pgstore.CreateOpenKeysIndex for the figure).
 //
-// It builds the index with CREATE INDEX CONCURRENTLY, on a connection of
-// its own from db (no transaction), which does not block the table's
-// writes but waits for the transactions running in the database when it
-// starts. A valid index is left alone, so a call at every start costs one
-// catalog query once the index exists; an invalid one, left by an
-// interrupted build, is dropped and built again; calls from many processes
-// at once build it once.
+// It builds the index with CREATE INDEX CONCURRENTLY, outside any
+// transaction, which does not block the table's writes but waits for the
+// transactions running in the database when it starts. A valid index is
+// left alone, so a call at every start costs one catalog query once the
+// index exists; an invalid one, left by an interrupted build, is dropped
+// and built again; calls from many processes at once build it once, the
+// build holding a transaction-level advisory lock in a READ COMMITTED
+// transaction on another connection of db meanwhile. It needs two
+// connections of db at once, so a db limited to one
+// (SetMaxOpenConns(1)) is an error. Nothing is left on a session, so it
+// works behind a pooler in transaction mode (docs/operations.md,
+// "Poolers").
 func CreateOpenKeysIndex(ctx context.Context, db *sql.DB) error {
-	c, err := db.Conn(ctx)
-	if err != nil {
-		return fmt.Errorf("sqlstore: creating the open keys' index: %w", err)
+	if db.Stats().MaxOpenConnections == 1 {
+		return errors.New("sqlstore: creating the open keys' index: it needs two connections of db at once " +
+			"(the build's, and its lock's transaction), and db allows one (SetMaxOpenConns(1)): call it on a *sql.DB of its own")
 	}
-	defer c.Close()
-	if err = keysql.CreateOpenKeysIndex(ctx, sqlConn{c}); err != nil {
-		// The session may still hold the build's advisory lock: a bad
-		// connection is closed, not put back in the pool.
-		_ = c.Raw(func(any) error { return driver.ErrBadConn })
+	begin := func(ctx context.Context) (keysql.LockTx, error) {
+		tx, err := db.BeginTx(ctx, &sql.TxOptions{Isolation: sql.LevelReadCommitted})
+		if err != nil {
+			return nil, err
+		}
+		return lockTx{sqlConn{tx}, tx}, nil
+	}
+	if err := keysql.CreateOpenKeysIndex(ctx, sqlConn{db}, begin); err != nil {
 		return fmt.Errorf("sqlstore: creating the open keys' index: %w", err)
 	}
 	return nil
 }
+
+// lockTx is a keysql.LockTx on database/sql.
+type lockTx struct {
+	sqlConn
+	tx *sql.Tx
+}
+
+func (l lockTx) End(context.Context) error { return l.tx.Rollback() }
 
 // needOpenIndex returns nil when the key table has the index that
 // CreateOpenKeysIndex creates, and an error wrapping ErrNoOpenKeysIndex

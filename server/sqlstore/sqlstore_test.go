@@ -41,3 +41,11 @@ func TestImportsNoPgx(t *testing.T) {
 		}
 	}
 }
+
+// TestOpenKeysIndexThroughPgBouncer builds the open keys' index through
+// PgBouncer in transaction mode, on pgx's driver in exec mode, and checks
+// that no lock is left on a session (see
+// sqlstoretest.OpenKeysIndexThroughPgBouncer).
+func TestOpenKeysIndexThroughPgBouncer(t *testing.T) {
+	sqlstoretest.OpenKeysIndexThroughPgBouncer(t, "pgx", "default_query_exec_mode=exec")
+}

@@ -146,8 +146,9 @@ var columns = map[string]string{
 var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expires_at"}
 
 // Conn runs statements on a store's driver, pgx or database/sql: those of
-// Migrate in one transaction, those of CreateOpenKeysIndex on one session
-// outside a transaction, and OpenIndex.Need's catalog query anywhere.
+// Migrate in one transaction, those of CreateOpenKeysIndex outside a
+// transaction, each on any session (its lock is a LockTx's), and
+// OpenIndex.Need's catalog query anywhere.
 type Conn interface {
 	// Exec runs sql; without args it may hold several statements.
 	Exec(ctx context.Context, sql string, args ...any) error

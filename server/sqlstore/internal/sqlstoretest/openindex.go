@@ -113,3 +113,18 @@ func testOpenIndexInvalid(t *testing.T, driver string) {
 		t.Errorf("Abandoned after the rebuild: %v", err)
 	}
 }
+
+// testOpenIndexOneConn: the build holds its lock in a transaction on a
+// connection other than the one it builds on, which a db limited to one
+// connection does not have: CreateOpenKeysIndex says so, rather than
+// wait for it forever.
+func testOpenIndexOneConn(t *testing.T, driver string) {
+	db := Open(t, driver)
+	db.SetMaxOpenConns(1)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	err := sqlstore.CreateOpenKeysIndex(ctx, db)
+	if err == nil || !strings.Contains(err.Error(), "SetMaxOpenConns(1)") {
+		t.Errorf("CreateOpenKeysIndex on a db of one connection: %v; want an error naming SetMaxOpenConns(1)", err)
+	}
+}

@@ -31,6 +31,7 @@ func Run(t *testing.T, driver string) {
 		{"Sweeper", func(t *testing.T, driver string) { storetest.ExerciseSweeper(t, indexedBackend(driver)) }},
 		{"OpenKeysIndexOptIn", testOpenIndexOptIn},
 		{"OpenKeysIndexInvalid", testOpenIndexInvalid},
+		{"OpenKeysIndexOneConnection", testOpenIndexOneConn},
 		{"HandlerRowsFollowOutcome", testHandlerRows},
 		{"OneKeyConcurrentlyOneRow", testConcurrentKey},
 		{"ResponseByteForByte", testResponseFidelity},
