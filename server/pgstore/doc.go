@@ -100,4 +100,20 @@
 // connection. Nothing waits for a connection while holding what another
 // waiter needs: a pool smaller than the requests slows them, never stops
 // them (TestSmallPoolAnswersEveryRequest).
+//
+// # Poolers
+//
+// The store keeps nothing on a session between two transactions, nor
+// between two statements outside one: no session-level lock or setting,
+// no LISTEN, no temporary table, and no prepared statement of its own.
+// So it works behind a pooler in session mode, and behind one in
+// transaction mode, such as PgBouncer with pool_mode = transaction, in
+// the query modes of pgx that leave nothing on the session for a later
+// round trip: set default_query_exec_mode=exec (or simple_protocol, or
+// cache_describe) in the connection string. pgx's default,
+// cache_statement, prepares named statements on the session, and
+// describe_exec binds in a second round trip what it prepared in the
+// first, which may then be another client's statement; [Migrate] refuses
+// both there with a [*QueryModeError] that says what to set
+// ([CheckQueryMode]). See docs/operations.md, "Poolers".
 package pgstore

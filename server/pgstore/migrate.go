@@ -58,12 +58,21 @@ import (
 // ([Store.Purge]) deletes the rows that
 // count as absent, through idempotency_keys_expires_idx, in bounded
 // batches; it never deletes a row whose lease is being renewed.
+//
+// First, it checks that pool's query mode works with the way its
+// connections reach PostgreSQL ([CheckQueryMode]): behind a pooler in
+// transaction mode, pgx's default mode cannot work, and Migrate returns a
+// [*QueryModeError] that says what to set, also when a statement of its
+// own shows it.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
+	if err := CheckQueryMode(ctx, pool); err != nil {
+		return err
+	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		return keysql.Migrate(ctx, sqlConn{tx})
 	})
 	if err != nil {
-		return fmt.Errorf("pgstore: migrate: %w", err)
+		return fmt.Errorf("pgstore: migrate: %w", queryModeError(pool, err))
 	}
 	return nil
 }

@@ -57,7 +57,7 @@ var ErrNoOpenKeysIndex = errors.New("pgstore: the key table has no valid idempot
 // remove the index: DROP INDEX CONCURRENTLY idempotency_keys_open_idx.
 func CreateOpenKeysIndex(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := keysql.CreateOpenKeysIndex(ctx, sqlConn{pool}, lockTxOn(pool)); err != nil {
-		return fmt.Errorf("pgstore: creating the open keys' index: %w", err)
+		return fmt.Errorf("pgstore: creating the open keys' index: %w", queryModeError(pool, err))
 	}
 	return nil
 }
@@ -76,7 +76,7 @@ func lockTxOn(pool *pgxpool.Pool) func(context.Context) (keysql.LockTx, error) {
 			}
 			return lockTx{sqlConn{tx}, tx, nil}, nil
 		}
-		conn, err := pgx.ConnectConfig(ctx, pool.Config().ConnConfig)
+		conn, err := connect(ctx, pool)
 		if err != nil {
 			return nil, err
 		}

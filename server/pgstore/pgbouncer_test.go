@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -126,5 +127,62 @@ func TestOpenKeysIndexThroughPgBouncer(t *testing.T) {
 		if n := advisoryLocks(t, pool); n != 0 {
 			t.Fatalf("round %d: %d advisory locks held by the test's sessions after CreateOpenKeysIndex returned; want none", round, n)
 		}
+	}
+}
+
+// TestCheckQueryMode: the query modes that need a session of their own
+// per connection are refused, by CheckQueryMode and by Migrate, with a
+// QueryModeError that names the setting to change, when the pool's
+// connections reach PostgreSQL through PgBouncer in transaction mode,
+// whether it hands out the session it used last or its sessions in turn;
+// every mode passes directly and through PgBouncer in session mode.
+func TestCheckQueryMode(t *testing.T) {
+	ctx := context.Background()
+	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
+	for _, tt := range []struct {
+		name   string
+		url    func(t *testing.T) string
+		shared bool
+	}{
+		{"direct", func(t *testing.T) string { return pgtest.SchemaURL(t) }, false},
+		{"session", func(t *testing.T) string { return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Session}) }, false},
+		{"transaction", func(t *testing.T) string { return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction}) }, true},
+		{"transaction_round_robin", func(t *testing.T) string {
+			return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction, RoundRobin: true})
+		}, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			url := tt.url(t)
+			for _, mode := range modes {
+				cfg, err := pgxpool.ParseConfig(url)
+				if err != nil {
+					t.Fatal(err)
+				}
+				cfg.ConnConfig.DefaultQueryExecMode = mode
+				pool, err := pgxpool.NewWithConfig(ctx, cfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer pool.Close()
+				if tt.name == "transaction_round_robin" {
+					spread(t, pool, 4) // sessions to hand out in turn
+				}
+				want := tt.shared && (mode == pgx.QueryExecModeCacheStatement || mode == pgx.QueryExecModeDescribeExec)
+				err = pgstore.CheckQueryMode(ctx, pool)
+				var qm *pgstore.QueryModeError
+				if got := errors.As(err, &qm); got != want || (err != nil && !got) {
+					t.Errorf("%v: CheckQueryMode = %v; want a QueryModeError: %v", mode, err, want)
+					continue
+				}
+				if want && (qm.Mode != mode || !strings.Contains(err.Error(), "default_query_exec_mode=exec") ||
+					!strings.Contains(err.Error(), "query mode "+strings.ReplaceAll(mode.String(), " ", "_")+" ")) {
+					t.Errorf("%v: %v; want the mode named, and default_query_exec_mode=exec", mode, err)
+				}
+				if err := pgstore.Migrate(ctx, pool); !errors.As(err, &qm) && want || err != nil && !want {
+					t.Errorf("%v: Migrate = %v; want a QueryModeError: %v", mode, err, want)
+				}
+			}
+		})
 	}
 }
