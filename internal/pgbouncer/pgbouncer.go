@@ -14,9 +14,10 @@
 // when this process exits however it exits, the shell stops PgBouncer
 // and deletes the directory.
 //
-// PgBouncer is found on PATH, else at /usr/sbin/pgbouncer, where
-// Debian's package puts it; PgBouncer refuses to run as root, so as root
-// it runs as the postgres OS user (-u postgres).
+// PgBouncer is the binary that IDEM_PGBOUNCER names, else pgbouncer on
+// PATH, else /usr/sbin/pgbouncer, where Debian's package puts it ([Find]);
+// PgBouncer refuses to run as root, so as root it runs as the postgres OS
+// user (-u postgres).
 package pgbouncer
 
 import (
@@ -79,6 +80,13 @@ type Config struct {
 	// sessions more often than not: session state that a store left behind
 	// by mistake shows sooner.
 	RoundRobin bool
+	// MaxPreparedStatements, if not empty, is PgBouncer's
+	// max_prepared_statements (PgBouncer 1.21 and later; 1.18 refuses
+	// the setting): the named prepared statements it keeps for each
+	// client in transaction mode, re-preparing them on the session the
+	// client gets; "0" turns that off. Empty leaves PgBouncer's default:
+	// 0 in 1.21, 200 from 1.22.
+	MaxPreparedStatements string
 }
 
 // Bouncer is a running PgBouncer. Close stops it.
@@ -110,9 +118,21 @@ wait "$pid"
 rm -rf "$dir"
 `
 
-// Find returns the path of the pgbouncer binary, or an error naming the
-// command that installs it.
+// EnvBinary names the environment variable that points at another
+// pgbouncer binary than the one on PATH: a newer release built from
+// source, say.
+const EnvBinary = "IDEM_PGBOUNCER"
+
+// Find returns the path of the pgbouncer binary: EnvBinary's, if set,
+// else pgbouncer on PATH, else /usr/sbin/pgbouncer; or an error naming
+// the command that installs it.
 func Find() (string, error) {
+	if p := os.Getenv(EnvBinary); p != "" {
+		if _, err := os.Stat(p); err != nil {
+			return "", fmt.Errorf("%s=%s: %w", EnvBinary, p, err)
+		}
+		return p, nil
+	}
 	if p, err := exec.LookPath("pgbouncer"); err == nil {
 		return p, nil
 	}
@@ -229,6 +249,13 @@ func config(cfg Config, server *pgconn.Config) (string, error) {
 	if cfg.RoundRobin {
 		roundRobin = 1
 	}
+	extra := ""
+	if cfg.MaxPreparedStatements != "" {
+		if _, err := strconv.Atoi(cfg.MaxPreparedStatements); err != nil {
+			return "", fmt.Errorf("pgbouncer: max_prepared_statements %q: %w", cfg.MaxPreparedStatements, err)
+		}
+		extra = "max_prepared_statements = " + cfg.MaxPreparedStatements + "\n"
+	}
 	return fmt.Sprintf(`[databases]
 %s = %s
 
@@ -247,7 +274,7 @@ ignore_startup_parameters = extra_float_digits
 logfile = $DIR/pgbouncer.log
 log_connections = 0
 log_disconnections = 0
-`, Database, strings.Join(db, " "), port, mode, reset, size, roundRobin), nil
+%s`, Database, strings.Join(db, " "), port, mode, reset, size, roundRobin, extra), nil
 }
 
 // URL returns the connection string of the bouncer's database, in the
@@ -311,4 +338,41 @@ func (b *Bouncer) log() string {
 		return "(empty)"
 	}
 	return strings.Join(out, "\n")
+}
+
+// Version returns the version of the pgbouncer binary that [Find] finds,
+// as major and minor numbers (1 and 18 for PgBouncer 1.18.0).
+func Version() (major, minor int, err error) {
+	bin, err := Find()
+	if err != nil {
+		return 0, 0, err
+	}
+	out, err := exec.Command(bin, "--version").Output()
+	if err != nil {
+		return 0, 0, fmt.Errorf("%s --version: %w", bin, err)
+	}
+	// "PgBouncer 1.18.0\nlibevent ..."
+	if _, err := fmt.Sscanf(string(out), "PgBouncer %d.%d", &major, &minor); err != nil {
+		return 0, 0, fmt.Errorf("%s --version: %q: %w", bin, strings.SplitN(string(out), "\n", 2)[0], err)
+	}
+	return major, minor, nil
+}
+
+// CanKeepPreparedStatements reports whether the pgbouncer binary that
+// [Find] finds can keep prepared statements for its clients in
+// transaction mode: PgBouncer 1.21 and later (max_prepared_statements).
+func CanKeepPreparedStatements() bool {
+	major, minor, err := Version()
+	return err == nil && (major > 1 || major == 1 && minor >= 21)
+}
+
+// NoPreparedStatements returns the [Config.MaxPreparedStatements] that
+// has the binary at hand keep no prepared statement for its clients: "0"
+// from PgBouncer 1.21 (from 1.22 it keeps 200 by default), "" before,
+// which has no such setting and keeps none.
+func NoPreparedStatements() string {
+	if CanKeepPreparedStatements() {
+		return "0"
+	}
+	return ""
 }

@@ -22,13 +22,7 @@ import (
 // fails: the tests through a pooler must run there, not skip.
 func Bouncer(t testing.TB, cfg pgbouncer.Config) string {
 	t.Helper()
-	if _, err := pgbouncer.Find(); err != nil {
-		msg := "pgtest: no PgBouncer for this test: " + err.Error()
-		if CI() {
-			t.Fatal(msg + " (CI=true: the tests through a pooler must run, not skip)")
-		}
-		t.Skip(msg)
-	}
+	NeedBouncer(t)
 	base, schema := newSchema(t) // registered first, so its cleanup runs after the bouncer stops
 	cfg.Server, cfg.SearchPath = base, schema
 	b, err := pgbouncer.Start(context.Background(), cfg)
@@ -41,4 +35,18 @@ func Bouncer(t testing.TB, cfg pgbouncer.Config) string {
 		}
 	})
 	return fmt.Sprintf("%s application_name=%s", b.URL(), schema)
+}
+
+// NeedBouncer skips the test when pgbouncer is not on the machine, with a
+// message naming the command that installs it, or fails it under CI=true,
+// for a test that starts PgBouncer itself (through internal/pgbouncer).
+func NeedBouncer(t testing.TB) {
+	t.Helper()
+	if _, err := pgbouncer.Find(); err != nil {
+		msg := "pgtest: no PgBouncer for this test: " + err.Error()
+		if CI() {
+			t.Fatal(msg + " (CI=true: the tests through a pooler must run, not skip)")
+		}
+		t.Skip(msg)
+	}
 }
