@@ -111,9 +111,11 @@
 // the query modes of pgx that leave nothing on the session for a later
 // round trip: set default_query_exec_mode=exec (or simple_protocol, or
 // cache_describe) in the connection string. pgx's default,
-// cache_statement, prepares named statements on the session, and
+// cache_statement, runs named statements it prepared once, which works
+// there only if the pooler keeps them for its clients (PgBouncer 1.21 and
+// later, with max_prepared_statements above 0, its default from 1.22);
 // describe_exec binds in a second round trip what it prepared in the
-// first, which may then be another client's statement; [Migrate] refuses
-// both there with a [*QueryModeError] that says what to set
-// ([CheckQueryMode]). See docs/operations.md, "Poolers".
+// first, which may then be another client's statement. [Migrate] refuses
+// them where they cannot work with a [*QueryModeError] that says what to
+// set ([CheckQueryMode]). See docs/operations.md, "Poolers".
 package pgstore

@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"errors"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -135,24 +136,40 @@ func TestOpenKeysIndexThroughPgBouncer(t *testing.T) {
 // QueryModeError that names the setting to change, when the pool's
 // connections reach PostgreSQL through PgBouncer in transaction mode,
 // whether it hands out the session it used last or its sessions in turn;
-// every mode passes directly and through PgBouncer in session mode.
+// every mode passes directly and through PgBouncer in session mode; and
+// cache_statement passes behind a PgBouncer that keeps prepared
+// statements for its clients (1.21 and later, max_prepared_statements;
+// skipped with an older one: Debian 12 has 1.18, and IDEM_PGBOUNCER may
+// name a newer build).
 func TestCheckQueryMode(t *testing.T) {
 	ctx := context.Background()
 	modes := []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
 		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol}
+	bouncer := func(cfg pgbouncer.Config) func(t *testing.T) string {
+		return func(t *testing.T) string { return pgtest.Bouncer(t, cfg) }
+	}
+	transaction := pgbouncer.Config{PoolMode: pgbouncer.Transaction, MaxPreparedStatements: pgbouncer.NoPreparedStatements()}
+	roundRobin := transaction
+	roundRobin.RoundRobin = true
 	for _, tt := range []struct {
-		name   string
-		url    func(t *testing.T) string
-		shared bool
+		name    string
+		url     func(t *testing.T) string
+		refused []pgx.QueryExecMode
+		kept    bool // needs a PgBouncer that keeps prepared statements
 	}{
-		{"direct", func(t *testing.T) string { return pgtest.SchemaURL(t) }, false},
-		{"session", func(t *testing.T) string { return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Session}) }, false},
-		{"transaction", func(t *testing.T) string { return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction}) }, true},
-		{"transaction_round_robin", func(t *testing.T) string {
-			return pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction, RoundRobin: true})
-		}, true},
+		{"direct", func(t *testing.T) string { return pgtest.SchemaURL(t) }, nil, false},
+		{"session", bouncer(pgbouncer.Config{PoolMode: pgbouncer.Session}), nil, false},
+		{"transaction", bouncer(transaction), []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeDescribeExec}, false},
+		{"transaction_round_robin", bouncer(roundRobin), []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeDescribeExec}, false},
+		{"transaction_prepared_statements", bouncer(pgbouncer.Config{PoolMode: pgbouncer.Transaction, MaxPreparedStatements: "200"}),
+			[]pgx.QueryExecMode{pgx.QueryExecModeDescribeExec}, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
+			if tt.kept && !pgbouncer.CanKeepPreparedStatements() {
+				pgtest.NeedBouncer(t)
+				major, minor, _ := pgbouncer.Version()
+				t.Skipf("needs PgBouncer 1.21 or later (max_prepared_statements), this is %d.%d; set %s to a newer build", major, minor, pgbouncer.EnvBinary)
+			}
 			url := tt.url(t)
 			for _, mode := range modes {
 				cfg, err := pgxpool.ParseConfig(url)
@@ -168,7 +185,7 @@ func TestCheckQueryMode(t *testing.T) {
 				if tt.name == "transaction_round_robin" {
 					spread(t, pool, 4) // sessions to hand out in turn
 				}
-				want := tt.shared && (mode == pgx.QueryExecModeCacheStatement || mode == pgx.QueryExecModeDescribeExec)
+				want := slices.Contains(tt.refused, mode)
 				err = pgstore.CheckQueryMode(ctx, pool)
 				var qm *pgstore.QueryModeError
 				if got := errors.As(err, &qm); got != want || (err != nil && !got) {
