@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/internal/faultproxy"
+	"github.com/idemkit/idem/internal/pgbouncer"
 )
 
 // Random streams derived from the seed, one per user, so that each draws
@@ -71,6 +72,11 @@ type report struct {
 	late        lateStats        // what the late retries got
 }
 
+// bouncerPoolSize is the most server connections the run's PgBouncer
+// opens to the database (-pgbouncer), for replicas of up to 16 client
+// connections each.
+const bouncerPoolSize = 20
+
 // runChaos runs the test and prints its report to stdout.
 func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, err error) {
 	out := &syncWriter{w: stdout}
@@ -85,6 +91,16 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 			err = errors.Join(err, cerr)
 		}
 	}()
+	db.mode = cfg.queryExecMode
+	if cfg.pgbouncer != "" {
+		b, err := pgbouncer.Start(ctx, pgbouncer.Config{Server: cfg.databaseURL, PoolMode: cfg.pgbouncer, SearchPath: schema,
+			PoolSize: bouncerPoolSize})
+		if err != nil {
+			return nil, err
+		}
+		defer b.Close() // after the replicas stop, before the schema is dropped
+		db.bouncer = b.URL()
+	}
 
 	wd, err := newWorkdir(cfg)
 	if err != nil {

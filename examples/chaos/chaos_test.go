@@ -51,14 +51,14 @@ func TestChaos(t *testing.T) {
 	t.Run("default", func(t *testing.T) { testChaos(t, "") })
 }
 
-func testChaos(t *testing.T, serverArgs string) {
+func testChaos(t *testing.T, serverArgs string, more ...string) {
 	dbURL := pgtest.URL(t) // fails under CI=true when there is no database
-	args := []string{
+	args := append([]string{
 		"-duration", "8s", "-grace", "3m", "-seed", "1",
 		"-replicas", "2", "-clients", "6", "-kills", "1", "-restarts", "1", "-pg-terminations", "3",
 		"-invalid-text", "0.1", "-hold", "0.1", "-cancel", "0.2", "-late", "0.2", "-vanish", "0.2",
 		"-database-url", dbURL, "-server-args", serverArgs,
-	}
+	}, more...)
 	cfg, err := parseFlags(args, &bytes.Buffer{})
 	if err != nil {
 		t.Fatal(err)
@@ -181,6 +181,8 @@ func TestParseFlags(t *testing.T) {
 		{"-clients", "2", "-accounts", "3"},
 		{"-reset", "0.6", "-drop", "0.6"},
 		{"-processor-failure-rate", "2"},
+		{"-pgbouncer", "statement"},
+		{"-query-exec-mode", "cache"},
 		{"extra"},
 	} {
 		if _, err := parseFlags(args, &bytes.Buffer{}); err == nil {

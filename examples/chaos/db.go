@@ -54,9 +54,11 @@ func redactURL(conn string) string {
 // statements: creating and dropping the schema, terminating the replicas'
 // backends, and the final check.
 type database struct {
-	base   string // the connection string given
-	schema string
-	pool   *pgxpool.Pool
+	base    string // the connection string given
+	schema  string
+	pool    *pgxpool.Pool
+	bouncer string // the connection string of the replicas' PgBouncer, if any
+	mode    string // the replicas' default_query_exec_mode, if any
 }
 
 // openDatabase connects to conn and creates the schema.
@@ -81,9 +83,19 @@ func openDatabase(ctx context.Context, conn, schema, appName string) (*database,
 
 // serverURL is the connection string of a replica: the run's schema as its
 // search_path (where idem-server creates its tables), and an application
-// name of its own, by which its backends are found to be terminated.
+// name of its own, by which its backends are found to be terminated;
+// through the PgBouncer, if any, which sets the search_path itself (a
+// pooler in transaction mode keeps no setting a client sends) and gives
+// each backend the name of the replica it serves last.
 func (d *database) serverURL(appName string) string {
-	return withParams(d.base, [][2]string{{"search_path", d.schema}, {"application_name", appName}})
+	params := [][2]string{{"application_name", appName}}
+	if d.mode != "" {
+		params = append(params, [2]string{"default_query_exec_mode", d.mode})
+	}
+	if d.bouncer != "" {
+		return withParams(d.bouncer, params)
+	}
+	return withParams(d.base, append([][2]string{{"search_path", d.schema}}, params...))
 }
 
 // table returns the qualified name of a table of the run's schema.

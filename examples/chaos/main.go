@@ -40,6 +40,13 @@
 //	double-charged keys: 0
 //	lost: 0
 //	recovery: 1.11s (kill → first success)
+//
+// With -pgbouncer, the replicas reach the database through a PgBouncer of
+// the run's own (its server connections on the run's schema), which the
+// run starts and stops; with -pgbouncer transaction, give them a query
+// mode that works there:
+//
+//	go run ./examples/chaos -duration 30s -pgbouncer transaction -query-exec-mode exec
 package main
 
 import (
@@ -50,11 +57,13 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
 
 	"github.com/idemkit/idem/internal/faultproxy"
+	"github.com/idemkit/idem/internal/pgbouncer"
 )
 
 func main() {
@@ -110,6 +119,8 @@ type config struct {
 	failover     string
 	promoteAfter time.Duration // from the primary's death to the standby's promotion
 	lag          time.Duration // async: the standby stops receiving WAL this long before the kill
+	pgbouncer      string   // pool mode of a PgBouncer between the replicas and the database; empty: none
+	queryExecMode  string   // the replicas' default_query_exec_mode; empty: pgx's default
 }
 
 func parseFlags(args []string, out io.Writer) (config, error) {
@@ -165,6 +176,12 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.Float64Var(&c.mix.Latency, "latency", 0.10, "share of proxied connections slowed by up to 50ms a chunk")
 	fs.BoolVar(&c.keepSchema, "keep-schema", false, "keep the run's schema (for inspection) instead of dropping it")
 	fs.StringVar(&c.logsDir, "logs", "", "keep the servers' logs in this `directory`; by default they are kept only when the run fails")
+	fs.StringVar(&c.pgbouncer, "pgbouncer", "",
+		"run the replicas through a PgBouncer of the run's own, in front of -database-url, in this pool `mode` (session or transaction), "+
+			"with the run's schema as its server connections' search_path; it needs pgbouncer (on PATH or at /usr/sbin/pgbouncer); empty: none")
+	fs.StringVar(&c.queryExecMode, "query-exec-mode", "",
+		"pgx's query `mode` for the replicas' connections (default_query_exec_mode: cache_statement, cache_describe, describe_exec, exec, simple_protocol); "+
+			"behind -pgbouncer transaction only exec, simple_protocol and cache_describe work; empty: pgx's default, cache_statement")
 	fs.BoolVar(&c.keyPerAttempt, "bug-key-per-attempt", false,
 		"negative control: send a new Idempotency-Key on every attempt (the classic client bug), which must show duplicates")
 	fs.StringVar(&c.failover, "failover", "",
@@ -215,6 +232,10 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	case !(c.holdRate >= 0 && c.holdRate <= 1) || !(c.cancelRate >= 0 && c.cancelRate <= 1) || !(c.vanishRate >= 0 && c.vanishRate <= 1) ||
 		!(c.lateRate >= 0 && c.lateRate <= 1):
 		return c, errors.New("-hold, -cancel, -vanish and -late must be in [0, 1]")
+	case c.pgbouncer != "" && c.pgbouncer != pgbouncer.Session && c.pgbouncer != pgbouncer.Transaction:
+		return c, fmt.Errorf("-pgbouncer %q: want %s or %s", c.pgbouncer, pgbouncer.Session, pgbouncer.Transaction)
+	case c.queryExecMode != "" && !slices.Contains([]string{"cache_statement", "cache_describe", "describe_exec", "exec", "simple_protocol"}, c.queryExecMode):
+		return c, fmt.Errorf("-query-exec-mode %q: want cache_statement, cache_describe, describe_exec, exec or simple_protocol", c.queryExecMode)
 	case c.sweepGrace <= max(c.processorDelay, c.slowDelay) || c.sweepGrace >= c.retention:
 		return c, fmt.Errorf("-sweep-grace %v must exceed the processor delays (%v, %v: it is also the servers' processor timeout) and stay below -retention %v, "+
 			"or abandoned keys expire before a sweeper settles them", c.sweepGrace, c.processorDelay, c.slowDelay, c.retention)

@@ -16,6 +16,9 @@ import (
 func printHeader(w io.Writer, cfg config, schema, dbURL string) {
 	fmt.Fprintf(w, "idem chaos test: seed %d, %s of faults, then up to %s for the clients to settle\n", cfg.seed, cfg.duration, cfg.grace)
 	fmt.Fprintf(w, "  %d idem-server replicas sharing %s (schema %s), lock timeout %s\n", cfg.replicas, dbURL, schema, cfg.lockTimeout)
+	if cfg.pgbouncer != "" || cfg.queryExecMode != "" {
+		fmt.Fprintf(w, "  through PgBouncer: %s (pool_mode); pgx's query mode: %s\n", cmp.Or(cfg.pgbouncer, "none"), cmp.Or(cfg.queryExecMode, "its default"))
+	}
 	fmt.Fprintf(w, "  %d clients over %d API keys, through a fault proxy; attempt timeout %s; an unknown outcome is asked again later with the same key\n",
 		cfg.clients, cfg.accounts, cfg.attemptTimeout)
 	fmt.Fprintf(w, "  %d kills, %d graceful restarts, %d rounds of backend terminations; proxy: reset %g, drop %g, stall %g, latency %g of connections\n",
