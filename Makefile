@@ -4,7 +4,7 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test quick check fmt vet staticcheck bench scenarios fuzz failover
+.PHONY: test quick poolers failover check fmt vet staticcheck bench scenarios fuzz
 
 # bench/, otel/, examples/router, examples/outbox,
 # server/sqlstore/internal/pqtest and server/sqlstore/internal/gormtest are
@@ -33,6 +33,16 @@ test:
 failover:
 	$(GO) test -race -count=1 -v -run '^TestFailover$$' ./examples/chaos
 
+# poolers: the tests through PgBouncer that make test leaves out (build tag
+# poolers; they need pgbouncer, see docs/testing.md): the conformance
+# suites of pgstore, sqlstore and sqlstore on lib/pq through PgBouncer in
+# transaction mode, in each query mode that works there, then a short
+# chaos run through it. About three minutes on a quiet 2-core machine.
+poolers:
+	$(GO) test -tags poolers -race -count=1 -run 'PgBouncer' ./server/pgstore ./server/sqlstore
+	cd server/sqlstore/internal/pqtest && $(GO) test -tags poolers -race -count=1 -run 'PgBouncer' ./...
+	$(GO) test -tags poolers -race -count=1 -v -run '^TestChaosThroughPgBouncer$$' ./examples/chaos
+
 # quick: the tests without the chaos test and the long end-to-end runs
 # (-short), for the edit-test loop; make test is what CI runs.
 quick:
@@ -42,24 +52,24 @@ fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 
 vet:
-	$(GO) vet $(PKGS)
+	$(GO) vet -tags poolers $(PKGS)
 	cd bench && $(GO) vet ./...
 	cd otel && $(GO) vet ./...
 	cd examples/router && $(GO) vet ./...
 	cd examples/outbox && $(GO) vet ./...
-	cd server/sqlstore/internal/pqtest && $(GO) vet ./...
+	cd server/sqlstore/internal/pqtest && $(GO) vet -tags poolers ./...
 	cd server/sqlstore/internal/gormtest && $(GO) vet ./...
 
 staticcheck:
-	$(STATICCHECK) $(PKGS)
+	$(STATICCHECK) -tags poolers $(PKGS)
 	cd bench && $(STATICCHECK) ./...
 	cd otel && $(STATICCHECK) ./...
 	cd examples/router && $(STATICCHECK) ./...
 	cd examples/outbox && $(STATICCHECK) ./...
-	cd server/sqlstore/internal/pqtest && $(STATICCHECK) ./...
+	cd server/sqlstore/internal/pqtest && $(STATICCHECK) -tags poolers ./...
 	cd server/sqlstore/internal/gormtest && $(STATICCHECK) ./...
 
-check: fmt vet staticcheck test
+check: fmt vet staticcheck test poolers
 
 bench:
 	$(GO) test -run '^$$' -bench . -benchmem $(PKGS)

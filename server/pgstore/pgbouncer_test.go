@@ -25,8 +25,16 @@ import (
 // run on different sessions more often than not.
 func bouncerPool(t *testing.T, conns int32, mode pgx.QueryExecMode, index bool) *pgxpool.Pool {
 	t.Helper()
+	return bouncerPoolWith(t, pgbouncer.Config{}, conns, mode, index)
+}
+
+// bouncerPoolWith is bouncerPool with PgBouncer's max_prepared_statements
+// as bcfg says.
+func bouncerPoolWith(t *testing.T, bcfg pgbouncer.Config, conns int32, mode pgx.QueryExecMode, index bool) *pgxpool.Pool {
+	t.Helper()
 	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction, RoundRobin: true}))
+	bcfg.PoolMode, bcfg.RoundRobin = pgbouncer.Transaction, true
+	cfg, err := pgxpool.ParseConfig(pgtest.Bouncer(t, bcfg))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -165,10 +173,8 @@ func TestCheckQueryMode(t *testing.T) {
 			[]pgx.QueryExecMode{pgx.QueryExecModeDescribeExec}, true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			if tt.kept && !pgbouncer.CanKeepPreparedStatements() {
-				pgtest.NeedBouncer(t)
-				major, minor, _ := pgbouncer.Version()
-				t.Skipf("needs PgBouncer 1.21 or later (max_prepared_statements), this is %d.%d; set %s to a newer build", major, minor, pgbouncer.EnvBinary)
+			if tt.kept {
+				skipUnlessKept(t)
 			}
 			url := tt.url(t)
 			for _, mode := range modes {
@@ -193,7 +199,7 @@ func TestCheckQueryMode(t *testing.T) {
 					continue
 				}
 				if want && (qm.Mode != mode || !strings.Contains(err.Error(), "default_query_exec_mode=exec") ||
-					!strings.Contains(err.Error(), "query mode "+strings.ReplaceAll(mode.String(), " ", "_")+" ")) {
+					!strings.Contains(err.Error(), "query mode "+modeName(mode)+" ")) {
 					t.Errorf("%v: %v; want the mode named, and default_query_exec_mode=exec", mode, err)
 				}
 				if err := pgstore.Migrate(ctx, pool); !errors.As(err, &qm) && want || err != nil && !want {
@@ -203,3 +209,18 @@ func TestCheckQueryMode(t *testing.T) {
 		})
 	}
 }
+
+// skipUnlessKept skips a test that needs a PgBouncer that keeps prepared
+// statements for its clients (1.21 and later), naming the one at hand.
+func skipUnlessKept(t *testing.T) {
+	t.Helper()
+	pgtest.NeedBouncer(t)
+	if !pgbouncer.CanKeepPreparedStatements() {
+		major, minor, _ := pgbouncer.Version()
+		t.Skipf("needs PgBouncer 1.21 or later (max_prepared_statements), this is %d.%d; set %s to a newer build",
+			major, minor, pgbouncer.EnvBinary)
+	}
+}
+
+// modeName is the name of mode in a connection string.
+func modeName(mode pgx.QueryExecMode) string { return strings.ReplaceAll(mode.String(), " ", "_") }

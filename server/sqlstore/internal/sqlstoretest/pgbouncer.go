@@ -17,12 +17,14 @@ import (
 
 // bouncerDB returns a pool of driver through a PgBouncer of its own in
 // transaction mode, which hands out its server connections in turn
-// (round robin), with the connection parameters params (key=value,
-// space-separated), on a fresh schema holding the key table and the
-// writes table; with index, the open keys' index too.
-func bouncerDB(t *testing.T, driver, params string, index bool) *sql.DB {
+// (round robin) and keeps as many prepared statements for each client as
+// maxPrepared says (pgbouncer.Config.MaxPreparedStatements), with the
+// connection parameters params (key=value, space-separated), on a fresh
+// schema holding the key table and the writes table; with index, the open
+// keys' index too.
+func bouncerDB(t *testing.T, driver, params, maxPrepared string, index bool) *sql.DB {
 	t.Helper()
-	url := pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction, RoundRobin: true})
+	url := pgtest.Bouncer(t, pgbouncer.Config{PoolMode: pgbouncer.Transaction, RoundRobin: true, MaxPreparedStatements: maxPrepared})
 	db := open(t, driver, strings.TrimSpace(url+" "+params))
 	ctx := context.Background()
 	if err := sqlstore.Migrate(ctx, db); err != nil {
@@ -43,17 +45,18 @@ func bouncerDB(t *testing.T, driver, params string, index bool) *sql.DB {
 // ConformanceThroughPgBouncer runs the conformance suites of the store,
 // the sweeper and the inspector on driver through PgBouncer in
 // transaction mode, with the connection parameters params (key=value,
-// space-separated): pgx's query modes that work there, say.
-func ConformanceThroughPgBouncer(t *testing.T, driver, params string) {
-	t.Run("Store", func(t *testing.T) {
-		storetest.Exercise(t, func(t *testing.T) storetest.Backend { return backendOn(bouncerDB(t, driver, params, false)) })
-	})
-	t.Run("Sweeper", func(t *testing.T) {
-		storetest.ExerciseSweeper(t, func(t *testing.T) storetest.Backend { return backendOn(bouncerDB(t, driver, params, true)) })
-	})
-	t.Run("Inspector", func(t *testing.T) {
-		storetest.ExerciseInspector(t, func(t *testing.T) storetest.Backend { return backendOn(bouncerDB(t, driver, params, true)) })
-	})
+// space-separated; pgx's query modes that work there, say), PgBouncer
+// keeping as many prepared statements for each client as maxPrepared
+// says (pgbouncer.Config.MaxPreparedStatements).
+func ConformanceThroughPgBouncer(t *testing.T, driver, params, maxPrepared string) {
+	backend := func(index bool) func(t *testing.T) storetest.Backend {
+		return func(t *testing.T) storetest.Backend {
+			return backendOn(bouncerDB(t, driver, params, maxPrepared, index))
+		}
+	}
+	t.Run("Store", func(t *testing.T) { storetest.Exercise(t, backend(false)) })
+	t.Run("Sweeper", func(t *testing.T) { storetest.ExerciseSweeper(t, backend(true)) })
+	t.Run("Inspector", func(t *testing.T) { storetest.ExerciseInspector(t, backend(true)) })
 }
 
 // OpenKeysIndexThroughPgBouncer: behind a pooler in transaction mode,
@@ -66,7 +69,7 @@ func ConformanceThroughPgBouncer(t *testing.T, driver, params string) {
 // (see ConformanceThroughPgBouncer).
 func OpenKeysIndexThroughPgBouncer(t *testing.T, driver, params string) {
 	ctx := context.Background()
-	db := bouncerDB(t, driver, params, false)
+	db := bouncerDB(t, driver, params, "", false)
 	if _, err := db.ExecContext(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
 			fingerprint_version, status, operation_id, lock_token, lease_us, retention_us)
