@@ -1,5 +1,6 @@
 # idem — make test runs every test (PostgreSQL ones included, see
-# docs/testing.md: "How the tests find PostgreSQL"); make check is what must be green before a commit.
+# docs/testing.md: "How the tests find PostgreSQL") but the long ones through
+# PgBouncer, which make poolers runs; make check is what must be green before a commit.
 GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
