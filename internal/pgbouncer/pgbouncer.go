@@ -129,7 +129,7 @@ const EnvBinary = "IDEM_PGBOUNCER"
 func Find() (string, error) {
 	if p := os.Getenv(EnvBinary); p != "" {
 		if _, err := os.Stat(p); err != nil {
-			return "", fmt.Errorf("%s=%s: %w", EnvBinary, p, err)
+			return "", fmt.Errorf("%s=%s: %w (unset it for pgbouncer on PATH; install that with: %s)", EnvBinary, p, err, Install)
 		}
 		return p, nil
 	}

@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
+
+	"github.com/idemkit/idem/internal/pgbouncer"
 )
 
 func TestMain(m *testing.M) {
@@ -143,6 +146,29 @@ func TestUnavailable(t *testing.T) {
 		if (r.failed != "") != tt.wantFail || !strings.Contains(msg, EnvURL) || !strings.Contains(msg, "nothing answers") {
 			t.Errorf("CI=%q: skipped %q, failed %q; want a %s naming %s and the cause",
 				tt.ci, r.skipped, r.failed, map[bool]string{false: "skip", true: "failure"}[tt.wantFail], EnvURL)
+		}
+	}
+}
+
+// TestNeedBouncer: without pgbouncer (here IDEM_PGBOUNCER names a file
+// that does not exist), a test that needs it is skipped, naming the
+// command that installs it, and fails under CI=true.
+func TestNeedBouncer(t *testing.T) {
+	t.Setenv(pgbouncer.EnvBinary, filepath.Join(t.TempDir(), "no-pgbouncer"))
+	for _, tt := range []struct {
+		ci       string
+		wantFail bool
+	}{{"", false}, {"true", true}} {
+		t.Setenv("CI", tt.ci)
+		r := &recorder{TB: t}
+		NeedBouncer(r)
+		msg := r.skipped
+		if tt.wantFail {
+			msg = r.failed
+		}
+		if (r.failed != "") != tt.wantFail || !strings.Contains(msg, pgbouncer.Install) || !strings.Contains(msg, pgbouncer.EnvBinary) {
+			t.Errorf("CI=%q: skipped %q, failed %q; want a %s naming %s and %q",
+				tt.ci, r.skipped, r.failed, map[bool]string{false: "skip", true: "failure"}[tt.wantFail], pgbouncer.EnvBinary, pgbouncer.Install)
 		}
 	}
 }
