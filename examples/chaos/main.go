@@ -116,11 +116,11 @@ type config struct {
 	mixedVersions  bool     // replicas alternate -fingerprint-version 1 and 2
 	// failover: "" for the chaos test; "sync" or "async" for the failover
 	// test (failover.go), whose own settings follow.
-	failover     string
-	promoteAfter time.Duration // from the primary's death to the standby's promotion
-	lag          time.Duration // async: the standby stops receiving WAL this long before the kill
-	pgbouncer      string   // pool mode of a PgBouncer between the replicas and the database; empty: none
-	queryExecMode  string   // the replicas' default_query_exec_mode; empty: pgx's default
+	failover      string
+	promoteAfter  time.Duration // from the primary's death to the standby's promotion
+	lag           time.Duration // async: the standby stops receiving WAL this long before the kill
+	pgbouncer     string        // pool mode of a PgBouncer between the replicas and the database; empty: none
+	queryExecMode string        // the replicas' default_query_exec_mode; empty: pgx's default
 }
 
 func parseFlags(args []string, out io.Writer) (config, error) {

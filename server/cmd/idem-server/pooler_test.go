@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"net/http"
 	"strings"
@@ -38,7 +39,7 @@ func TestRunBehindTransactionPooler(t *testing.T) {
 			})
 		}
 		wg.Wait()
-		want := []string{"pgx's query mode " + cmpOr(mode, "cache_statement") + " cannot work", "set default_query_exec_mode=exec"}
+		want := []string{"pgx's query mode " + cmp.Or(mode, "cache_statement") + " cannot work", "set default_query_exec_mode=exec"}
 		for i, err := range errs {
 			if err == nil || !strings.Contains(err.Error(), want[0]) || !strings.Contains(err.Error(), want[1]) || strings.Contains(err.Error(), "\n") {
 				t.Errorf("mode %q, replica %d: run = %v; want one line saying %q and %q", mode, i, err, want[0], want[1])
