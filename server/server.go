@@ -38,16 +38,15 @@ type Config struct {
 	APIKeys map[string]string
 
 	// Retention, LockTimeout, RetryAfter, WaitForCompletion,
-	// StoreServerErrors, MaxBodyBytes and FingerprintVersion are passed to
+	// StoreServerErrors and MaxBodyBytes are passed to
 	// [idempotency.Middleware]; see [idempotency.Options] for their meaning
-	// and defaults (24h, 10s, 1s, 0, false, 1 MiB, 1).
-	Retention          time.Duration
-	LockTimeout        time.Duration
-	RetryAfter         time.Duration
-	WaitForCompletion  time.Duration
-	StoreServerErrors  bool
-	MaxBodyBytes       int64
-	FingerprintVersion int
+	// and defaults (24h, 10s, 1s, 0, false, 1 MiB).
+	Retention         time.Duration
+	LockTimeout       time.Duration
+	RetryAfter        time.Duration
+	WaitForCompletion time.Duration
+	StoreServerErrors bool
+	MaxBodyBytes      int64
 	// FirstSentSkew and IgnoreFirstSent are passed to
 	// [idempotency.Middleware]: the first-sent policy is on by default
 	// (see [idempotency.Options.FirstSentHeader]).
@@ -255,18 +254,17 @@ func New(cfg Config) (*Server, error) {
 		faults:            cfg.Faults,
 	}
 	keyed := idempotency.Middleware(keys, idempotency.Options{
-		LockTimeout:        cfg.LockTimeout,
-		Retention:          cfg.Retention,
-		RetryAfter:         cfg.RetryAfter,
-		StoreServerErrors:  cfg.StoreServerErrors,
-		WaitForCompletion:  cfg.WaitForCompletion,
-		MaxBodyBytes:       cfg.MaxBodyBytes,
-		FingerprintVersion: cfg.FingerprintVersion,
-		FirstSentSkew:      cfg.FirstSentSkew,
-		IgnoreFirstSent:    cfg.IgnoreFirstSent,
-		BodyFormat:         idempotency.BodyByContentType, // the API takes forms as well as JSON
-		Logger:             log,
-		OnEvent:            s.metrics.Observe,
+		LockTimeout:       cfg.LockTimeout,
+		Retention:         cfg.Retention,
+		RetryAfter:        cfg.RetryAfter,
+		StoreServerErrors: cfg.StoreServerErrors,
+		WaitForCompletion: cfg.WaitForCompletion,
+		MaxBodyBytes:      cfg.MaxBodyBytes,
+		FirstSentSkew:     cfg.FirstSentSkew,
+		IgnoreFirstSent:   cfg.IgnoreFirstSent,
+		BodyFormat:        idempotency.BodyByContentType, // the API takes forms as well as JSON
+		Logger:            log,
+		OnEvent:           s.metrics.Observe,
 	})
 	s.sweeper = newSweeper(cfg, sweptKeys, api, grace, log, s.metrics)
 	if in, ok := cfg.Storage.Keys.(idempotency.Inspector); ok {

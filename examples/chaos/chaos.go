@@ -124,7 +124,7 @@ func runChaos(ctx context.Context, cfg config, stdout io.Writer) (rep *report, e
 			n:       i,
 			appName: app,
 			bin:     bin,
-			args: replicaArgs(cfg, i, db.serverURL(app), accts,
+			args: replicaArgs(cfg, db.serverURL(app), accts,
 				"-processor-delay", delay.String(),
 				"-processor-failure-rate", strconv.FormatFloat(cfg.processorFails, 'g', -1, 64)),
 			logPath: filepath.Join(wd.logs, fmt.Sprintf("replica-%d.log", i)),
@@ -238,10 +238,10 @@ func (c *chaos) settle(ctx context.Context, cl *clients, settled <-chan struct{}
 	return ctx.Err()
 }
 
-// replicaArgs are the flags of replica i but -addr: the database, the
+// replicaArgs are the flags of a replica but -addr: the database, the
 // run's settings, and processor, the flags that say which card processor
 // it charges through.
-func replicaArgs(cfg config, i int, databaseURL string, accts []account, processor ...string) []string {
+func replicaArgs(cfg config, databaseURL string, accts []account, processor ...string) []string {
 	args := []string{
 		"-database-url", databaseURL,
 		"-api-keys", apiKeysFlag(accts),
@@ -253,12 +253,6 @@ func replicaArgs(cfg config, i int, databaseURL string, accts []account, process
 		"-shutdown-timeout", cfg.shutdownTimeout().String(),
 		"-log-format", "json",
 		"-log-level", "debug", // the outcomes stored, counted in the report
-	}
-	if cfg.mixedVersions {
-		// Replicas of both fingerprint versions share the table: a retry
-		// that lands on the other version's replica is compared in the
-		// version its key was stored with.
-		args = append(args, "-fingerprint-version", strconv.Itoa(1+i%2))
 	}
 	args = append(args, processor...)
 	args = append(args, holdArgs(cfg)...)

@@ -57,7 +57,7 @@ var chaosOnlyFlags = []string{
 // those given explicitly, and sets the failover test's own defaults for
 // the flags not given: 20s of load, two replicas, a retention of 10m
 // (a payment lost with the primary is sent again well after its first
-// sending, and must not be refused as expired), one fingerprint version.
+// sending, and must not be refused as expired).
 func failoverDefaults(fs *flag.FlagSet, c *config) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
@@ -85,13 +85,6 @@ func failoverDefaults(fs *flag.FlagSet, c *config) error {
 	}
 	if !set["retention"] {
 		c.retention = 10 * time.Minute
-	}
-	if !set["mixed-fingerprint-versions"] {
-		// A retry whose key's row was lost begins the operation again
-		// under an ID derived from the request's fingerprint, which
-		// differs between the two versions: one version throughout, as
-		// outside a change of version (docs/chaos.md).
-		c.mixedVersions = false
 	}
 	switch {
 	case c.promoteAfter < 0 || c.lag < 0:
@@ -233,7 +226,7 @@ func runFailover(ctx context.Context, cfg config, stdout io.Writer) (rep *failov
 			n:       i,
 			appName: app,
 			bin:     bin,
-			args:    replicaArgs(cfg, i, db.serverURL(app), accts, "-processor-url", procURL),
+			args:    replicaArgs(cfg, db.serverURL(app), accts, "-processor-url", procURL),
 			logPath: filepath.Join(wd.logs, fmt.Sprintf("replica-%d.log", i)),
 			onLog:   c.fleet.countLog,
 		})

@@ -112,9 +112,9 @@ func TestParseFlagsFailover(t *testing.T) {
 		cfg.invalidRate+cfg.holdRate+cfg.cancelRate+cfg.lateRate+cfg.vanishRate+cfg.processorFails != 0 || cfg.slowDelay != 0 {
 		t.Errorf("-failover: %+v; want none of the chaos faults", cfg)
 	}
-	if cfg.duration != 20*time.Second || cfg.replicas != 2 || cfg.retention != 10*time.Minute || cfg.mixedVersions || cfg.databaseURL != "" {
-		t.Errorf("-failover defaults: %s, %d replicas, retention %s, mixed versions %v, database %q; want 20s, 2, 10m, false, none",
-			cfg.duration, cfg.replicas, cfg.retention, cfg.mixedVersions, cfg.databaseURL)
+	if cfg.duration != 20*time.Second || cfg.replicas != 2 || cfg.retention != 10*time.Minute || cfg.databaseURL != "" {
+		t.Errorf("-failover defaults: %s, %d replicas, retention %s, database %q; want 20s, 2, 10m, none",
+			cfg.duration, cfg.replicas, cfg.retention, cfg.databaseURL)
 	}
 	for _, args := range [][]string{
 		{"-failover", "maybe"},

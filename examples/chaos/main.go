@@ -113,7 +113,6 @@ type config struct {
 	logsDir        string   // where the replicas' logs are kept; empty: a temporary directory
 	keyPerAttempt  bool     // the classic client bug, a new key on every attempt: a negative control
 	serverArgs     []string // extra idem-server flags for every replica
-	mixedVersions  bool     // replicas alternate -fingerprint-version 1 and 2
 	// failover: "" for the chaos test; "sync" or "async" for the failover
 	// test (failover.go), whose own settings follow.
 	failover      string
@@ -136,8 +135,6 @@ func parseFlags(args []string, out io.Writer) (config, error) {
 	fs.StringVar(&c.serverBin, "server-bin", "", "idem-server `binary` to run; empty: go build ./server/cmd/idem-server into a temporary directory")
 	fs.IntVar(&c.replicas, "replicas", 3, "server replicas sharing the database")
 	serverArgs := fs.String("server-args", "", "extra idem-server flags for every replica, space-separated (e.g. \"-batch-claims -async-claims\")")
-	fs.BoolVar(&c.mixedVersions, "mixed-fingerprint-versions", true,
-		"replicas alternate -fingerprint-version 1 and 2, so that retries cross versions; with -failover the default is false (see docs/chaos.md)")
 	fs.IntVar(&c.clients, "clients", 8, "concurrent clients")
 	fs.IntVar(&c.accounts, "accounts", 2, "API keys the clients are spread over (keys are scoped by API client)")
 	fs.IntVar(&c.kills, "kills", -1, "server processes killed with SIGKILL and restarted; -1: one per 5s of -duration")

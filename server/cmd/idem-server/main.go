@@ -161,7 +161,6 @@ type options struct {
 	processorURL         string
 	storeServerErrors    bool
 	waitForCompletion    time.Duration
-	fingerprintVersion   int
 	maxBodyBytes         int64
 	metricsAddr          string
 	adminAddr            string
@@ -230,9 +229,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 	fs.Int64Var(&o.maxBodyBytes, "max-body-bytes", idempotency.DefaultMaxBodyBytes,
 		"largest request body in bytes, buffered in memory to be fingerprinted; larger ones get 413. "+
 			"0: the default, 1 MiB; negative: no limit (only -read-timeout bounds the body then)")
-	fs.IntVar(&o.fingerprintVersion, "fingerprint-version", idempotency.FingerprintVersion,
-		"`version` of the canonical request form new keys are stored with: 1, or 2 to compare a repeated query or form field's values in their order "+
-			"(set 2 once no idem-server older than this one shares the database: those answer its keys 422)")
 	fs.DurationVar(&o.firstSentSkew, "first-sent-skew", 0,
 		"allowance for a client clock that runs ahead, taken off -retention by the first-sent policy: a retry first sent longer ago than "+
 			"-retention less this, whose key is gone or expired, gets 410 and is not run; 0: a tenth of -retention, at least 1s, at most 5m; it must be under half of -retention "+
@@ -337,8 +333,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, fmt.Errorf("-metrics-addr %s is -addr %s: give the metrics their own address, or leave -metrics-addr empty to serve them on -addr", o.metricsAddr, o.addr)
 	case o.readTimeout < 0 || o.writeTimeout < 0 || o.idleTimeout < 0:
 		return o, fmt.Errorf("-read-timeout %v, -write-timeout %v, -idle-timeout %v: want 0 (no limit) or more", o.readTimeout, o.writeTimeout, o.idleTimeout)
-	case !knownFingerprintVersion(o.fingerprintVersion):
-		return o, fmt.Errorf("-fingerprint-version %d: not a version this server knows (1 or 2)", o.fingerprintVersion)
 	case o.purgeBatch < 1:
 		return o, fmt.Errorf("-purge-batch %d: want at least 1", o.purgeBatch)
 	case !(o.purgeDutyCycle > 0 && o.purgeDutyCycle <= 1):
@@ -349,13 +343,6 @@ func parseFlags(args []string, getenv func(string) string, out io.Writer) (optio
 		return o, errors.New("-db-max-conns needs -database-url: the in-memory store has no connection pool")
 	}
 	return o, nil
-}
-
-// knownFingerprintVersion tells whether package idempotency computes
-// fingerprints of version v.
-func knownFingerprintVersion(v int) bool {
-	_, err := idempotency.Fingerprint(v, "POST", "/", "", "", nil)
-	return err == nil
 }
 
 // openStore returns the store the options ask for: in memory without a
@@ -486,7 +473,6 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout 
 		LockTimeout:          o.lockTimeout,
 		StoreServerErrors:    o.storeServerErrors,
 		WaitForCompletion:    o.waitForCompletion,
-		FingerprintVersion:   o.fingerprintVersion,
 		MaxBodyBytes:         o.maxBodyBytes,
 		PurgeInterval:        o.purgeInterval,
 		PurgeBatch:           o.purgeBatch,

@@ -12,7 +12,6 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
-	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -423,7 +422,7 @@ func TestOpenStore(t *testing.T) {
 			}
 			// The claim works either way.
 			res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: "k-" + tt.name, Method: "POST",
-				Path: "/v1/payments", Fingerprint: []byte("fp"), FingerprintVersion: 1})
+				Path: "/v1/payments", Fingerprint: []byte("fp")})
 			if err != nil || res.Outcome != idempotency.Claimed {
 				t.Errorf("Claim = %v, %v", res.Outcome, err)
 			}
@@ -527,9 +526,6 @@ func TestTimeoutFlags(t *testing.T) {
 		{"negative shutdown timeout", []string{"-shutdown-timeout", "-1s"}, 0, 0, "-shutdown-timeout -1s"},
 		{"negative wait for completion", []string{"-wait-for-completion", "-1ms"}, 0, 0, "-wait-for-completion -1ms"},
 		{"negative processor delay", []string{"-processor-delay", "-1s"}, 0, 0, "-processor-delay -1s"},
-		{"fingerprint version 2", []string{"-fingerprint-version", "2"}, idempotency.DefaultLockTimeout, idempotency.DefaultRetention, ""},
-		{"fingerprint version 0", []string{"-fingerprint-version", "0"}, 0, 0, "-fingerprint-version 0: not a version"},
-		{"fingerprint version 3", []string{"-fingerprint-version", "3"}, 0, 0, "-fingerprint-version 3: not a version"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			o, err := parseFlags(tt.args, func(string) string { return "" }, io.Discard)
@@ -541,9 +537,6 @@ func TestTimeoutFlags(t *testing.T) {
 			}
 			if err != nil {
 				t.Fatalf("parseFlags(%q): %v", tt.args, err)
-			}
-			if want := map[bool]int{true: 2, false: 1}[slices.Contains(tt.args, "-fingerprint-version")]; o.fingerprintVersion != want {
-				t.Errorf("fingerprint version %d, want %d", o.fingerprintVersion, want)
 			}
 			if o.lockTimeout != tt.lock || o.retention != tt.keep {
 				t.Errorf("lock timeout %v, retention %v; want %v, %v", o.lockTimeout, o.retention, tt.lock, tt.keep)
