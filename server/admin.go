@@ -78,26 +78,25 @@ type admin struct{ keys *idempotency.Admin }
 
 // keyView is the JSON form of an idempotency.KeyInfo.
 type keyView struct {
-	ClientID           string        `json:"client_id"`
-	Key                string        `json:"key"`
-	Method             string        `json:"method"`
-	Path               string        `json:"path"`
-	Status             string        `json:"status"`
-	ReleaseKind        string        `json:"release_kind,omitempty"`
-	OperationID        string        `json:"operation_id"`
-	Token              int64         `json:"token"`
-	FingerprintVersion int           `json:"fingerprint_version"`
-	CreatedAt          time.Time     `json:"created_at"`
-	LockedAt           time.Time     `json:"locked_at"`
-	FinishedAt         *time.Time    `json:"finished_at,omitempty"`
-	ExpiresAt          *time.Time    `json:"expires_at,omitempty"`
-	Lease              string        `json:"lease"`
-	Retention          string        `json:"retention"`
-	LeaseAge           string        `json:"lease_age"`
-	Running            bool          `json:"running"`
-	Lapsed             bool          `json:"lapsed"`
-	Expired            bool          `json:"expired"`
-	Response           *responseView `json:"response,omitempty"`
+	ClientID    string        `json:"client_id"`
+	Key         string        `json:"key"`
+	Method      string        `json:"method"`
+	Path        string        `json:"path"`
+	Status      string        `json:"status"`
+	ReleaseKind string        `json:"release_kind,omitempty"`
+	OperationID string        `json:"operation_id"`
+	Token       int64         `json:"token"`
+	CreatedAt   time.Time     `json:"created_at"`
+	LockedAt    time.Time     `json:"locked_at"`
+	FinishedAt  *time.Time    `json:"finished_at,omitempty"`
+	ExpiresAt   *time.Time    `json:"expires_at,omitempty"`
+	Lease       string        `json:"lease"`
+	Retention   string        `json:"retention"`
+	LeaseAge    string        `json:"lease_age"`
+	Running     bool          `json:"running"`
+	Lapsed      bool          `json:"lapsed"`
+	Expired     bool          `json:"expired"`
+	Response    *responseView `json:"response,omitempty"`
 }
 
 // responseView is the JSON form of a stored response: its body as text
@@ -113,7 +112,7 @@ type responseView struct {
 func viewOf(k idempotency.KeyInfo) keyView {
 	v := keyView{
 		ClientID: k.ClientID, Key: k.Key, Method: k.Method, Path: k.Path, Status: string(k.Status),
-		OperationID: k.OperationID, Token: k.Token, FingerprintVersion: k.FingerprintVersion,
+		OperationID: k.OperationID, Token: k.Token,
 		CreatedAt: k.CreatedAt.UTC(), LockedAt: k.LockedAt.UTC(),
 		Lease: k.Lease.String(), Retention: k.Retention.String(), LeaseAge: k.LeaseAge.Round(time.Millisecond).String(),
 		Running: k.Running(), Lapsed: k.Lapsed, Expired: k.Expired,

@@ -43,7 +43,7 @@ func claimKey(t *testing.T, s Storage, client, key string) idempotency.Claim {
 	t.Helper()
 	res, err := s.Keys.Claim(context.Background(), idempotency.ClaimRequest{
 		ClientID: client, Key: key, Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte("fp-" + key), FingerprintVersion: idempotency.FingerprintVersion,
+		Fingerprint: []byte("fp-" + key),
 		LockTimeout: time.Minute, Retention: time.Hour,
 	})
 	if err != nil || res.Outcome != idempotency.Claimed {

@@ -137,13 +137,13 @@ func TestReplayWritesNoCredentialHeader(t *testing.T) {
 			}
 			// Complete the released key behind the middleware's back, as
 			// the same request would claim it.
-			fp, err := idempotency.Fingerprint(idempotency.FingerprintVersion, "POST", "/v1/things", "", "application/json", []byte(`{}`))
+			fp, err := idempotency.Fingerprint("POST", "/v1/things", "", "application/json", []byte(`{}`))
 			if err != nil {
 				t.Fatal(err)
 			}
 			ctx := context.Background()
 			res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: "k-row", Method: "POST", Path: "/v1/things",
-				Fingerprint: fp, FingerprintVersion: idempotency.FingerprintVersion, Retention: time.Hour})
+				Fingerprint: fp, Retention: time.Hour})
 			if err != nil || res.Outcome != idempotency.Claimed {
 				t.Fatalf("Claim = %+v, %v", res, err)
 			}

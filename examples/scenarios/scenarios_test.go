@@ -282,7 +282,7 @@ func TestMemLedger(t *testing.T) {
 	l := memLedger{s}
 	claim := func(key string) idempotency.Claim {
 		t.Helper()
-		res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: key, Method: "POST", Path: "/", Fingerprint: []byte{1}, FingerprintVersion: 1})
+		res, err := keys.Claim(ctx, idempotency.ClaimRequest{ClientID: "c", Key: key, Method: "POST", Path: "/", Fingerprint: []byte{1}})
 		if err != nil || res.Outcome != idempotency.Claimed {
 			t.Fatalf("Claim(%s) = %v, %v", key, res, err)
 		}

@@ -40,7 +40,7 @@ func claimKey(t *testing.T, s idempotency.Store, key string, lease time.Duration
 	t.Helper()
 	res, err := s.Claim(context.Background(), idempotency.ClaimRequest{
 		ClientID: "c", Key: key, Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte(key), FingerprintVersion: 1, LockTimeout: lease,
+		Fingerprint: []byte(key), LockTimeout: lease,
 	})
 	if err != nil || res.Outcome != idempotency.Claimed {
 		t.Fatalf("Claim(%s) = %+v, %v", key, res, err)

@@ -37,7 +37,7 @@ func benchmarkFingerprintBody(b *testing.B, body []byte) {
 	b.ReportAllocs()
 	b.SetBytes(int64(len(body)))
 	for b.Loop() {
-		if _, err := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", body); err != nil {
+		if _, err := Fingerprint("POST", "/v1/payments", "", "application/json", body); err != nil {
 			b.Fatal(err)
 		}
 	}

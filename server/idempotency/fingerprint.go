@@ -11,50 +11,35 @@ import (
 	"net/http"
 	"net/url"
 	"slices"
-	"strconv"
 	"strings"
 	"sync"
 	"unicode/utf16"
 	"unicode/utf8"
 )
 
-// FingerprintVersion is the version of the canonical request form that
-// [Middleware] stores new keys with unless [Options.FingerprintVersion]
-// names another. It is stored with every key
-// ([ClaimRequest.FingerprintVersion], [Record.FingerprintVersion]), so the
-// canonical form can evolve: a retry that meets a record of an older version
-// is fingerprinted again with that version before it is compared, and an old
-// retry never turns into a 422 because the server was upgraded. A server
-// that meets a record of a version it does not know (written by a newer
-// server beside it) answers 503 with Retry-After, so the retry goes on to a
-// server that can compare.
-const FingerprintVersion = 1
-
-// maxFingerprintVersion is the newest version [Fingerprint] computes.
-const maxFingerprintVersion = 2
-
-// knownVersion reports whether [Fingerprint] computes version v.
-func knownVersion(v int) bool { return v >= 1 && v <= maxFingerprintVersion }
-
 // maxJSONDepth bounds the nesting of a JSON body the canonicaliser accepts.
 const maxJSONDepth = 1000
 
-// Errors returned by [Fingerprint]. The middleware answers both with 400
-// invalid-request before it claims the key, so nothing is stored.
-var (
-	// ErrFingerprintVersion: the version is not one this server knows.
-	ErrFingerprintVersion = errors.New("idempotency: unknown fingerprint version")
-	// ErrBody: the body is not well-formed for its media type (see
-	// [Fingerprint] for what version 1 rejects).
-	ErrBody = errors.New("idempotency: malformed request body")
-)
+// ErrBody is returned (wrapped) by [Fingerprint] for a body that is not
+// well-formed for its media type (see [Fingerprint] for what it rejects).
+// The middleware answers it with 400 invalid-request before it claims the
+// key, so nothing is stored.
+var ErrBody = errors.New("idempotency: malformed request body")
+
+// fingerprintTag opens the digest's input. It is the tag of the first
+// canonical form, which compared a repeated query or form field's values
+// as a multiset: the form differs from it only there, so every other
+// request kept the fingerprint, and the operation ID, it had.
+const fingerprintTag = "idem-fingerprint-v1"
 
 // Fingerprint returns the SHA-256 fingerprint of a request: its method, its
-// path, its query and its body in canonical form, computed with the given
-// version of the canonical form. contentType is the request's Content-Type
-// header; it chooses how the body is canonicalised.
+// path, its query and its body in canonical form. contentType is the
+// request's Content-Type header; it chooses how the body is canonicalised.
+// There is one canonical form, so every replica of a service computes the
+// same fingerprint for a request, and derives the same operation ID from
+// it ([ClaimRequest.OperationID]) even when the key's row is lost.
 //
-// Canonical form, version 1. The body is canonicalised by media type:
+// The canonical form. The body is canonicalised by media type:
 //
 //   - application/json, any */*+json type, or no Content-Type at all (the
 //     reference API's default): the body must be exactly one UTF-8 JSON value.
@@ -68,9 +53,10 @@ var (
 //     deeper than 1000 levels.
 //   - application/x-www-form-urlencoded: the body is parsed as by
 //     [url.ParseQuery] (a malformed escape is rejected) and the name=value
-//     pairs are sorted by name, then by value, and re-encoded with
-//     [url.QueryEscape] joined by '&'. Repeated fields are therefore
-//     compared as a multiset: a=1&a=2 equals a=2&a=1 (see version 2).
+//     pairs are sorted by name, the values of a repeated name kept in
+//     their order, and re-encoded with [url.QueryEscape] joined by '&'.
+//     So b=2&a=1 equals a=1&b=2, but a=1&a=2 and a=2&a=1 differ, as a
+//     handler's url.Values.Get tells them apart.
 //   - any other media type: the body bytes as they are.
 //   - an empty body, whatever its type: empty.
 //
@@ -83,20 +69,10 @@ var (
 // has two different fingerprints: a client retries with the bytes it sent
 // first, and two representations are two requests.
 //
-// Canonical form, version 2: as version 1, but for the query and form
-// bodies, whose pairs are sorted by name only, so that the values of a
-// repeated field keep their order (a=1&a=2 and a=2&a=1 differ, as a
-// handler's url.Values.Get tells them apart), and the tag
-// "idem-fingerprint-v2".
-//
-// Fingerprint returns [ErrFingerprintVersion] for an unknown version and an
-// error wrapping [ErrBody] for a body it cannot canonicalise. It is safe for
-// concurrent use.
-func Fingerprint(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
-	if !knownVersion(version) {
-		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
-	}
-	query, err := canonicalForm(rawQuery, version)
+// Fingerprint returns an error wrapping [ErrBody] for a body (or query) it
+// cannot canonicalise. It is safe for concurrent use.
+func Fingerprint(method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
+	query, err := canonicalForm(rawQuery)
 	if err != nil {
 		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
 	}
@@ -115,14 +91,13 @@ func Fingerprint(version int, method, path, rawQuery, contentType string, body [
 		}
 		canon = c.out
 	case "form":
-		form, err := canonicalForm(string(body), version)
+		form, err := canonicalForm(string(body))
 		if err != nil {
 			return nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
 		canon = []byte(form)
 	}
-	in := append(c.in[:0], "idem-fingerprint-v"...)
-	in = strconv.AppendInt(in, int64(version), 10)
+	in := append(c.in[:0], fingerprintTag...)
 	in = appendField(in, method)
 	in = appendField(in, path)
 	in = appendField(in, query)
@@ -201,7 +176,7 @@ func appendField(dst []byte, s string) []byte {
 	return append(dst, s...)
 }
 
-// canonicalBody returns the version 1 canonical form of a body of the given
+// canonicalBody returns the canonical form of a body of the given
 // Content-Type and the kind of canonicalisation applied ("json", "form",
 // "raw", or "" for an empty body), as described on [Fingerprint]. It is
 // exported so that a developer can see exactly what is compared; the
@@ -220,7 +195,7 @@ func canonicalBody(contentType string, body []byte) (kind string, canon []byte, 
 		}
 		return "json", bytes.Clone(out), nil
 	case "form":
-		canon, err := canonicalForm(string(body), 1)
+		canon, err := canonicalForm(string(body))
 		if err != nil {
 			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
@@ -264,9 +239,9 @@ func mediaKind(contentType string) string {
 	return "raw"
 }
 
-// canonicalForm sorts the pairs of a form-encoded string by name, then, in
-// version 1, by value (version 2 keeps the values of a name in their order).
-func canonicalForm(s string, version int) (string, error) {
+// canonicalForm sorts the pairs of a form-encoded string by name, keeping
+// the values of a name in their order.
+func canonicalForm(s string) (string, error) {
 	if s == "" {
 		return "", nil
 	}
@@ -280,17 +255,8 @@ func canonicalForm(s string, version int) (string, error) {
 			pairs = append(pairs, [2]string{name, v})
 		}
 	}
-	if version == 1 {
-		slices.SortFunc(pairs, func(a, b [2]string) int {
-			if c := strings.Compare(a[0], b[0]); c != 0 {
-				return c
-			}
-			return strings.Compare(a[1], b[1])
-		})
-	} else {
-		// url.ParseQuery keeps the values of a name in their order.
-		slices.SortStableFunc(pairs, func(a, b [2]string) int { return strings.Compare(a[0], b[0]) })
-	}
+	// url.ParseQuery keeps the values of a name in their order.
+	slices.SortStableFunc(pairs, func(a, b [2]string) int { return strings.Compare(a[0], b[0]) })
 	var b strings.Builder
 	for i, p := range pairs {
 		if i > 0 {
@@ -303,7 +269,7 @@ func canonicalForm(s string, version int) (string, error) {
 	return b.String(), nil
 }
 
-// A canonicaliser writes the version 1 canonical form of a JSON document
+// A canonicaliser writes the canonical form of a JSON document
 // without decoding it into Go values: a small scanner walks the bytes once,
 // validating them as encoding/json's scanner does, and appends the canonical
 // form of each value to an output buffer as it goes. Object members are

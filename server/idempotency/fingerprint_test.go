@@ -26,7 +26,7 @@ const (
 	ctForm = "application/x-www-form-urlencoded"
 )
 
-// canonicalTests lists bodies and their version 1 canonical form; wantErr
+// canonicalTests lists bodies and their canonical form; wantErr
 // marks bodies the canonicaliser rejects.
 var canonicalTests = []struct {
 	name        string
@@ -53,7 +53,7 @@ var canonicalTests = []struct {
 	{"not json", ctJSON, `amount=1`, ``, true},
 	{"too deep", ctJSON, strings.Repeat("[", 1002) + strings.Repeat("]", 1002), ``, true},
 	{"form", ctForm, `customer=cus_123&currency=usd&amount=4200`, `amount=4200&currency=usd&customer=cus_123`, false},
-	{"form values sorted", ctForm, `a=2&b=1&a=1`, `a=1&a=2&b=1`, false},
+	{"form values in order", ctForm, `a=2&b=1&a=1`, `a=2&a=1&b=1`, false},
 	{"form escapes", ctForm, `name=J%C3%B6rg+M&x=a%2Bb`, `name=J%C3%B6rg+M&x=a%2Bb`, false},
 	{"form bad escape", ctForm, `a=%zz`, ``, true},
 	{"raw", "text/plain", `{"b":1, "a":2}`, `{"b":1, "a":2}`, false},
@@ -78,7 +78,7 @@ func TestCanonicalBody(t *testing.T) {
 
 func mustFingerprint(t *testing.T, method, path, query, contentType, body string) []byte {
 	t.Helper()
-	fp, err := Fingerprint(FingerprintVersion, method, path, query, contentType, []byte(body))
+	fp, err := Fingerprint(method, path, query, contentType, []byte(body))
 	if err != nil {
 		t.Fatalf("Fingerprint(%s %s %q): %v", method, path, body, err)
 	}
@@ -132,8 +132,29 @@ func TestFingerprint(t *testing.T) {
 	if got := mustFingerprint(t, "POST", "/v1/payments", "b=2&a=1", ctJSON, payment); !bytes.Equal(got, q) {
 		t.Error("reordered query fingerprints differently")
 	}
-	if _, err := Fingerprint(3, "POST", "/", "", ctJSON, nil); !errors.Is(err, ErrFingerprintVersion) {
-		t.Errorf("version 3: %v, want ErrFingerprintVersion", err)
+	// A repeated field's values are compared in their order, as a
+	// handler's url.Values.Get tells them apart; other fields in any
+	// order.
+	for _, tt := range []struct {
+		name  string
+		a, b  [2]string // query, form body
+		equal bool
+	}{
+		{"repeated query field, other order", [2]string{"a=1&a=2", ""}, [2]string{"a=2&a=1", ""}, false},
+		{"repeated form field, other order", [2]string{"", "amount=100&amount=5000"}, [2]string{"", "amount=5000&amount=100"}, false},
+		{"distinct fields, other order", [2]string{"a=1&b=2", "x=1&y=2"}, [2]string{"b=2&a=1", "y=2&x=1"}, true},
+		{"repeated field among others", [2]string{"b=0&a=1&c=9&a=2", ""}, [2]string{"a=1&a=2&c=9&b=0", ""}, true},
+		{"repeated field, same order, other escapes", [2]string{"a=%31&a=2", ""}, [2]string{"a=1&a=%32", ""}, true},
+	} {
+		ct := ctJSON
+		if tt.a[1] != "" {
+			ct = ctForm
+		}
+		a := mustFingerprint(t, "POST", "/v1/payments", tt.a[0], ct, tt.a[1])
+		b := mustFingerprint(t, "POST", "/v1/payments", tt.b[0], ct, tt.b[1])
+		if bytes.Equal(a, b) != tt.equal {
+			t.Errorf("%s: fingerprints equal = %v, want %v", tt.name, !tt.equal, tt.equal)
+		}
 	}
 }
 
@@ -206,8 +227,8 @@ func FuzzFingerprint(f *testing.F) {
 		}
 	}
 	f.Fuzz(func(t *testing.T, a, b string) {
-		fa, errA := Fingerprint(FingerprintVersion, "POST", "/p", "", ctJSON, []byte(a))
-		fb, errB := Fingerprint(FingerprintVersion, "POST", "/p", "", ctJSON, []byte(b))
+		fa, errA := Fingerprint("POST", "/p", "", ctJSON, []byte(a))
+		fb, errB := Fingerprint("POST", "/p", "", ctJSON, []byte(b))
 		va, okA := decodeJSON(a)
 		vb, _ := decodeJSON(b)
 		if errA == nil && a != "" && !okA {
@@ -223,7 +244,7 @@ func FuzzFingerprint(f *testing.F) {
 		}
 		var re strings.Builder
 		reencode(&re, va)
-		fr, err := Fingerprint(FingerprintVersion, "POST", "/p", "", ctJSON, []byte(re.String()))
+		fr, err := Fingerprint("POST", "/p", "", ctJSON, []byte(re.String()))
 		if err != nil {
 			t.Fatalf("rewritten document %q rejected: %v", re.String(), err)
 		}
@@ -313,7 +334,7 @@ func checkDifferential(t *testing.T, contentType, query string, body []byte) {
 	}
 
 	kind, canon, err := canonicalBody(contentType, body)
-	wantKind, wantCanon, wantErr := canonicalBodyReference(contentType, body, 1)
+	wantKind, wantCanon, wantErr := canonicalBodyReference(contentType, body)
 	if !sameErrorKind(err, wantErr) {
 		t.Fatalf("canonicalBody(%q, %q): error %v, reference error %v", contentType, body, err, wantErr)
 	}
@@ -321,30 +342,23 @@ func checkDifferential(t *testing.T, contentType, query string, body []byte) {
 		t.Fatalf("canonicalBody(%q, %q) = %q, %q; reference %q, %q", contentType, body, kind, canon, wantKind, wantCanon)
 	}
 
-	for _, version := range []int{FingerprintVersion, 0, 2, 3} {
-		fp, err := Fingerprint(version, "POST", "/v1/payments", query, contentType, body)
-		wantFP, wantErr := fingerprintReference(version, "POST", "/v1/payments", query, contentType, body)
-		if !sameErrorKind(err, wantErr) {
-			t.Fatalf("Fingerprint(%d, %q, %q, %q): error %v, reference error %v", version, query, contentType, body, err, wantErr)
-		}
-		if !bytes.Equal(fp, wantFP) {
-			t.Fatalf("Fingerprint(%d, %q, %q, %q) = %x, reference %x", version, query, contentType, body, fp, wantFP)
-		}
+	fp, err := Fingerprint("POST", "/v1/payments", query, contentType, body)
+	wantFP, wantErr := fingerprintReference("POST", "/v1/payments", query, contentType, body)
+	if !sameErrorKind(err, wantErr) {
+		t.Fatalf("Fingerprint(%q, %q, %q): error %v, reference error %v", query, contentType, body, err, wantErr)
+	}
+	if !bytes.Equal(fp, wantFP) {
+		t.Fatalf("Fingerprint(%q, %q, %q) = %x, reference %x", query, contentType, body, fp, wantFP)
 	}
 }
 
-// sameErrorKind reports whether two errors are both nil or are of the same
-// kind: ErrBody or ErrFingerprintVersion.
+// sameErrorKind reports whether two errors are both nil or both wrap
+// ErrBody.
 func sameErrorKind(err, ref error) bool {
 	if err == nil || ref == nil {
 		return err == nil && ref == nil
 	}
-	for _, kind := range []error{ErrBody, ErrFingerprintVersion} {
-		if errors.Is(err, kind) != errors.Is(ref, kind) {
-			return false
-		}
-	}
-	return true
+	return errors.Is(err, ErrBody) == errors.Is(ref, ErrBody)
 }
 
 // differentialCorpus returns the bodies of the differential tests: the unit
@@ -498,26 +512,23 @@ func FuzzCanonicalDifferential(f *testing.F) {
 }
 
 // fingerprintReference and the functions below are a verbatim copy of the
-// version 1 implementation as it was before the hand-written scanner
-// (commit d469818), renamed. They are the oracle of the differential tests:
-// the canonical form is stored with keys, so the current implementation
-// must agree with them on every output byte and on every accept or reject.
-// Version 2 (forms keep the order of a repeated name's values) was added to
-// them later, as canonicalFormV2Reference, written another way.
-func fingerprintReference(version int, method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
-	if version != 1 && version != 2 {
-		return nil, fmt.Errorf("%w %d", ErrFingerprintVersion, version)
-	}
-	query, err := canonicalFormReference(rawQuery, version)
+// implementation as it was before the hand-written scanner (commit
+// d469818), renamed, but for the form (canonicalFormReference), which
+// keeps the order of a repeated name's values, written another way. They
+// are the oracle of the differential tests: the canonical form is stored
+// with keys, so the current implementation must agree with them on every
+// output byte and on every accept or reject.
+func fingerprintReference(method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
+	query, err := canonicalFormReference(rawQuery)
 	if err != nil {
 		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
 	}
-	kind, canon, err := canonicalBodyReference(contentType, body, version)
+	kind, canon, err := canonicalBodyReference(contentType, body)
 	if err != nil {
 		return nil, err
 	}
 	h := sha256.New()
-	fmt.Fprintf(h, "idem-fingerprint-v%d", version)
+	h.Write([]byte("idem-fingerprint-v1"))
 	for _, field := range [][]byte{[]byte(method), []byte(path), []byte(query), []byte(kind), canon} {
 		var n [8]byte
 		binary.BigEndian.PutUint64(n[:], uint64(len(field)))
@@ -527,12 +538,12 @@ func fingerprintReference(version int, method, path, rawQuery, contentType strin
 	return h.Sum(nil), nil
 }
 
-// canonicalBody returns the version 1 canonical form of a body of the given
+// canonicalBody returns the canonical form of a body of the given
 // Content-Type and the kind of canonicalisation applied ("json", "form",
 // "raw", or "" for an empty body), as described on [Fingerprint]. It is
 // exported so that a developer can see exactly what is compared; the
 // returned bytes are not an API format.
-func canonicalBodyReference(contentType string, body []byte, version int) (kind string, canon []byte, err error) {
+func canonicalBodyReference(contentType string, body []byte) (kind string, canon []byte, err error) {
 	if len(body) == 0 {
 		return "", nil, nil
 	}
@@ -544,7 +555,7 @@ func canonicalBodyReference(contentType string, body []byte, version int) (kind 
 		}
 		return "json", canon, nil
 	case "form":
-		canon, err := canonicalFormReference(string(body), version)
+		canon, err := canonicalFormReference(string(body))
 		if err != nil {
 			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
 		}
@@ -572,7 +583,7 @@ func mediaKindReference(contentType string) string {
 	return "raw"
 }
 
-// canonicalJSON writes body in the version 1 canonical JSON form.
+// canonicalJSON writes body in the canonical JSON form.
 func canonicalJSONReference(body []byte) ([]byte, error) {
 	if !utf8.Valid(body) {
 		return nil, errors.New("invalid UTF-8")
@@ -738,45 +749,10 @@ func writeStringReference(out *bytes.Buffer, s string) {
 	out.WriteByte('"')
 }
 
-// canonicalFormReference sorts the pairs of a form-encoded string by name, then value.
-func canonicalFormReference(s string, version int) (string, error) {
-	if version == 2 {
-		return canonicalFormV2Reference(s)
-	}
-	if s == "" {
-		return "", nil
-	}
-	values, err := url.ParseQuery(s)
-	if err != nil {
-		return "", err
-	}
-	pairs := make([][2]string, 0, len(values))
-	for name, vs := range values {
-		for _, v := range vs {
-			pairs = append(pairs, [2]string{name, v})
-		}
-	}
-	slices.SortFunc(pairs, func(a, b [2]string) int {
-		if c := strings.Compare(a[0], b[0]); c != 0 {
-			return c
-		}
-		return strings.Compare(a[1], b[1])
-	})
-	var b strings.Builder
-	for i, p := range pairs {
-		if i > 0 {
-			b.WriteByte('&')
-		}
-		b.WriteString(url.QueryEscape(p[0]))
-		b.WriteByte('=')
-		b.WriteString(url.QueryEscape(p[1]))
-	}
-	return b.String(), nil
-}
-
-// canonicalFormV2Reference is version 2's form: the names in byte order,
-// each with its values in the order they were sent.
-func canonicalFormV2Reference(s string) (string, error) {
+// canonicalFormReference is the canonical form of a form-encoded string:
+// the names in byte order, each with its values in the order they were
+// sent.
+func canonicalFormReference(s string) (string, error) {
 	values, err := url.ParseQuery(s)
 	if err != nil || s == "" {
 		return "", err

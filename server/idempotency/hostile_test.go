@@ -58,7 +58,7 @@ func TestHostileInvalidStatus(t *testing.T) {
 				serve(t, h, keyed("k", "{}"))
 			}()
 			res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-				Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", "{}"), FingerprintVersion: FingerprintVersion, LockTimeout: DefaultLockTimeout})
+				Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", "{}"), LockTimeout: DefaultLockTimeout})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -152,7 +152,7 @@ func TestHostileTakeOverThenBeginFails(t *testing.T) {
 	})
 	// The first request: claimed, charged under its operation, crashed.
 	first, err := mem.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-		Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", `{"amount":100}`), FingerprintVersion: FingerprintVersion,
+		Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", `{"amount":100}`),
 		LockTimeout: time.Millisecond, Retention: time.Hour})
 	if err != nil || first.Outcome != Claimed {
 		t.Fatal(first, err)

@@ -40,12 +40,11 @@ type KeyInfo struct {
 	// ReleaseKind is the kind of the last release, when Status is
 	// StatusReleased: [ReleaseFailed] (only a retry of the same request,
 	// or the [Sweeper], may claim it) or [ReleaseRejected].
-	ReleaseKind        ReleaseKind
-	OperationID        string
-	Token              int64 // the fencing token of the current (or last) owner
-	FingerprintVersion int
-	CreatedAt          time.Time // when its operation began
-	LockedAt           time.Time // the last claim or renewal of its lease
+	ReleaseKind ReleaseKind
+	OperationID string
+	Token       int64     // the fencing token of the current (or last) owner
+	CreatedAt   time.Time // when its operation began
+	LockedAt    time.Time // the last claim or renewal of its lease
 	// FinishedAt is when the key was completed or released, as its expiry
 	// tells (ExpiresAt less Retention); zero while it is started, and for
 	// a key kept forever (no Retention), whose finish is not stored.

@@ -137,8 +137,7 @@ func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (C
 	now := s.now()
 	ref := keyRef{req.ClientID, req.Key}
 	k := s.keys[ref]
-	sameVersion := k != nil && k.rec.FingerprintVersion == req.FingerprintVersion
-	sameRequest := sameVersion && bytes.Equal(k.rec.Fingerprint, req.Fingerprint)
+	sameRequest := k != nil && bytes.Equal(k.rec.Fingerprint, req.Fingerprint)
 	switch {
 	case k == nil && req.FirstSent.Stale:
 		return ClaimResult{Outcome: Refused}, nil
@@ -148,7 +147,7 @@ func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (C
 	case k.expired(now) && req.FirstSent.refuses(k.rec.CreatedAt):
 		return ClaimResult{Outcome: Refused}, nil
 	case k.expired(now),
-		k.rec.Status == StatusReleased && k.release == ReleaseRejected && sameVersion && !sameRequest:
+		k.rec.Status == StatusReleased && k.release == ReleaseRejected && !sameRequest:
 		// Absent, or free for another request: a new operation replaces it.
 		delete(s.keys, ref)
 		k = nil
@@ -181,13 +180,12 @@ func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (C
 func (s *MemoryStore) newKey(req ClaimRequest, now time.Time) *memKey {
 	k := &memKey{
 		rec: Record{
-			ClientID:           req.ClientID,
-			Key:                req.Key,
-			Method:             req.Method,
-			Path:               req.Path,
-			Fingerprint:        bytes.Clone(req.Fingerprint),
-			FingerprintVersion: req.FingerprintVersion,
-			CreatedAt:          now,
+			ClientID:    req.ClientID,
+			Key:         req.Key,
+			Method:      req.Method,
+			Path:        req.Path,
+			Fingerprint: bytes.Clone(req.Fingerprint),
+			CreatedAt:   now,
 		},
 		operationID: req.OperationID(),
 	}

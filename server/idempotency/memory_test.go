@@ -42,7 +42,7 @@ func newClockedMemoryStore() (*MemoryStore, *fakeClock) {
 func claimReq(client, key, fp string) ClaimRequest {
 	return ClaimRequest{
 		ClientID: client, Key: key, Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte(fp), FingerprintVersion: FingerprintVersion,
+		Fingerprint: []byte(fp),
 		LockTimeout: 30 * time.Second, Retention: 24 * time.Hour,
 	}
 }

@@ -170,17 +170,6 @@ type Options struct {
 	// Retention shorter than [MinFirstSentRetention].
 	IgnoreFirstSent bool
 
-	// FingerprintVersion is the version of the canonical request form
-	// ([Fingerprint]) that new keys are stored with; a key stored with
-	// another known version is compared in its own. If zero,
-	// [FingerprintVersion] (1) is used. Version 2 compares the values of a
-	// repeated query or form field in their order (?a=1&a=2 is not
-	// ?a=2&a=1), where version 1 compares them as a multiset. Set 2 only
-	// once every server that shares the store runs this release or a
-	// later one: an older server answers a version 2 key 422, which stops
-	// the client's retry. Middleware panics on a version it does not know.
-	FingerprintVersion int
-
 	// BodyFormat says how request bodies are read to be fingerprinted. If
 	// zero ([BodyByContentType]), by their Content-Type: JSON, a form, or
 	// raw bytes. A JSON API sets [BodyAsJSON] (every body is fingerprinted
@@ -403,15 +392,11 @@ func (e Event) String() string {
 //     with Retry-After (or waits, see
 //     [Options.WaitForCompletion]), as does a key that another request
 //     claimed in its unit of work and has not committed
-//     ([Options.OneTransaction]). A stored record of another
-//     fingerprint version is compared, and claimed, in its own version;
-//     one of a version this server does not know (stored by a newer one,
-//     during a rolling upgrade) gets 503 [ProblemUnavailable] with
-//     Retry-After, never a 422 that would stop the client's retry. A
-//     request whose context ends before its key is claimed gets 503
-//     [ProblemUnavailable] with Retry-After, and one whose context ends
-//     while it waits for the first request gets that request's 409: never
-//     the empty 200 net/http sends for a handler that wrote nothing;
+//     ([Options.OneTransaction]). A request whose context ends before its
+//     key is claimed gets 503 [ProblemUnavailable] with Retry-After, and
+//     one whose context ends while it waits for the first request gets
+//     that request's 409: never the empty 200 net/http sends for a
+//     handler that wrote nothing;
 //  6. otherwise it owns the key: it opens the unit of work with
 //     [Store.Begin], hands it and the claim to the handler through the
 //     context ([NewContext]: the store's accessor, [ClaimFromContext]),
@@ -482,11 +467,6 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	if m.maxBody == 0 {
 		m.maxBody = DefaultMaxBodyBytes
 	}
-	m.fpVersion = cmp.Or(opts.FingerprintVersion, FingerprintVersion)
-	if !knownVersion(m.fpVersion) {
-		panic(fmt.Sprintf("idempotency: Options.FingerprintVersion %d is not a version this package knows (1 to %d)",
-			opts.FingerprintVersion, maxFingerprintVersion))
-	}
 	m.firstSentHeader = http.CanonicalHeaderKey(cmp.Or(opts.FirstSentHeader, DefaultFirstSentHeader))
 	m.skew = opts.FirstSentSkew
 	if m.skew == 0 {
@@ -547,7 +527,6 @@ type middleware struct {
 	retention   time.Duration
 	retryAfter  string
 	maxBody     int64
-	fpVersion   int
 	// The first-sent policy: on, its header and its allowance.
 	firstSent       bool
 	firstSentHeader string
@@ -664,7 +643,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
 	}
-	fp, err := Fingerprint(m.fpVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
+	fp, err := Fingerprint(r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
@@ -672,15 +651,14 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		return
 	}
 	req := ClaimRequest{
-		ClientID:           clientID,
-		Key:                key,
-		Method:             r.Method,
-		Path:               r.URL.Path,
-		Fingerprint:        fp,
-		FingerprintVersion: m.fpVersion,
-		LockTimeout:        m.lockTimeout,
-		Retention:          m.retention,
-		FirstSent:          firstSent,
+		ClientID:    clientID,
+		Key:         key,
+		Method:      r.Method,
+		Path:        r.URL.Path,
+		Fingerprint: fp,
+		LockTimeout: m.lockTimeout,
+		Retention:   m.retention,
+		FirstSent:   firstSent,
 	}
 	ctx := r.Context()
 	var deadline time.Time
@@ -688,7 +666,6 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		deadline = time.Now().Add(m.opts.WaitForCompletion)
 	}
 	wait := 10 * time.Millisecond
-	recomputed := false
 	for {
 		if ctx.Err() != nil {
 			m.notRun(w, r) // nothing was claimed
@@ -773,29 +750,7 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		} else {
 			w.Header().Del(RetentionHeader)
 		}
-		if rec.FingerprintVersion != req.FingerprintVersion && !recomputed {
-			// Compare, and claim, in the version the record was stored with.
-			recomputed = true
-			old, err := Fingerprint(rec.FingerprintVersion, r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
-			if errors.Is(err, ErrFingerprintVersion) {
-				// Written by a newer server (a rolling upgrade, or a
-				// rollback after one): this one cannot tell whether the
-				// request is the same. A 422 would tell the client's
-				// retry that it is another request, and stop it; a 503
-				// sends it back, to a replica that can compare.
-				log.Warn("idempotency: key stored with a fingerprint version this server does not know; is a newer version deployed beside it?",
-					"version", rec.FingerprintVersion, "newest_known", maxFingerprintVersion)
-				w.Header().Set("Retry-After", "1")
-				writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable,
-					"This Idempotency-Key was stored by a newer version of this service. Retry the same request with the same key shortly.")
-				return
-			}
-			if err == nil {
-				req.Fingerprint, req.FingerprintVersion = old, rec.FingerprintVersion
-				continue
-			}
-		}
-		if rec.FingerprintVersion != req.FingerprintVersion || !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+		if !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
 			m.event(EventMismatch)
 			log.Debug("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
 			detail := fmt.Sprintf(
@@ -820,8 +775,8 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 			return
 		}
 		if rec.Status != StatusStarted {
-			// A store claims a released key for a request of its
-			// fingerprint version; waiting on it would wait forever.
+			// A store claims a released key for its own request (the
+			// same fingerprint); waiting on it would wait forever.
 			log.Error("idempotency: store returned a key it should have claimed or replayed", "status", rec.Status)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
 			return

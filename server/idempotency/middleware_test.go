@@ -13,9 +13,6 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
-
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 )
 
 // TestMiddlewareStatusPolicy checks which handler statuses are stored
@@ -315,8 +312,8 @@ func TestOptions(t *testing.T) {
 	t.Run("RetryAfter", func(t *testing.T) {
 		store := NewMemoryStore()
 		ts := mwServer(t, store, Options{RetryAfter: 1500 * time.Millisecond}, ok)
-		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
-		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
+		fp, _ := Fingerprint("POST", "/v1/payments", "", "application/json", []byte("{}"))
+		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp})
 		r := ts.mustSend(t, keyed("k", "{}"))
 		if r.status != http.StatusConflict || r.header.Get("Retry-After") != "2" {
 			t.Errorf("%d Retry-After %q, want 409 and 2", r.status, r.header.Get("Retry-After"))
@@ -326,8 +323,8 @@ func TestOptions(t *testing.T) {
 		store, clock := newClockedMemoryStore()
 		rec := &recordingStore{Store: store}
 		ts := mwServer(t, rec, Options{LockTimeout: -1}, ok)
-		fp, _ := Fingerprint(FingerprintVersion, "POST", "/v1/payments", "", "application/json", []byte("{}"))
-		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp, FingerprintVersion: FingerprintVersion})
+		fp, _ := Fingerprint("POST", "/v1/payments", "", "application/json", []byte("{}"))
+		store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments", Fingerprint: fp})
 		clock.Advance(time.Hour)
 		if r := ts.mustSend(t, keyed("k", "{}")); r.status != http.StatusConflict {
 			t.Errorf("stale key without lock timeout: %d, want 409", r.status)
@@ -414,41 +411,6 @@ func TestContextAccessorsOutsideRequests(t *testing.T) {
 	}
 	if got := Event(99).String(); got != "event(99)" {
 		t.Errorf("Event(99) = %q", got)
-	}
-}
-
-// TestMiddlewareUnknownFingerprintVersion checks that a record stored with
-// a fingerprint version this server does not know (by a newer server) is
-// never replayed to a request it cannot compare with, nor answered 422,
-// which would tell a client's retry that it is another request and stop
-// it: 503 with Retry-After, whether the record is completed or started, and
-// the record is left as it was.
-func TestMiddlewareUnknownFingerprintVersion(t *testing.T) {
-	for _, complete := range []bool{false, true} {
-		store := NewMemoryStore()
-		called := false
-		ts := mwServer(t, store, Options{}, func(w http.ResponseWriter, r *http.Request) {
-			called = true
-			w.WriteHeader(http.StatusCreated)
-		})
-		ctx := context.Background()
-		res, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte("from a newer server"), FingerprintVersion: maxFingerprintVersion + 1})
-		require.NoError(t, err)
-		if complete {
-			tx, err := store.Begin(ctx, res.Claim)
-			require.NoError(t, err)
-			require.NoError(t, tx.Complete(ctx, StoredResponse{Status: http.StatusCreated, Body: []byte("newer")}))
-		}
-		r := ts.mustSend(t, keyed("k", "{}"))
-		assert.Equal(t, http.StatusServiceUnavailable, r.status, "completed %v: %s", complete, r.body)
-		assert.Equal(t, ProblemUnavailable, r.problem(t).Type)
-		assert.Equal(t, "1", r.header.Get("Retry-After"))
-		assert.False(t, called, "the handler ran")
-		after, err := store.Claim(ctx, ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte("from a newer server"), FingerprintVersion: maxFingerprintVersion + 1})
-		require.NoError(t, err)
-		assert.Equal(t, Exists, after.Outcome)
 	}
 }
 

@@ -13,7 +13,7 @@ import (
 func TestOperationID(t *testing.T) {
 	sent := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
 	base := ClaimRequest{ClientID: "cli_a", Key: "k1", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte("fp"), FingerprintVersion: 1, FirstSent: FirstSentCheck{Sent: sent}}
+		Fingerprint: []byte("fp"), FirstSent: FirstSentCheck{Sent: sent}}
 	const golden = "1766663e-42c4-5aa6-98b5-b0f8602ad785"
 	if got := base.OperationID(); got != golden {
 		t.Errorf("OperationID() = %s, want %s: the derivation changed, and with it every downstream key", got, golden)

@@ -43,9 +43,9 @@ const (
 	ProblemInternal = "https://idemkit.dev/problems/internal"
 	// ProblemUnavailable (503, with Retry-After): the request was not run,
 	// and nothing of it was done: its context ended first (the client's
-	// deadline passed, or the server is shutting down), or the key was
-	// stored by a newer version of the service. Retry the same request
-	// with the same key.
+	// deadline passed, or the server is shutting down), or the key's
+	// database is read-only for now. Retry the same request with the same
+	// key.
 	ProblemUnavailable = "https://idemkit.dev/problems/unavailable"
 	// ProblemKeyExpired (410): the request was first sent (its
 	// Repeatability-First-Sent) longer ago than its key is kept, and the

@@ -448,7 +448,7 @@ func (s *sealedStore) opened(req ClaimRequest, res ClaimResult, err error) (Clai
 	}
 	rec := res.Record
 	if _, sealed := SealKeyID(*rec.Response); !sealed {
-		if s.keys.require && rec.FingerprintVersion == req.FingerprintVersion && bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+		if s.keys.require && bytes.Equal(rec.Fingerprint, req.Fingerprint) {
 			// The request would replay it (another one gets its 422).
 			return ClaimResult{}, fmt.Errorf("%w: the response of key %q of client %q is stored in the clear; it is not replayed",
 				ErrNotSealed, rec.Key, rec.ClientID)

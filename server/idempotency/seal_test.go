@@ -394,7 +394,7 @@ func TestSealedMiddleware(t *testing.T) {
 	}
 	for _, ref := range []keyRef{{"c", "k"}, {"c", "k2"}, {"c", "k3"}, {"d", "k"}} {
 		res, err := mem.Claim(context.Background(), ClaimRequest{ClientID: ref.client, Key: ref.key, Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte("another request"), FingerprintVersion: FingerprintVersion})
+			Fingerprint: []byte("another request")})
 		if err != nil || res.Outcome != Exists || res.Record.Status != StatusCompleted {
 			t.Errorf("key %v after the refusals: %v %+v, want it completed", ref, err, res)
 		}

@@ -28,10 +28,9 @@ const (
 	// StatusReleased marks a key whose owner gave it up with
 	// [Store.Release]: nothing of its request was committed, and it keeps
 	// its [Claim.OperationID] for the retry of the same request (see
-	// [Store.Claim]). A [Record] shows this status when its fingerprint
-	// version differs from the request's (the caller compares in the stored
-	// version and claims again), or when the key was released with
-	// [ReleaseFailed] and the request is another one (a mismatch).
+	// [Store.Claim]). A [Record] shows this status when the key was
+	// released with [ReleaseFailed] and the request is another one (a
+	// mismatch).
 	StatusReleased Status = "released"
 )
 
@@ -109,10 +108,8 @@ type ClaimRequest struct {
 	Method   string
 	Path     string
 	// Fingerprint is the SHA-256 of the canonical request (method, path,
-	// query, canonical body), computed with FingerprintVersion of the
-	// canonical form.
-	Fingerprint        []byte
-	FingerprintVersion int
+	// query, canonical body; see [Fingerprint]).
+	Fingerprint []byte
 	// LockTimeout is the lease of the claim: the key stays the caller's
 	// for this long after the claim and after each [Store.Renew], and a
 	// started key whose lease ran out (its owner stopped renewing: it
@@ -144,8 +141,9 @@ var operationSpace = uuid.MustParse("44ca1d8f-53c5-4dc9-84cc-4e4417ee037c")
 // begins one (see [Claim.OperationID]): a UUID derived from the client,
 // the key, the fingerprint and the first-sent time (FirstSent.Sent), never
 // drawn at random. Every execution of one operation under one key gets the
-// same one, even after the key's row is gone (purged, lost in a failover,
-// restored from an older backup), so that work keyed by it downstream is
+// same one, on every replica (the fingerprint has one canonical form,
+// whatever the [Options]), even after the key's row is gone (purged, lost
+// in a failover, restored from an older backup), so that work keyed by it downstream is
 // found, not done again; another request under a reused key, or the same
 // request first sent at another time, gets another. See docs/server.md,
 // "Operation IDs", for what this gives and what it cannot.
@@ -200,8 +198,8 @@ const (
 	// renewal, completion and release fail with [ErrFenced].
 	TookOver
 	// Exists: a live row belongs to someone else (started with a live
-	// lease, or completed), or its fingerprint differs, or it was released
-	// under another fingerprint version; [ClaimResult.Record] holds it.
+	// lease, or completed), or its fingerprint differs;
+	// [ClaimResult.Record] holds it.
 	Exists
 	// Refused: the key is absent or expired, and the request's first-sent
 	// time says it may belong to the operation the key was kept for
@@ -268,18 +266,17 @@ type Claim struct {
 
 // Record is a stored key as a duplicate request sees it.
 type Record struct {
-	ClientID           string
-	Key                string
-	Method             string
-	Path               string
-	Fingerprint        []byte
-	FingerprintVersion int
-	Status             Status          // StatusReleased: see StatusReleased
-	Response           *StoredResponse // set when Status is StatusCompleted
-	CreatedAt          time.Time       // when its operation began
-	LockedAt           time.Time       // the last claim or renewal of its lease; once it finished, when it finished
-	OperationID        string          // the operation the key holds ([Claim.OperationID])
-	Retention          time.Duration   // how long the key is kept once finished, as stored with it; zero: forever
+	ClientID    string
+	Key         string
+	Method      string
+	Path        string
+	Fingerprint []byte
+	Status      Status          // StatusReleased: see StatusReleased
+	Response    *StoredResponse // set when Status is StatusCompleted
+	CreatedAt   time.Time       // when its operation began
+	LockedAt    time.Time       // the last claim or renewal of its lease; once it finished, when it finished
+	OperationID string          // the operation the key holds ([Claim.OperationID])
+	Retention   time.Duration   // how long the key is kept once finished, as stored with it; zero: forever
 }
 
 // StoredResponse is the outcome replayed for a completed key, byte for byte.
@@ -311,20 +308,18 @@ type Store interface {
 	//     operation (new OperationID, created now); or Refused, changing
 	//     nothing, when req.FirstSent says the request may be a retry of
 	//     the operation the key was kept for (see [FirstSentCheck]);
-	//   - released, same fingerprint and version: Claimed, the same
-	//     operation (same OperationID and creation time), so downstream
-	//     work keyed by it is found, not redone;
-	//   - released with [ReleaseRejected], same version, other fingerprint:
-	//     Claimed, a new operation replacing the old: the released request
-	//     did nothing, and a corrected request (after a 400, say) is a new
+	//   - released, same fingerprint: Claimed, the same operation (same
+	//     OperationID and creation time), so downstream work keyed by it is
+	//     found, not redone;
+	//   - released with [ReleaseRejected], other fingerprint: Claimed, a
+	//     new operation replacing the old: the released request did
+	//     nothing, and a corrected request (after a 400, say) is a new
 	//     request;
-	//   - released with [ReleaseFailed], same version, other fingerprint:
-	//     Exists, a mismatch: the released request may have done work
-	//     keyed by its operation, which only its own retry finishes;
-	//   - released under another fingerprint version: Exists, so the caller
-	//     can compare in the stored version and claim again;
-	//   - started, lease run out, same fingerprint and version: TookOver,
-	//     the same operation;
+	//   - released with [ReleaseFailed], other fingerprint: Exists, a
+	//     mismatch: the released request may have done work keyed by its
+	//     operation, which only its own retry finishes;
+	//   - started, lease run out, same fingerprint: TookOver, the same
+	//     operation;
 	//   - otherwise (started with a live lease, completed, or another
 	//     fingerprint): Exists.
 	//

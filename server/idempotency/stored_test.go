@@ -329,7 +329,7 @@ func TestMaxStoredBodyDefault(t *testing.T) {
 		t.Errorf("stored %q, %d bytes: want the too-large problem", at.ContentType, len(at.Body))
 	}
 	res, err := mem.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "big", Method: "POST", Path: "/v1/payments",
-		Fingerprint: []byte("x"), FingerprintVersion: FingerprintVersion})
+		Fingerprint: []byte("x")})
 	if err != nil || res.Record.Response.Status != http.StatusCreated {
 		t.Errorf("stored status: %+v %v", res.Record, err)
 	}

@@ -115,7 +115,7 @@ func TestSweeperThroughSealed(t *testing.T) {
 	if res, err := s.Sweep(context.Background()); err != nil || res.Completed != 1 {
 		t.Fatalf("Sweep = %+v, %v; want one completed", res, err)
 	}
-	req := idempotency.ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/other", Fingerprint: []byte("other"), FingerprintVersion: 1}
+	req := idempotency.ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/other", Fingerprint: []byte("other")}
 	raw, err := store.Claim(context.Background(), req)
 	if err != nil || raw.Record == nil || raw.Record.Response == nil {
 		t.Fatalf("raw record: %+v, %v", raw, err)

@@ -18,19 +18,16 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// The claimers of a claim race: the request that made the key (fingerprint
-// a, version 1), another request (b), and the same request canonicalized
-// in another fingerprint version.
+// The claimers of a claim race: the request that made the key
+// (fingerprint a) and another request (b).
 type raceVariant struct {
-	name    string
-	body    string
-	version int
+	name string
+	body string
 }
 
 var (
-	variantA   = raceVariant{"a", "a", 1}
-	variantB   = raceVariant{"b", "b", 1}
-	variantAv2 = raceVariant{"a-v2", "a", 2}
+	variantA = raceVariant{"a", "a"}
+	variantB = raceVariant{"b", "b"}
 )
 
 // raceLease and raceKeep are the lease and retention of every claim of the
@@ -44,9 +41,7 @@ const (
 
 // raceRequest is the claim request of variant v for key.
 func raceRequest(key string, v raceVariant) idempotency.ClaimRequest {
-	r := leased(req(key, v.body), raceLease, raceKeep)
-	r.FingerprintVersion = v.version
-	return r
+	return leased(req(key, v.body), raceLease, raceKeep)
 }
 
 // raceState is a starting state of the key raced for: how to make it, and
@@ -71,7 +66,6 @@ type raceRow struct {
 	token       int64
 	operationID string
 	fingerprint []byte
-	version     int
 	createdAt   time.Time
 	lockedAt    time.Time
 	leaseUS     int64
@@ -83,10 +77,10 @@ func readRaceRow(t *testing.T, pool *pgxpool.Pool, key string) raceRow {
 	t.Helper()
 	r := raceRow{present: true}
 	err := pool.QueryRow(context.Background(), `
-		SELECT status, lock_token, operation_id::text, request_hash, fingerprint_version,
+		SELECT status, lock_token, operation_id::text, request_hash,
 			created_at, locked_at, lease_us, retention_us, response_status
 		FROM idempotency_keys WHERE client_id = 'cli_a' AND idempotency_key = $1`, key).
-		Scan(&r.status, &r.token, &r.operationID, &r.fingerprint, &r.version,
+		Scan(&r.status, &r.token, &r.operationID, &r.fingerprint,
 			&r.createdAt, &r.lockedAt, &r.leaseUS, &r.keepUS, &r.respStatus)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return raceRow{}
@@ -144,7 +138,7 @@ func raceStates() []raceState {
 		}, canWin: none},
 		{name: "released rejected", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
 			releaseA(t, s, key, idempotency.ReleaseRejected)
-		}, canWin: func(v raceVariant) bool { return v.version == 1 }, outcome: idempotency.Claimed,
+		}, canWin: all, outcome: idempotency.Claimed,
 			keepsOp: func(v raceVariant) bool { return v.body == "a" }},
 		{name: "released failed", prepare: func(t *testing.T, s *pgstore.Store, _ *pgxpool.Pool, key string) {
 			releaseA(t, s, key, idempotency.ReleaseFailed)
@@ -165,14 +159,14 @@ func raceStates() []raceState {
 }
 
 // The mixes of claimers in a round: all the key's own request, all another
-// request, or a, b and a-v2 in turn.
+// request, or a and b in turn.
 var raceMixes = []struct {
 	name    string
 	variant func(i int) raceVariant
 }{
 	{"same", func(int) raceVariant { return variantA }},
 	{"other", func(int) raceVariant { return variantB }},
-	{"mixed", func(i int) raceVariant { return []raceVariant{variantA, variantB, variantAv2}[i%3] }},
+	{"mixed", func(i int) raceVariant { return []raceVariant{variantA, variantB}[i%2] }},
 }
 
 // TestClaimRace races raceClaimers claims of one key, for every starting
@@ -293,7 +287,6 @@ func raceRound(t *testing.T, stores []*pgstore.Store, pool *pgxpool.Pool, st rac
 		assert.Equal(t, c.OperationID, after.operationID, "%s: the winner's operation is not the row's", key)
 		assert.Equal(t, "started", after.status, "%s: status after the race", key)
 		assert.Equal(t, []byte(v.body), after.fingerprint, "%s: fingerprint on the row, winner %s", key, v.name)
-		assert.Equal(t, v.version, after.version, "%s: fingerprint version on the row, winner %s", key, v.name)
 		assert.Equal(t, raceLease.Microseconds(), after.leaseUS, "%s: lease on the row", key)
 		assert.Equal(t, raceKeep.Microseconds(), after.keepUS, "%s: retention on the row", key)
 		if !before.present || !st.keepsOp(v) {
@@ -391,5 +384,5 @@ func (c *claimStatements) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQue
 // recordIs reports whether rec shows row.
 func recordIs(rec *idempotency.Record, row raceRow) bool {
 	return string(rec.Status) == row.status && string(rec.Fingerprint) == string(row.fingerprint) &&
-		rec.FingerprintVersion == row.version && rec.CreatedAt.Equal(row.createdAt) && rec.LockedAt.Equal(row.lockedAt)
+		rec.CreatedAt.Equal(row.createdAt) && rec.LockedAt.Equal(row.lockedAt)
 }

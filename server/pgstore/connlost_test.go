@@ -139,7 +139,7 @@ func terminatedStore(t *testing.T, k *terminator) (*pgstore.Store, *pgxpool.Pool
 }
 
 var lostReq = idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-lost", Method: "POST", Path: "/v1/orders",
-	Fingerprint: []byte("fp"), FingerprintVersion: 1, LockTimeout: time.Minute}
+	Fingerprint: []byte("fp"), LockTimeout: time.Minute}
 
 // TestClaimConnLost ends the connection under a claim: lost before
 // its commit, the retry claims the key; committed with its answer lost, the

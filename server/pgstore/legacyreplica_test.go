@@ -201,7 +201,7 @@ func TestLegacyReplicasServeBeside(t *testing.T) {
 	s := pgstore.New(pool)
 	req := func(key, body string) idempotency.ClaimRequest {
 		return idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/payments",
-			Fingerprint: []byte(body), FingerprintVersion: 1,
+			Fingerprint: []byte(body),
 			LockTimeout: idempotency.DefaultLockTimeout, Retention: idempotency.DefaultRetention}
 	}
 	// age moves a key's times back by d, as if it had been written d ago.

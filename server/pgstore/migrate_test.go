@@ -338,7 +338,7 @@ func TestMigrateUpgradesLegacyKeyTable(t *testing.T) {
 			s := pgstore.New(pool)
 			legacyReq := func(key string) idempotency.ClaimRequest {
 				return idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/payments",
-					Fingerprint: []byte(key), FingerprintVersion: 1, LockTimeout: 30 * time.Second, Retention: 24 * time.Hour}
+					Fingerprint: []byte(key), LockTimeout: 30 * time.Second, Retention: 24 * time.Hour}
 			}
 			rec := mustClaim(t, s, legacyReq("done"), idempotency.Exists).Record
 			if rec.Status != idempotency.StatusCompleted || rec.Response == nil || rec.Response.Status != 201 ||

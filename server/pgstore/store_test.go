@@ -119,7 +119,7 @@ func withIsolation(isolation string) func(*pgxpool.Config) {
 // no lease and no retention.
 func req(key, body string) idempotency.ClaimRequest {
 	return idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte(body), FingerprintVersion: 1}
+		Fingerprint: []byte(body)}
 }
 
 // leased returns r with the given lease and retention.

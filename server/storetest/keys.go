@@ -33,8 +33,8 @@ func testClaimStartedKey(t *testing.T, b Backend) {
 	if rec.ClientID != "cli_a" || rec.Key != "key-1" || rec.Method != "POST" || rec.Path != "/v1/orders" {
 		t.Errorf("record names %s %s %s %s, want cli_a key-1 POST /v1/orders", rec.ClientID, rec.Key, rec.Method, rec.Path)
 	}
-	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) || rec.FingerprintVersion != 1 {
-		t.Errorf("record fingerprint %x v%d, want %x v1", rec.Fingerprint, rec.FingerprintVersion, req.Fingerprint)
+	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+		t.Errorf("record fingerprint %x, want %x", rec.Fingerprint, req.Fingerprint)
 	}
 	if rec.CreatedAt.IsZero() || rec.LockedAt.IsZero() {
 		t.Errorf("record created at %v, locked at %v; want both set", rec.CreatedAt, rec.LockedAt)
@@ -93,11 +93,6 @@ func testFingerprintMismatch(t *testing.T, b Backend) {
 	rec := claim(t, b.Store, other, idempotency.Exists).Record
 	if bytes.Equal(rec.Fingerprint, other.Fingerprint) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("record fingerprint %x, want the first request's %x", rec.Fingerprint, fingerprint("a"))
-	}
-	v2 := request("cli_a", "key-1", "a")
-	v2.FingerprintVersion = 2
-	if rec := claim(t, b.Store, v2, idempotency.Exists).Record; rec.FingerprintVersion != 1 {
-		t.Errorf("record fingerprint version %d, want the stored 1", rec.FingerprintVersion)
 	}
 }
 
@@ -236,9 +231,6 @@ func testTakeoverRefusedForOtherFingerprint(t *testing.T, b Backend) {
 	if rec.Status != idempotency.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("record %+v, want the first request's started key", rec)
 	}
-	v2 := withLockTimeout(request("cli_a", "key-1", "a"))
-	v2.FingerprintVersion = 2
-	claim(t, b.Store, v2, idempotency.Exists)
 	// The original still owns the key.
 	if err := complete(t, b, first, created("ord_1")); err != nil {
 		t.Errorf("original's Complete after refused takeovers: %v", err)
@@ -347,7 +339,7 @@ func testFailedReleaseRefusesOther(t *testing.T, b Backend) {
 	for range 2 { // refusing changes nothing: the second answer is the same
 		rec := claim(t, b.Store, other, idempotency.Exists).Record
 		if rec.Status != idempotency.StatusReleased || !bytes.Equal(rec.Fingerprint, fingerprint("a")) ||
-			rec.FingerprintVersion != 1 || !rec.CreatedAt.Equal(before.CreatedAt) || rec.Response != nil {
+			!rec.CreatedAt.Equal(before.CreatedAt) || rec.Response != nil {
 			t.Fatalf("another request on a key released as failed: record %+v, want the released key of request a, created %v", rec, before.CreatedAt)
 		}
 	}
@@ -362,29 +354,6 @@ func testFailedReleaseRefusesOther(t *testing.T, b Backend) {
 		t.Fatalf("Complete of the resumed operation: %v", err)
 	}
 	mustBeWritten(t, b, "w_resumed", true)
-}
-
-// testReleasedOtherVersion claims a released key (as failed and as
-// rejected) with a request of another fingerprint version: the store
-// cannot compare, so it answers Exists with the released record, and the
-// claim in the stored version resumes it.
-func testReleasedOtherVersion(t *testing.T, b Backend) {
-	for _, kind := range []idempotency.ReleaseKind{idempotency.ReleaseFailed, idempotency.ReleaseRejected} {
-		key := "key-" + kind.String()
-		first := claim(t, b.Store, request("cli_a", key, "a"), idempotency.Claimed).Claim
-		if err := b.Store.Release(context.Background(), first, kind); err != nil {
-			t.Fatalf("Release: %v", err)
-		}
-		v2 := request("cli_a", key, "a")
-		v2.FingerprintVersion = 2
-		rec := claim(t, b.Store, v2, idempotency.Exists).Record
-		if rec.Status != idempotency.StatusReleased || rec.FingerprintVersion != 1 || rec.Response != nil {
-			t.Errorf("%s: record %+v, want the released key of version 1", kind, rec)
-		}
-		if c := claim(t, b.Store, request("cli_a", key, "a"), idempotency.Claimed).Claim; c.OperationID != first.OperationID {
-			t.Errorf("%s: claim in the stored version: operation %q, want %q", kind, c.OperationID, first.OperationID)
-		}
-	}
 }
 
 // testReleasedClaimRace lets many claimers race for a released key, first

@@ -11,7 +11,7 @@ import (
 // request of a claim made in one transaction at created, with operation
 // opID.
 func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID string) []any {
-	return []any{req.Method, req.Path, req.Fingerprint, req.FingerprintVersion, opID, created,
+	return []any{req.Method, req.Path, req.Fingerprint, fingerprintVersion, opID, created,
 		Micros(req.LockTimeout), Micros(req.Retention)}
 }
 

@@ -48,9 +48,13 @@ func ClaimArgs(req idempotency.ClaimRequest) []any {
 	if !req.FirstSent.EarliestBegin.IsZero() {
 		earliest = &req.FirstSent.EarliestBegin
 	}
-	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, req.FingerprintVersion,
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, fingerprintVersion,
 		Micros(req.LockTimeout), Micros(req.Retention), req.OperationID(), req.FirstSent.Stale, earliest}
 }
+
+// fingerprintVersion is what the key table's fingerprint_version column
+// holds for every key now that the fingerprint has one canonical form.
+const fingerprintVersion = 1
 
 // Micros returns d in microseconds for a lease or retention column: 0
 // (never) for zero or less, at least 1 otherwise.
@@ -158,14 +162,13 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 		return idempotency.ClaimResult{}, fmt.Errorf("the key table's row of key %q has response status %d, which no store writes", req.Key, *r.RespStatus)
 	}
 	rec := &idempotency.Record{
-		ClientID:           req.ClientID,
-		Key:                req.Key,
-		Method:             *r.Method,
-		Path:               *r.Path,
-		Fingerprint:        r.Fingerprint,
-		FingerprintVersion: int(*r.FingerprintVersion),
-		Status:             idempotency.Status(*r.Status),
-		CreatedAt:          *r.CreatedAt,
+		ClientID:    req.ClientID,
+		Key:         req.Key,
+		Method:      *r.Method,
+		Path:        *r.Path,
+		Fingerprint: r.Fingerprint,
+		Status:      idempotency.Status(*r.Status),
+		CreatedAt:   *r.CreatedAt,
 	}
 	if r.LockedAt != nil {
 		rec.LockedAt = *r.LockedAt
@@ -222,7 +225,6 @@ func (r *InfoRow) KeyInfo() idempotency.KeyInfo {
 	if k.Status == idempotency.StatusReleased && r.Rejected {
 		k.ReleaseKind = idempotency.ReleaseRejected
 	}
-	k.FingerprintVersion = int(r.Version)
 	if r.Finished != nil {
 		k.FinishedAt = *r.Finished
 	}

@@ -40,7 +40,7 @@ func testCorruptRows(t *testing.T, driver string) {
 		for i := 1; i <= 4; i++ {
 			for _, oneTx := range []bool{false, true} {
 				r := idempotency.ClaimRequest{ClientID: "cli_a", Key: fmt.Sprintf("corrupt-%d", i), Method: "POST",
-					Path: "/v1/orders", Fingerprint: []byte("a"), FingerprintVersion: 1}
+					Path: "/v1/orders", Fingerprint: []byte("a")}
 				claim := s.Claim
 				if oneTx {
 					claim = s.ClaimInTx

@@ -182,7 +182,7 @@ func testResponseFidelity(t *testing.T, driver string) {
 		{Status: 204, ContentType: "text/plain; charset=utf-8", Body: []byte{}, Header: map[string]string{}},
 	} {
 		req := idempotency.ClaimRequest{ClientID: "cli_a", Key: fmt.Sprint("key-", i), Method: "POST", Path: "/v1/orders",
-			Fingerprint: []byte{0, 1, 0xff, 0}, FingerprintVersion: 1, LockTimeout: time.Minute, Retention: time.Hour}
+			Fingerprint: []byte{0, 1, 0xff, 0}, LockTimeout: time.Minute, Retention: time.Hour}
 		res, err := s.Claim(ctx, req)
 		require.NoError(t, err)
 		require.Equal(t, idempotency.Claimed, res.Outcome)
@@ -215,7 +215,7 @@ func unit(t *testing.T, s *sqlstore.Store, key string) (idempotency.Tx, context.
 	t.Helper()
 	ctx := context.Background()
 	res, err := s.Claim(ctx, idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte("a"), FingerprintVersion: 1, LockTimeout: time.Minute})
+		Fingerprint: []byte("a"), LockTimeout: time.Minute})
 	require.NoError(t, err)
 	require.Equal(t, idempotency.Claimed, res.Outcome)
 	tx, err := s.Begin(ctx, res.Claim)
@@ -309,7 +309,7 @@ func testConnLost(t *testing.T, driver string) {
 	_ = hctx
 	kill()
 	res, err := s.Claim(ctx, idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-1", Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte("a"), FingerprintVersion: 1, LockTimeout: time.Minute})
+		Fingerprint: []byte("a"), LockTimeout: time.Minute})
 	require.NoError(t, err, "a claim after the connections were ended")
 	assert.Equal(t, idempotency.Exists, res.Outcome)
 	kill()
@@ -322,7 +322,7 @@ func testConnLost(t *testing.T, driver string) {
 	db.SetMaxIdleConns(0) // drops the idle connections the kills ended
 	db.SetMaxIdleConns(4)
 	res, err = s.Claim(ctx, idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-2", Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte("a"), FingerprintVersion: 1, LockTimeout: time.Minute})
+		Fingerprint: []byte("a"), LockTimeout: time.Minute})
 	require.NoError(t, err)
 	side := open(t, driver, url)
 	lock, err := side.BeginTx(ctx, nil)

@@ -41,7 +41,7 @@ func testOpenIndexOptIn(t *testing.T, driver string) {
 		t.Fatalf("Migrate made the open keys' index (%d), want none", oid)
 	}
 	res, err := s.Claim(ctx, idempotency.ClaimRequest{ClientID: "cli_a", Key: "key-1", Method: "POST", Path: "/v1/orders",
-		Fingerprint: []byte("a"), FingerprintVersion: 1, LockTimeout: time.Minute, Retention: time.Hour})
+		Fingerprint: []byte("a"), LockTimeout: time.Minute, Retention: time.Hour})
 	if err != nil || res.Outcome != idempotency.Claimed {
 		t.Fatalf("Claim = %v, %v; want claimed", res.Outcome, err)
 	}

@@ -209,7 +209,7 @@ func testReadOnly(t *testing.T, driver string) {
 	_, url := OpenURL(t, driver)
 	s := sqlstore.New(open(t, driver, url+"&default_transaction_read_only=on"))
 	_, err := s.Claim(context.Background(), idempotency.ClaimRequest{ClientID: "c", Key: "k", Method: "POST",
-		Path: "/v1/orders", Fingerprint: []byte("fp"), FingerprintVersion: 1})
+		Path: "/v1/orders", Fingerprint: []byte("fp")})
 	if !errors.Is(err, idempotency.ErrReadOnly) {
 		t.Errorf("Claim on a read-only database: %v, want ErrReadOnly", err)
 	}
