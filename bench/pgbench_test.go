@@ -86,8 +86,8 @@ const pgbenchHeader = `-- One first execution of POST /v1/payments on the refere
 -- server pipelines BEGIN with the INSERT and the SHOW, and the completion
 -- with the COMMIT (two): the same WAL flushes.
 --
--- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
--- lockus retus status ctype hdr body customer currency.
+-- Variables (-D, see bench/pgbench/run.sh): client method path fp lockus
+-- retus status ctype hdr body customer currency.
 `
 
 // pgbenchScript builds a pgbench script from the server's SQL constants.
@@ -122,8 +122,8 @@ func pgbenchScript(src map[string]string) (string, error) {
 		return "", fmt.Errorf("txGuardSQL: %w", err)
 	}
 	claim, err = params(claim, map[int]string{
-		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":fpver", 7: ":lockus", 8: ":retus",
-		9: "gen_random_uuid()",
+		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":lockus", 7: ":retus",
+		8: "gen_random_uuid()",
 	})
 	if err != nil {
 		return "", fmt.Errorf("claimInsertSQL: %w", err)

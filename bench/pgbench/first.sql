@@ -15,17 +15,17 @@
 -- server pipelines BEGIN with the INSERT and the SHOW, and the completion
 -- with the COMMIT (two): the same WAL flushes.
 --
--- Variables (-D, see bench/pgbench/run.sh): client method path fp fpver
--- lockus retus status ctype hdr body customer currency.
+-- Variables (-D, see bench/pgbench/run.sh): client method path fp lockus
+-- retus status ctype hdr body customer currency.
 
 \set key random(1, 9000000000000000000)
 \set amount random(100, 100000)
 
 -- claimInsertSQL
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+    request_hash, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-SELECT :client::text, :key::text, :method::text, :path::text, :fp::bytea, :fpver::integer, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
+SELECT :client::text, :key::text, :method::text, :path::text, :fp::bytea, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
     statement_timestamp(), statement_timestamp(), :lockus::bigint, :retus::bigint, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
             THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END
 WHERE pg_try_advisory_xact_lock_shared(hashtextextended(:key, hashtextextended(:client, 'idempotency_keys'::regclass::oid::bigint)))

@@ -21,8 +21,8 @@ import (
 // fenced.
 const takeKeySQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, fingerprint_version, status, operation_id, lock_token, lease_us, retention_us)
-VALUES ('cli_a', 'k1', 'POST', '/v1/orders', '\x00', 1, 'started', gen_random_uuid(),
+    request_hash, status, operation_id, lock_token, lease_us, retention_us)
+VALUES ('cli_a', 'k1', 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
     nextval('idempotency_lock_tokens'), 30000000, 86400000000)`
 
 // TestDeferredTriggerUniqueViolationIsNotFenced: a deferred constraint

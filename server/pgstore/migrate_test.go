@@ -107,6 +107,51 @@ func TestMigrateLeavesOtherTablesAlone(t *testing.T) {
 	}
 }
 
+// TestMigrateFingerprintVersionColumn: a key table with the
+// fingerprint_version column, NOT NULL, as Migrate made it before the
+// fingerprint had one canonical form, gets a default for it, so that the
+// stores' claims, which no longer write it, insert keys; its keys keep
+// replaying; Migrate again changes nothing.
+func TestMigrateFingerprintVersionColumn(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	if err := pgstore.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `
+		ALTER TABLE idempotency_keys ADD COLUMN fingerprint_version integer NOT NULL;
+		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
+			fingerprint_version, status, operation_id, lock_token, response_status, lease_us, retention_us)
+		VALUES ('cli_a', 'done', 'POST', '/v1/orders', 'a', 1, 'completed', gen_random_uuid(),
+			nextval('idempotency_lock_tokens'), 201, 0, 0)`); err != nil {
+		t.Fatal(err)
+	}
+	before := relations(t, pool)
+	for range 2 {
+		if err := pgstore.Migrate(ctx, pool); err != nil {
+			t.Fatalf("Migrate of a table with fingerprint_version: %v", err)
+		}
+	}
+	if got := relations(t, pool); got != before {
+		t.Errorf("relations after Migrate:\n%s\nwant as before:\n%s", got, before)
+	}
+	s := pgstore.New(pool)
+	if rec := mustClaim(t, s, req("done", "a"), idempotency.Exists).Record; rec.Status != idempotency.StatusCompleted {
+		t.Errorf("the key stored before: %q, want completed", rec.Status)
+	}
+	mustComplete(t, s, mustClaim(t, s, req("new", "a"), idempotency.Claimed).Claim)
+	res, err := s.ClaimInTx(ctx, req("new-in-tx", "a"))
+	if err != nil || res.Outcome != idempotency.Claimed {
+		t.Fatalf("ClaimInTx = %+v, %v; want Claimed", res, err)
+	}
+	mustComplete(t, s, res.Claim)
+	rows, _ := pool.Query(ctx, `SELECT fingerprint_version FROM idempotency_keys ORDER BY idempotency_key`)
+	versions, err := pgx.CollectRows(rows, pgx.RowTo[int])
+	if err != nil || len(versions) != 3 || versions[0] != 1 || versions[1] != 1 || versions[2] != 1 {
+		t.Errorf("fingerprint_version of the keys: %v, %v; want 1 for all three", versions, err)
+	}
+}
+
 // snapshot returns the columns and the rows of table, as text.
 func snapshot(t *testing.T, pool *pgxpool.Pool, table string) string {
 	t.Helper()
@@ -176,7 +221,7 @@ func TestMigrateRefusesForeignKeyTable(t *testing.T) {
 // keysColumns are the columns of pgstore's key table, as a CREATE TABLE
 // lists them.
 const keysColumns = `client_id text, idempotency_key text, request_method text, request_path text,
-	request_hash bytea, fingerprint_version integer, status text, operation_id uuid, lock_token bigint,
+	request_hash bytea, status text, operation_id uuid, lock_token bigint,
 	release_rejected boolean, response_status integer, response_content_type text, response_headers jsonb,
 	response_body bytea, created_at timestamptz, locked_at timestamptz, lease_us bigint, retention_us bigint,
 	expires_at timestamptz`

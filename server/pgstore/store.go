@@ -119,7 +119,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
 	insert := func(q querier) error {
 		var rows pgx.Rows
-		rows, err = q.Query(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:9]...)
+		rows, err = q.Query(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8]...)
 		if err != nil {
 			return err
 		}

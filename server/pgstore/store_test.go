@@ -360,9 +360,9 @@ func TestPurgeIsBounded(t *testing.T) {
 	const keys, limit, live = 20000, 100, 60
 	if _, err := pool.Exec(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at,
+			status, operation_id, lock_token, response_status, created_at, locked_at,
 			lease_us, retention_us, expires_at)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 1, 'completed', gen_random_uuid(),
+		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 'completed', gen_random_uuid(),
 			nextval('idempotency_lock_tokens'), 201, now() - interval '2 days', now() - interval '2 days',
 			1000000, 60000000, now() + ($2 - g) * interval '1 minute' + interval '20 seconds'
 		FROM generate_series(1, $1::int) g`, keys, live); err != nil {

@@ -56,9 +56,9 @@ func TestLifecycleQueriesWalkTheOpenIndex(t *testing.T) {
 	const completed, lapsed = 20000, 30
 	if _, err := pool.Exec(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, response_status, created_at, locked_at,
+			status, operation_id, lock_token, response_status, created_at, locked_at,
 			lease_us, retention_us, expires_at)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 1,
+		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00',
 			CASE WHEN g <= $2 THEN 'started' ELSE 'completed' END, gen_random_uuid(),
 			nextval('idempotency_lock_tokens'), CASE WHEN g <= $2 THEN NULL ELSE 201 END,
 			now() - interval '2 days', now() - interval '2 days', 1000000, 604800000000,

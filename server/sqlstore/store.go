@@ -214,7 +214,7 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
 	err = s.run(ctx, func(q querier) error {
-		err := q.QueryRowContext(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:9]...).Scan(&c.Token, &c.OperationID)
+		err := q.QueryRowContext(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8]...).Scan(&c.Token, &c.OperationID)
 		if errors.Is(err, sql.ErrNoRows) { // the key has a row
 			claimed = false
 			return nil

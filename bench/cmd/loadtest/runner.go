@@ -459,10 +459,10 @@ func (r *runner) retention(ctx context.Context) (result, error) {
 	n := r.cfg.expiredKeys
 	_, err = r.db.Exec(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-			request_hash, fingerprint_version, status, operation_id, lock_token,
+			request_hash, status, operation_id, lock_token,
 			response_status, response_content_type, response_body, created_at, locked_at)
 		SELECT 'loadtest_expired', 'expired-' || g, 'POST', '/v1/payments',
-			sha256(g::text::bytea), 1, 'completed', gen_random_uuid(), nextval('idempotency_lock_tokens'),
+			sha256(g::text::bytea), 'completed', gen_random_uuid(), nextval('idempotency_lock_tokens'),
 			201, 'application/json', convert_to('{"id":"pay_expired_' || g || '"}', 'UTF8'),
 			now() - interval '48 hours' - g * interval '1 millisecond', now() - interval '48 hours'
 		FROM generate_series(1, $1::int) g`, n)

@@ -38,16 +38,16 @@ const (
             + CASE WHEN k.status = 'started' THEN k.lease_us ELSE 0 END) * interval '1 microsecond')`
 	expiryExpr = `(CASE WHEN k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         THEN ` + expiryTimeExpr + ` END)`
-	// refusedExpr: k is expired and the claim's first-sent check ($10
-	// stale, $11 earliest begin, NULL for none) says the request may belong
+	// refusedExpr: k is expired and the claim's first-sent check ($9
+	// stale, $10 earliest begin, NULL for none) says the request may belong
 	// to its operation (see idempotency.FirstSentCheck).
-	refusedExpr = `((` + expiredExpr + `) AND ($10::boolean OR k.created_at >= $11::timestamptz) IS TRUE)`
+	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
 	// claimedExpiryExpr is the expires_at of a key claimed now with the
-	// lease $7 and the retention $8: now plus the retention, a bound below
+	// lease $6 and the retention $7: now plus the retention, a bound below
 	// the key's expiry (see expiredExpr), or NULL for a key that never
 	// expires while started.
-	claimedExpiryExpr = `CASE WHEN $7::bigint > 0 AND $8::bigint > 0
-            THEN statement_timestamp() + $8::bigint * interval '1 microsecond' END`
+	claimedExpiryExpr = `CASE WHEN $6::bigint > 0 AND $7::bigint > 0
+            THEN statement_timestamp() + $7::bigint * interval '1 microsecond' END`
 	// finishedSetExpr sets the columns of a key that finishes now: locked_at
 	// to now, and expires_at to the key's expiry if that is earlier, or if
 	// expires_at is NULL; for a key this package claimed with a lease it
@@ -61,9 +61,9 @@ const (
 // [idempotency.Store.Claim] for the cases).
 //
 // Parameters: $1 client, $2 key, $3 method, $4 path, $5 fingerprint,
-// $6 fingerprint version, $7 lease and $8 retention in microseconds
-// (0: never), stored with the key, $9 the operation ID of a new operation
-// (idempotency.ClaimRequest.OperationID), $10 and $11 the first-sent
+// $6 lease and $7 retention in microseconds (0: never), stored with the
+// key, $8 the operation ID of a new operation
+// (idempotency.ClaimRequest.OperationID), $9 and $10 the first-sent
 // check (see refusedExpr). It returns one row: outcome 1 (Claimed)
 // or 2 (TookOver) with the new token and the operation ID, or 3 (Exists)
 // with the row as the statement's snapshot saw it.
@@ -75,11 +75,11 @@ const (
 //
 //   - expired (expires_at passed: it counts as absent, whatever its state
 //     and fingerprint): a new operation ID and creation time;
-//   - released under the same fingerprint version: with the same
-//     fingerprint it is resumed (same operation ID and creation time), with
-//     another it is replaced (new operation ID, creation time, request) if
-//     it was released as rejected (release_rejected), and left as it is,
-//     for an Exists row, if it was released as failed;
+//   - released: with the same fingerprint it is resumed (same operation
+//     ID and creation time), with another it is replaced (new operation
+//     ID, creation time, request) if it was released as rejected
+//     (release_rejected), and left as it is, for an Exists row, if it was
+//     released as failed;
 //   - started, its lease run out (by the lease stored with it, not the
 //     caller's), and with the same fingerprint: taken over (same
 //     operation ID).
@@ -103,18 +103,17 @@ WITH ` + existingCTE + `, ` + heldCTE + `, renewed AS (
         request_method = $3,
         request_path = $4,
         request_hash = $5,
-        fingerprint_version = $6,
         status = 'started',
         operation_id = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
-            THEN $9::uuid ELSE k.operation_id END,
+            THEN $8::uuid ELSE k.operation_id END,
         lock_token = nextval('idempotency_lock_tokens'),
         created_at = CASE
             WHEN ` + expiredExpr + ` IS TRUE OR (k.status = 'released' AND k.request_hash <> $5)
             THEN statement_timestamp() ELSE k.created_at END,
         locked_at = statement_timestamp(),
-        lease_us = $7,
-        retention_us = $8,
+        lease_us = $6,
+        retention_us = $7,
         expires_at = ` + claimedExpiryExpr + `,
         release_rejected = false,
         response_status = NULL,
@@ -125,19 +124,18 @@ WITH ` + existingCTE + `, ` + heldCTE + `, renewed AS (
         AND k.status = (SELECT status FROM existing)
         AND NOT ` + refusedExpr + `
         AND (` + expiredExpr + `
-            OR (k.status = 'released' AND k.fingerprint_version = $6
-                AND (k.release_rejected OR k.request_hash = $5))
-            OR (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5))
+            OR (k.status = 'released' AND (k.release_rejected OR k.request_hash = $5))
+            OR (` + staleExpr + ` AND k.request_hash = $5))
     RETURNING k.lock_token, k.operation_id,
         k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
 ), ` + insertedCTE + `
 SELECT 1, lock_token, operation_id::text,
-    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
+    NULL::text, NULL::text, NULL::bytea, NULL::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, NULL::bigint, false
 FROM inserted
 UNION ALL
 SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM renewed
 UNION ALL
 ` + existingRow + `
@@ -160,13 +158,13 @@ UNION ALL
 // hold one another off, and holds it only to its own commit): a route
 // without the mode never runs a key that a route with it is running
 // (ClaimReadSQL then answers Busy).
-// Parameters $1 to $9 as ClaimSQL's.
+// Parameters $1 to $8 as ClaimSQL's.
 const ClaimInsertSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+    request_hash, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, $6::integer, 'started', $9::uuid, nextval('idempotency_lock_tokens'),
-    statement_timestamp(), statement_timestamp(), $7::bigint, $8::bigint, ` + claimedExpiryExpr + `
+SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $8::uuid, nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), $6::bigint, $7::bigint, ` + claimedExpiryExpr + `
 WHERE pg_try_advisory_xact_lock_shared(` + keyLockExpr + `)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text`
@@ -182,7 +180,7 @@ RETURNING lock_token, operation_id::text`
 // and rows as ClaimSQL.
 const ClaimReadSQL = `
 WITH ` + existingCTE + `, typed AS (
-    SELECT $3::text, $4::text, $7::bigint, $8::bigint, $9::uuid -- unused: typed for the prepared statement
+    SELECT $3::text, $4::text, $6::bigint, $7::bigint, $8::uuid -- unused: typed for the prepared statement
 ), ` + heldCTE + `
 ` + existingRow + `
 UNION ALL
@@ -200,24 +198,23 @@ const (
     SELECT k.*,
         ` + expiredExpr + ` IS TRUE AS expired,
         ` + refusedExpr + ` AS refused,
-        (` + staleExpr + ` AND k.fingerprint_version = $6 AND k.request_hash = $5) AS stale,
-        (k.status = 'released' AND k.fingerprint_version = $6
-            AND (k.release_rejected OR k.request_hash = $5)) AS free
+        (` + staleExpr + ` AND k.request_hash = $5) AS stale,
+        (k.status = 'released' AND (k.release_rejected OR k.request_hash = $5)) AS free
     FROM idempotency_keys k
     WHERE k.client_id = $1 AND k.idempotency_key = $2
 )`
 	insertedCTE = `inserted AS (
     INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-        request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at,
+        request_hash, status, operation_id, lock_token, created_at, locked_at,
         lease_us, retention_us, expires_at)
-    SELECT $1, $2, $3, $4, $5, $6, 'started', $9::uuid, nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
-        $7, $8, ` + claimedExpiryExpr + `
-    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean AND (SELECT free FROM held)
+    SELECT $1, $2, $3, $4, $5, 'started', $8::uuid, nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(),
+        $6, $7, ` + claimedExpiryExpr + `
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean AND (SELECT free FROM held)
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
 	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, operation_id::text,
-    request_method, request_path, request_hash, fingerprint_version, status,
+    request_method, request_path, request_hash, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at, retention_us,
     (expired OR stale OR free) AND NOT refused
 FROM existing`
@@ -227,17 +224,17 @@ FROM existing`
 	// lock shared, for this statement's transaction only.
 	heldCTE = `held AS (
     SELECT pg_try_advisory_xact_lock_shared(` + keyLockExpr + `) AS free
-    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $10::boolean
+    WHERE NOT EXISTS (SELECT FROM existing) AND NOT $9::boolean
 )`
 	// busyAbsentRow is the outcome 5 (Busy) row of a key the snapshot did
 	// not have, held by a claim in one transaction (heldCTE).
-	busyAbsentRow = `SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+	busyAbsentRow = `SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM held WHERE NOT free`
 	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
-	// did not have, for a stale first-sent check ($10), which inserted
+	// did not have, for a stale first-sent check ($9), which inserted
 	// nothing.
-	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
-WHERE $10::boolean AND NOT EXISTS (SELECT FROM existing)`
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
 
 // RenewSQL renews the lease of a key its claim still owns ($1 client, $2

@@ -11,7 +11,7 @@ import (
 // request of a claim made in one transaction at created, with operation
 // opID.
 func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID string) []any {
-	return []any{req.Method, req.Path, req.Fingerprint, fingerprintVersion, opID, created,
+	return []any{req.Method, req.Path, req.Fingerprint, opID, created,
 		Micros(req.LockTimeout), Micros(req.Retention)}
 }
 
@@ -27,12 +27,12 @@ const TxIDSQL = `SELECT pg_current_xact_id()::text`
 // ended that transaction and began another (COMMIT AND CHAIN).
 const TxGuardSQL = `SELECT 1 / (pg_current_xact_id() = $1::xid8)::integer`
 
-// txIsExpr8 and txIsExpr16 are 1 in the transaction whose ID is $8 or $16
+// txIsExpr8 and txIsExpr15 are 1 in the transaction whose ID is $8 or $15
 // (TxIDSQL); in any other they fail with numeric_value_out_of_range
 // (TxChangedCode), which no other part of a completion raises.
 const (
 	txIsExpr8  = `((CASE WHEN pg_current_xact_id() = $8::xid8 THEN 0 ELSE 2147483647 END) + 1)`
-	txIsExpr16 = `((CASE WHEN pg_current_xact_id() = $16::xid8 THEN 0 ELSE 2147483647 END) + 1)`
+	txIsExpr15 = `((CASE WHEN pg_current_xact_id() = $15::xid8 THEN 0 ELSE 2147483647 END) + 1)`
 )
 
 // TxChangedCode is the SQLSTATE of a checked completion
@@ -52,15 +52,15 @@ WITH done AS (` + CompleteSQL + `
 SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
 
 // CompleteNewCheckedInTxSQL is CompleteNewInTxSQL with the check of
-// CompleteCheckedInTxSQL, on $16.
+// CompleteCheckedInTxSQL, on $15.
 const CompleteNewCheckedInTxSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
-    request_method, request_path, request_hash, fingerprint_version, operation_id,
+    request_method, request_path, request_hash, operation_id,
     created_at, locked_at, lease_us, retention_us, expires_at)
-SELECT $1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
-    CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END
-WHERE ` + txIsExpr16 + ` > 0`
+SELECT $1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
+    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END
+WHERE ` + txIsExpr15 + ` > 0`
 
 // TxStatusSQL tells whether the transaction whose ID is $1 (TxIDSQL)
 // committed, aborted or is in progress; NULL once it is too old to tell.
@@ -117,16 +117,16 @@ const DivisionByZero = "22012"
 // ends, as if it were a duplicate.
 const ClaimTxSQL = `
 WITH ` + existingCTE + `, probe AS (
-    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $10::boolean THEN NULL
+    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $9::boolean THEN NULL
         ELSE pg_try_advisory_xact_lock(` + keyLockExpr + `) END AS held,
-        $3::text AS method, $4::text AS path, $7::bigint AS lease_us, $8::bigint AS retention_us -- unused: typed for the prepared statement
+        $3::text AS method, $4::text AS path, $6::bigint AS lease_us, $7::bigint AS retention_us -- unused: typed for the prepared statement
 )
-SELECT 1, nextval('idempotency_lock_tokens'), $9::uuid::text,
-    NULL::text, NULL::text, NULL::bytea, NULL::integer, NULL::text,
+SELECT 1, nextval('idempotency_lock_tokens'), $8::uuid::text,
+    NULL::text, NULL::text, NULL::bytea, NULL::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false
 FROM probe WHERE held
 UNION ALL
-SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
 FROM probe WHERE NOT held
 UNION ALL
 ` + existingRow + `
@@ -156,8 +156,8 @@ const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.clie
 // CompleteNewSQL inserts the key of a claim made in one transaction,
 // completed: $1 client, $2 key, $3 token, $4 to $7 the response as in
 // CompleteSQL, then the claim's request ($8 method, $9 path, $10
-// fingerprint, $11 its version, $12 operation ID, $13 time of the claim,
-// $14 lease and $15 retention in microseconds). The key finished now: it
+// fingerprint, $11 operation ID, $12 time of the claim, $13 lease and $14
+// retention in microseconds). The key finished now: it
 // expires its retention from now. It inserts nothing when the key has a row
 // (a claim in a commit of its own, from a route without the mode, took the
 // key meanwhile): the claim was fenced.
@@ -176,10 +176,10 @@ ON CONFLICT (client_id, idempotency_key) DO NOTHING`
 const CompleteNewInTxSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
-    request_method, request_path, request_hash, fingerprint_version, operation_id,
+    request_method, request_path, request_hash, operation_id,
     created_at, locked_at, lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11, $12::uuid, $13, statement_timestamp(), $14, $15,
-    CASE WHEN $15::bigint > 0 THEN statement_timestamp() + $15::bigint * interval '1 microsecond' END)`
+VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
+    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)`
 
 // IsFence reports whether an error of SQLSTATE code, raised by query
 // itself, is the fence of a completion sent with its COMMIT: the division

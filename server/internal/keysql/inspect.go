@@ -28,7 +28,7 @@ const (
 // the response's body, which each statement adds (or NULL) as the last
 // column.
 const infoColumns = `k.client_id, k.idempotency_key, k.request_method, k.request_path, k.status, k.release_rejected,
-    k.operation_id::text, k.lock_token, k.fingerprint_version, k.created_at, k.locked_at, ` + finishedExpr + `,
+    k.operation_id::text, k.lock_token, k.created_at, k.locked_at, ` + finishedExpr + `,
     ` + expiryExpr + `, k.lease_us, k.retention_us, (extract(epoch FROM statement_timestamp() - k.locked_at) * 1000000)::bigint,
     ` + staleExpr + `, ` + expiredExpr + ` IS TRUE,
     k.response_status, k.response_content_type, k.response_headers`

@@ -56,6 +56,16 @@ var compatibleSteps = []struct {
 			AND conname IN ('idempotency_keys_key_check', 'idempotency_keys_status_check', 'idempotency_keys_response_check',
 				'idempotency_keys_response_status_check', 'idempotency_keys_lease_check'))`,
 		sql: dropChecksSQL, optional: true},
+	// Tables made before the fingerprint had one canonical form, and those
+	// of the idem-server before this package, have a fingerprint_version
+	// column, NOT NULL, which the stores no longer write or read: its
+	// default fills it for their inserts, with the 1 that the earlier
+	// replicas, which still write and compare it, expect.
+	{name: "a default for the fingerprint version", needed: `
+		SELECT EXISTS (SELECT FROM information_schema.columns
+		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'fingerprint_version'
+			AND column_default IS NULL)`,
+		sql: `ALTER TABLE idempotency_keys ALTER COLUMN fingerprint_version SET DEFAULT 1`},
 }
 
 // The waits of an optional step for the key table's lock: each at most
@@ -125,7 +135,6 @@ var columns = map[string]string{
 	"request_method":        "text",
 	"request_path":          "text",
 	"request_hash":          "bytea",
-	"fingerprint_version":   "integer",
 	"status":                "text",
 	"operation_id":          "uuid",
 	"lock_token":            "bigint",
@@ -225,6 +234,8 @@ func createTable(ctx context.Context, tx Conn) error {
 	if err != nil {
 		return err
 	}
+	// Kept, with a default, by a compatible step (see compatibleSteps).
+	delete(found, "fingerprint_version")
 	switch {
 	case len(found) == 0:
 		if err := tx.Exec(ctx, keysSQL); err != nil {

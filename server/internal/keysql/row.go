@@ -42,19 +42,15 @@ func ConnEnded(code string) bool {
 const MaxRaces = 10
 
 // ClaimArgs returns the parameters of ClaimSQL and its kin for req ($1 to
-// $11); ClaimInsertSQL takes the first nine.
+// $10); ClaimInsertSQL takes the first eight.
 func ClaimArgs(req idempotency.ClaimRequest) []any {
 	var earliest *time.Time // NULL: no such rule
 	if !req.FirstSent.EarliestBegin.IsZero() {
 		earliest = &req.FirstSent.EarliestBegin
 	}
-	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint, fingerprintVersion,
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint,
 		Micros(req.LockTimeout), Micros(req.Retention), req.OperationID(), req.FirstSent.Stale, earliest}
 }
-
-// fingerprintVersion is what the key table's fingerprint_version column
-// holds for every key now that the fingerprint has one canonical form.
-const fingerprintVersion = 1
 
 // Micros returns d in microseconds for a lease or retention column: 0
 // (never) for zero or less, at least 1 otherwise.
@@ -103,21 +99,20 @@ func Fenced(done bool, err error) error {
 
 // ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimTxSQL.
 type ClaimRow struct {
-	Code               int32 // the outcome: an idempotency.Outcome
-	Token              *int64
-	OperationID        *string
-	Method, Path       *string
-	Fingerprint        []byte
-	FingerprintVersion *int32
-	Status             *string
-	RespStatus         *int32
-	RespContentType    *string
-	RespHeader         map[string]string
-	RespBody           []byte
-	CreatedAt          *time.Time
-	LockedAt           *time.Time
-	RetentionUS        *int64 // of a row found: the retention stored with it
-	Lost               bool   // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
+	Code            int32 // the outcome: an idempotency.Outcome
+	Token           *int64
+	OperationID     *string
+	Method, Path    *string
+	Fingerprint     []byte
+	Status          *string
+	RespStatus      *int32
+	RespContentType *string
+	RespHeader      map[string]string
+	RespBody        []byte
+	CreatedAt       *time.Time
+	LockedAt        *time.Time
+	RetentionUS     *int64 // of a row found: the retention stored with it
+	Lost            bool   // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
 }
 
 // Dests returns the scan destinations of a claim row's columns, in order;
@@ -126,7 +121,7 @@ type ClaimRow struct {
 // fills r.RespHeader.
 func (r *ClaimRow) Dests(header any) []any {
 	return []any{&r.Code, &r.Token, &r.OperationID,
-		&r.Method, &r.Path, &r.Fingerprint, &r.FingerprintVersion, &r.Status,
+		&r.Method, &r.Path, &r.Fingerprint, &r.Status,
 		&r.RespStatus, &r.RespContentType, header, &r.RespBody, &r.CreatedAt, &r.LockedAt,
 		&r.RetentionUS, &r.Lost}
 }
@@ -198,7 +193,6 @@ type InfoRow struct {
 	Info                  idempotency.KeyInfo
 	Status                string
 	Rejected              bool
-	Version               int32
 	Finished, Expires     *time.Time
 	Lease, Retention, Age int64
 	RespStatus            *int32
@@ -212,7 +206,7 @@ type InfoRow struct {
 func (r *InfoRow) Dests(header any) []any {
 	k := &r.Info
 	return []any{&k.ClientID, &k.Key, &k.Method, &k.Path, &r.Status, &r.Rejected,
-		&k.OperationID, &k.Token, &r.Version, &k.CreatedAt, &k.LockedAt, &r.Finished,
+		&k.OperationID, &k.Token, &k.CreatedAt, &k.LockedAt, &r.Finished,
 		&r.Expires, &r.Lease, &r.Retention, &r.Age,
 		&k.Lapsed, &k.Expired,
 		&r.RespStatus, &r.RespContentType, header, &r.RespBody}

@@ -14,8 +14,7 @@ CREATE TABLE idempotency_keys (
     idempotency_key       text        NOT NULL,
     request_method        text        NOT NULL,
     request_path          text        NOT NULL,
-    request_hash          bytea       NOT NULL,  -- SHA-256 of the canonical request
-    fingerprint_version   integer     NOT NULL,  -- version of the canonical form request_hash was made with
+    request_hash          bytea       NOT NULL,  -- SHA-256 of the canonical request (idempotency.Fingerprint)
     status                text        NOT NULL,  -- started | completed | released
     operation_id          uuid        NOT NULL,  -- the logical operation; kept across takeovers and resumptions
     lock_token            bigint      NOT NULL,  -- fencing token of the current (or last) owner

@@ -21,11 +21,11 @@ import (
 // to 599, a started key with a response status.
 const corruptRowsSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-	fingerprint_version, status, operation_id, lock_token, lease_us, retention_us, response_status)
-VALUES ('cli_a', 'corrupt-1', 'POST', '/v1/orders', 'a', 1, 'done', gen_random_uuid(), 1, 0, 0, NULL),
-	('cli_a', 'corrupt-2', 'POST', '/v1/orders', 'a', 1, 'completed', gen_random_uuid(), 2, 0, 0, NULL),
-	('cli_a', 'corrupt-3', 'POST', '/v1/orders', 'a', 1, 'completed', gen_random_uuid(), 3, 0, 0, 700),
-	('cli_a', 'corrupt-4', 'POST', '/v1/orders', 'a', 1, 'started', gen_random_uuid(), 4, 0, 0, 201)`
+	status, operation_id, lock_token, lease_us, retention_us, response_status)
+VALUES ('cli_a', 'corrupt-1', 'POST', '/v1/orders', 'a', 'done', gen_random_uuid(), 1, 0, 0, NULL),
+	('cli_a', 'corrupt-2', 'POST', '/v1/orders', 'a', 'completed', gen_random_uuid(), 2, 0, 0, NULL),
+	('cli_a', 'corrupt-3', 'POST', '/v1/orders', 'a', 'completed', gen_random_uuid(), 3, 0, 0, 700),
+	('cli_a', 'corrupt-4', 'POST', '/v1/orders', 'a', 'started', gen_random_uuid(), 4, 0, 0, 201)`
 
 // testCorruptRows: a key whose row breaks a rule that the key table's
 // CHECK constraints kept is an error to a claim of either store (sqlstore
