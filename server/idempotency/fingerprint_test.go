@@ -158,6 +158,21 @@ func TestFingerprint(t *testing.T) {
 	}
 }
 
+// TestFingerprintGolden pins the fingerprint of a payment: it is stored
+// with every key, and the operation ID derives from it, so a change here
+// turns every retry across a deploy into a 422, and every retry of an
+// operation whose key's row is gone into a second charge downstream.
+func TestFingerprintGolden(t *testing.T) {
+	for _, tt := range []struct{ query, contentType, body, want string }{
+		{"", ctJSON, `{"amount": 4200, "currency": "usd", "customer": "cus_123"}`, "0826b39ab1c8b392b49ca3318ce529bd47e0da2f174ec71a02203b665be9da54"},
+		{"a=1&a=2&b=3", ctForm, "amount=4200&currency=usd", "28cff56eec80f3c148dabdb1add79147c18e92aefceb350c5f649b372c36be36"},
+	} {
+		if got := fmt.Sprintf("%x", mustFingerprint(t, "POST", "/v1/payments", tt.query, tt.contentType, tt.body)); got != tt.want {
+			t.Errorf("Fingerprint(%q, %q) = %s, want %s: the canonical form changed", tt.query, tt.body, got, tt.want)
+		}
+	}
+}
+
 // decodeJSON decodes a document as the fuzz oracle sees it.
 func decodeJSON(s string) (any, bool) {
 	dec := json.NewDecoder(strings.NewReader(s))

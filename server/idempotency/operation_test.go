@@ -1,6 +1,7 @@
 package idempotency
 
 import (
+	"net/http"
 	"testing"
 	"time"
 )
@@ -51,5 +52,51 @@ func TestOperationID(t *testing.T) {
 			t.Errorf("%s derived the operation ID of %s (%s)", name, prev, id)
 		}
 		seen[id] = name
+	}
+}
+
+// TestOperationIDSameOnEveryReplica serves one request on replicas with
+// different options, each with a store of its own, as when the key's row
+// was lost in a failover and the retry lands on another replica: every
+// replica must derive the operation ID the first one did, or a downstream
+// keyed by it charges twice. The request has a repeated query field out of
+// order, which replicas on two canonical forms once fingerprinted, and so
+// derived, differently.
+func TestOperationIDSameOnEveryReplica(t *testing.T) {
+	sent := time.Now().Add(-time.Minute).Truncate(time.Second)
+	const path, body = "/v1/payments?expand=charge&amount=5000&amount=100", `{"currency": "usd", "amount": 4200}`
+	fp, err := Fingerprint(http.MethodPost, "/v1/payments", "expand=charge&amount=5000&amount=100", "application/json", []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := ClaimRequest{ClientID: "c", Key: "k", Fingerprint: fp, FirstSent: FirstSentCheck{Sent: sent}}.OperationID()
+	replicas := map[string]Options{
+		"defaults":             {},
+		"lease and retention":  {LockTimeout: time.Second, Retention: time.Hour},
+		"keys never expire":    {Retention: -1},
+		"no first-sent policy": {IgnoreFirstSent: true},
+		"first-sent allowance": {FirstSentSkew: 2 * time.Second},
+		"body as JSON":         {BodyFormat: BodyAsJSON},
+		"JSON only":            {BodyFormat: BodyJSONOnly},
+		"one transaction":      {OneTransaction: true},
+		"stored 5xx, waits":    {StoreServerErrors: true, WaitForCompletion: time.Second},
+		"body limit, retry":    {MaxBodyBytes: 1 << 10, RetryAfter: 5 * time.Second},
+		"stored headers, size": {StoredHeaders: []string{"Location"}, MaxStoredBodyBytes: 1 << 10},
+	}
+	for name, opts := range replicas {
+		var got string
+		h := testHandler(t, NewMemoryStore(), opts, func(w http.ResponseWriter, r *http.Request) {
+			c, _ := ClaimFromContext(r.Context())
+			got = c.OperationID
+			w.WriteHeader(http.StatusCreated)
+		})
+		req := call{path: path, keys: []string{"k"}, body: body}.request(t, "")
+		req.Header.Set(DefaultFirstSentHeader, sent.UTC().Format(http.TimeFormat))
+		if r := serveRequest(t, h, req); r.status != http.StatusCreated {
+			t.Fatalf("%s: %d %s, want 201", name, r.status, r.body)
+		}
+		if got != want {
+			t.Errorf("%s: operation %s, want %s, as every other replica", name, got, want)
+		}
 	}
 }
