@@ -72,8 +72,8 @@ func OpenKeysIndexThroughPgBouncer(t *testing.T, driver, params string) {
 	db := bouncerDB(t, driver, params, "", false)
 	if _, err := db.ExecContext(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, lease_us, retention_us)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 1, 'started', gen_random_uuid(),
+			status, operation_id, lock_token, lease_us, retention_us)
+		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
 			nextval('idempotency_lock_tokens'), 1000000, 3600000000
 		FROM generate_series(1, 20000) g`); err != nil {
 		t.Fatal(err)
