@@ -105,8 +105,8 @@ func TestOpenKeysIndexThroughPgBouncer(t *testing.T) {
 	pool := bouncerPool(t, 8, pgx.QueryExecModeExec, false)
 	if _, err := pool.Exec(ctx, `
 		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			fingerprint_version, status, operation_id, lock_token, lease_us, retention_us)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 1, 'started', gen_random_uuid(),
+			status, operation_id, lock_token, lease_us, retention_us)
+		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
 			nextval('idempotency_lock_tokens'), 1000000, 3600000000
 		FROM generate_series(1, 20000) g`); err != nil {
 		t.Fatal(err)
