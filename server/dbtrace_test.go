@@ -50,13 +50,10 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //     (see pgstore's claimInsertSQL: a new key is claimed by a plain
 //     insert, which costs PostgreSQL less, and a key that has a row pays
 //     for it with this second statement).
-//   - A request whose key is released (here a 400 from the handler's
-//     validation) makes two: the claim and the release. The handler wrote
-//     nothing, so its transaction never began: no BEGIN and no ROLLBACK.
-//   - The corrected request with the key of such a 400 makes seven: the
-//     claim takes three statements, the insert that finds the key there,
-//     the read that finds it released, and the claim that claims it again
-//     (see pgstore's claimReadSQL), then four as a first execution.
+//   - A malformed payment makes none: it is refused before its key is
+//     claimed (idempotency.Options.Validate).
+//   - The corrected request with the key of such a 400 makes five, as a
+//     first execution: the key was never used.
 //   - An unkeyed payment (Config.NoIdempotency) makes four: the charge,
 //     and BEGIN, INSERT and COMMIT of pgx.BeginFunc, one round trip each.
 //     The idempotency layer adds no round trip to it: the claim it adds is
@@ -64,7 +61,7 @@ func migratedTracedPool(t *testing.T, tracer pgx.QueryTracer, conns int32) *pgxp
 //     the completion travels with the COMMIT.
 func TestDBRoundTripsPerRequest(t *testing.T) {
 	const body = `{"amount": 4200, "currency": "usd", "customer": "cus_1"}`
-	bad := `{"amount": -1, "currency": "usd", "customer": "cus_1"}` // 400 from the handler: released
+	bad := `{"amount": -1, "currency": "usd", "customer": "cus_1"}` // 400 before the claim
 	t.Run("keyed", func(t *testing.T) {
 		trips := new(DBRoundTrips)
 		storage := NewPostgresStorage(tracedPool(t, trips))
@@ -78,12 +75,8 @@ func TestDBRoundTripsPerRequest(t *testing.T) {
 		}{
 			{"first execution", func(i int) string { return fmt.Sprint("first-", i) }, body, http.StatusCreated, 5},
 			{"replay", func(int) string { return "first-0" }, body, http.StatusCreated, 2},
-			{"released", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 2},
-			// The corrected request with the key of a 400: the claim
-			// fails to insert (claimInsertSQL), reads the released row
-			// (claimReadSQL), then replaces it (claimSQL), and the
-			// payment goes on as a first execution.
-			{"after a release", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 7},
+			{"refused", func(i int) string { return fmt.Sprint("bad-", i) }, bad, http.StatusBadRequest, 0},
+			{"corrected", func(i int) string { return fmt.Sprint("bad-", i) }, body, http.StatusCreated, 5},
 		}
 		for _, c := range cases {
 			// The first send prepares the statements on the connection.

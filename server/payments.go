@@ -183,6 +183,20 @@ func (a *payments) retryHint(o order) string {
 	return "Retry exactly the same request with the same Idempotency-Key: it runs again under the same operation, and is charged at most once"
 }
 
+// validate refuses, before its key is claimed, a payment whose body is
+// malformed (idempotency.Options.Validate): the key stays unused, for the
+// corrected request.
+func (a *payments) validate(w http.ResponseWriter, r *http.Request) bool {
+	if _, status, errs := parsePayment(r); errs != nil {
+		p := idempotency.NewProblem(idempotency.ProblemInvalidRequest, status,
+			"Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored.")
+		p.Errors = errs
+		idempotency.WriteProblem(w, r, p)
+		return false
+	}
+	return true
+}
+
 // pay validates the body, charges the processor under the order's
 // operation and stores the payment.
 func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {

@@ -263,6 +263,7 @@ func New(cfg Config) (*Server, error) {
 		FirstSentSkew:     cfg.FirstSentSkew,
 		IgnoreFirstSent:   cfg.IgnoreFirstSent,
 		BodyFormat:        idempotency.BodyByContentType, // the API takes forms as well as JSON
+		Validate:          api.validate,                  // a malformed payment leaves its key unused
 		Logger:            log,
 		OnEvent:           s.metrics.Observe,
 	})

@@ -121,6 +121,14 @@ type Options struct {
 	// A single-tenant API can return a constant.
 	ClientID func(*http.Request) (string, bool)
 
+	// Validate, if not nil, checks a keyed request before its key is
+	// claimed, as Stripe validates parameters before it saves anything: r
+	// carries the buffered body; to refuse the request, Validate writes
+	// the answer (a 400) and returns false. The key is then not used, so
+	// the corrected request may reuse it, and a late copy of the refused
+	// one (an attempt the network held back) cannot take the key from it.
+	Validate func(w http.ResponseWriter, r *http.Request) bool
+
 	// FirstSentHeader names the request header that carries when the
 	// client first sent the request's operation, an HTTP-date
 	// (IMF-fixdate), the same on every retry; idem.Transport sends it on
@@ -642,6 +650,13 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		log.Debug("idempotency: reading the body failed", "err", err)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
 		return
+	}
+	if m.opts.Validate != nil {
+		r.Body = io.NopCloser(bytes.NewReader(body))
+		if !m.opts.Validate(w, r) {
+			m.event(EventRejected)
+			return
+		}
 	}
 	fp, err := Fingerprint(r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {

@@ -13,6 +13,9 @@ import (
 	"testing"
 	"testing/synctest"
 	"time"
+
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
 )
 
 // TestMiddlewareStatusPolicy checks which handler statuses are stored
@@ -546,4 +549,44 @@ func TestMiddlewareWaitForCompletion(t *testing.T) {
 			t.Errorf("handler ran %d times, want 1", n)
 		}
 	})
+}
+
+// TestValidateRefusesBeforeTheClaim: a request that Options.Validate
+// refuses gets its answer and leaves its key unused, so the corrected
+// request with the key runs, and a late copy of the refused one, which
+// arrives after it, is refused again instead of taking the key from it.
+func TestValidateRefusesBeforeTheClaim(t *testing.T) {
+	var calls atomic.Int32
+	store := NewMemoryStore()
+	opts := Options{Validate: func(w http.ResponseWriter, r *http.Request) bool {
+		b, _ := io.ReadAll(r.Body)
+		if strings.Contains(string(b), "bad") {
+			http.Error(w, "bad field", http.StatusBadRequest)
+			return false
+		}
+		return true
+	}}
+	ts := mwServer(t, store, opts, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		calls.Add(1)
+		w.WriteHeader(http.StatusCreated)
+		w.Write(b)
+	})
+	if r := ts.mustSend(t, keyed("k", `{"bad":1}`)); r.status != http.StatusBadRequest {
+		t.Fatalf("refused request: %d %s", r.status, r.body)
+	}
+	if res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+		Fingerprint: []byte("probe")}); err != nil || res.Outcome != Claimed {
+		t.Fatalf("the key after a refusal: %+v, %v; want it unused", res, err)
+	} else {
+		require.NoError(t, store.Release(context.Background(), res.Claim, ReleaseRejected))
+	}
+	corrected := ts.mustSend(t, keyed("k", `{"good":1}`))
+	require.Equal(t, http.StatusCreated, corrected.status, "corrected request: %s", corrected.body)
+	late := ts.mustSend(t, keyed("k", `{"bad":1}`))
+	assert.Equal(t, http.StatusBadRequest, late.status, "a late copy of the refused request: %s", late.body)
+	again := ts.mustSend(t, keyed("k", `{"good":1}`))
+	assert.True(t, again.replayed(), "the corrected request again: %d %s", again.status, again.body)
+	assert.Equal(t, `{"good":1}`, string(again.body), "the handler saw the body after Validate read it")
+	assert.Equal(t, int32(1), calls.Load())
 }
