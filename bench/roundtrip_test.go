@@ -142,7 +142,7 @@ var peers = []peer{
 			WithMaxAttempts(maxAttempts).
 			// failsafe-go leaves the body of a retried response open: the
 			// user must drain and close it, or every retry leaks a
-			// connection (see BENCHMARKS.md).
+			// connection (see bench/NOTES.md).
 			OnRetryScheduled(func(e failsafe.ExecutionScheduledEvent[*http.Response]) {
 				if resp := e.LastResult(); resp != nil {
 					_, _ = io.Copy(io.Discard, resp.Body)

@@ -35,10 +35,8 @@ var ErrNoOpenKeysIndex = errors.New("pgstore: the key table has no valid idempot
 // renewal, and no HOT completions. The index reads status and locked_at,
 // which every renewal, completion and release changes, so PostgreSQL
 // writes each of them as a new row version with new entries in every
-// index of the table, never as a HOT update on the row's own page. In
-// BENCHMARKS.md's comparison with the seed article by hand (issue 21),
-// dropping it took the CPU of a payment's first execution from 1.247 to
-// 1.062 ms.
+// index of the table, never as a HOT update on the row's own page, which
+// costs every first execution (bench/NOTES.md has the measurement).
 //
 // It builds the index with CREATE INDEX CONCURRENTLY, which does not block
 // the table's writes (a plain CREATE INDEX would, for as long as it reads

@@ -125,8 +125,7 @@ var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxS
 // change nothing measurable on it (bench/cmd/sqlcost), but for the round
 // trips that prepare them on each new connection; lib/pq does not, and
 // makes PostgreSQL parse and plan every statement on every run without
-// them (a first execution then costs 1.78 times pgstore's CPU, 1.40 with
-// them; see BENCHMARKS.md). The driver is known by its package, so that
+// them (measured in bench/NOTES.md). The driver is known by its package, so that
 // this package imports neither.
 func caches(driver driver.Driver) bool {
 	t := reflect.TypeOf(driver)

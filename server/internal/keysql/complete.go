@@ -169,10 +169,9 @@ ON CONFLICT (client_id, idempotency_key) DO NOTHING`
 // the key has a row (the claim was fenced) it fails with unique_violation
 // on the key table's primary key (see IsFence), and PostgreSQL skips
 // the COMMIT queued behind it, so the handler's writes never commit without
-// the key. A plain INSERT costs PostgreSQL about a sixth of a one-INSERT
-// order's first execution less than ON CONFLICT DO NOTHING in a WITH that
-// divides by its count, the way CompleteInTxSQL fences an UPDATE
-// (BENCHMARKS.md, "The one-transaction completion").
+// the key. A plain INSERT costs PostgreSQL less than ON CONFLICT DO
+// NOTHING in a WITH that divides by its count, the way CompleteInTxSQL
+// fences an UPDATE (bench/NOTES.md, "The one-transaction completion").
 const CompleteNewInTxSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
