@@ -29,6 +29,16 @@
 # Repeatability-First-Sent), so that idem over it is idem's own cost on
 # equal wire bytes; the table ends with that ratio.
 #
+# STUB=1 runs TestStubOps instead: the same requests sent to the
+# in-memory base of BenchmarkRoundTripStub, each peer's own cost on the
+# client with no server and no network in the count (use more OPS there:
+# an op is some 40 times cheaper).
+#
+# BASE=REV also runs the idem peers built on the root package at git
+# revision REV (named idem@REV, ...), interleaved with the others, and
+# prints each over its @REV twin: a before/after on the same binary of
+# the bench module, so that the peers it shares are the same code.
+#
 # OUTDIR gets the callgrind.out files of the last round (for
 # callgrind_annotate, e.g. on callgrind.idem.4000) and instructions.txt,
 # the table.
@@ -48,13 +58,31 @@ bin=$(mktemp -d)/bench.test
 trap 'rm -rf "$(dirname "$bin")"' EXIT
 CGO_ENABLED=0 go test -c -o "$bin" .
 read -r -a peers <<< "${PEERS:-bare bare-firstsent idem idem-nofirstsent retryablehttp failsafe}"
+test=TestOps
+if [[ -n "${STUB:-}" ]]; then test=TestStubOps; fi
 
-# total PEER N runs TestOps with N ops under callgrind and prints the
-# instruction total.
+# With BASE, a second binary: this bench module, built with the root
+# package of revision BASE in place of the work tree's.
+if [[ -n "${BASE:-}" ]]; then
+	root=$(dirname "$bin")/root
+	mkdir "$root"
+	git -C .. archive "$BASE" | tar -x -C "$root"
+	cp go.mod "$root/bench.mod"
+	cp go.sum "$root/bench.sum"
+	go mod edit -modfile "$root/bench.mod" -replace "github.com/idemkit/idem=$root"
+	CGO_ENABLED=0 go test -c -modfile "$root/bench.mod" -o "$bin.base" .
+	for p in "${peers[@]}"; do
+		if [[ "$p" == idem* ]]; then peers+=("$p@$BASE"); fi
+	done
+fi
+
+# total PEER N runs TestOps (or TestStubOps) with N ops under callgrind
+# and prints the instruction total. PEER@REV runs PEER on BASE's binary.
 total() {
-	local f="$out/callgrind.$1.$2"
+	local f="$out/callgrind.$1.$2" b=$bin
+	if [[ "$1" == *@* ]]; then b=$bin.base; fi
 	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off valgrind --tool=callgrind --callgrind-out-file="$f" \
-		"$bin" -test.run '^TestOps$' -test.count 1 -ops "$2" -peer "$1" > "$f.log" 2>&1 ||
+		"$b" -test.run "^$test\$" -test.count 1 -ops "$2" -peer "${1%@*}" > "$f.log" 2>&1 ||
 		{ cat "$f.log" >&2; exit 1; }
 	awk '/^summary:/ { print $2 }' "$f"
 }
@@ -72,7 +100,7 @@ done
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 {
-	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test TestOps under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100})"
+	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test $test under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100}${BASE:+, BASE=$BASE})"
 	echo "x-bare: the ratio of the medians; paired: the median of the ratios to bare in the same round"
 	base=$(printf '%s' "${per[bare]}" | median)
 	printf '%-14s %14s %8s %8s   %s\n' client instructions/op x-bare paired rounds
@@ -89,4 +117,11 @@ median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 		paired=$(paste <(printf '%s' "${per[idem]}") <(printf '%s' "${per[bare-firstsent]}") | awk '{ printf "%.6f\n", $1 / $2 }' | median)
 		printf 'idem over bare-firstsent (the same request bytes): %.3f, paired %.3f\n' "$(echo "$m / $b" | bc -l)" "$paired"
 	fi
+	for p in "${peers[@]}"; do
+		[[ "$p" == *@* ]] || continue
+		m=$(printf '%s' "${per[${p%@*}]}" | median)
+		b=$(printf '%s' "${per[$p]}" | median)
+		paired=$(paste <(printf '%s' "${per[${p%@*}]}") <(printf '%s' "${per[$p]}") | awk '{ printf "%.6f\n", $1 / $2 }' | median)
+		printf '%s over %s: %.3f, paired %.3f\n' "${p%@*}" "$p" "$(echo "$m / $b" | bc -l)" "$paired"
+	done
 } | tee "$out/instructions.txt"
