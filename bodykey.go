@@ -145,6 +145,7 @@ func (b *body) setBytes(data []byte) {
 		return r, nil
 	}
 	b.first, _ = b.getBody()
+	b.firstMem = true
 }
 
 // bytesBody is a request body over bytes: one allocation where

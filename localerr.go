@@ -45,9 +45,10 @@ func (b *trackedBody) Read(p []byte) (int, error) {
 
 // track returns the body to send for an attempt: body itself, or, for one
 // whose reads could fail or run short of its length, body tracked in *t,
-// made for it (an in-memory body, the usual one, costs nothing).
-func track(body io.ReadCloser, t **trackedBody) io.ReadCloser {
-	if body == nil || body == http.NoBody {
+// made for it (an in-memory body, the usual one, costs nothing). mem says
+// body is known to be in memory (the first attempt's, checked once).
+func track(body io.ReadCloser, mem bool, t **trackedBody) io.ReadCloser {
+	if mem || body == nil || body == http.NoBody {
 		return body
 	}
 	if _, _, ok := inMemory(body, -1); ok {
@@ -78,15 +79,16 @@ func (b *trackedBody) local(err error, length int64) error {
 // checkLength refuses, before anything is sent, a request whose
 // ContentLength disagrees with its body, when the body's length can be
 // known without reading it: no body, or an in-memory one. net/http would
-// refuse it after writing (part of) it.
-func checkLength(req *http.Request) error {
+// refuse it after writing (part of) it. left is what is left to read of
+// req.Body if mem says it is in memory (see inMemory).
+func checkLength(req *http.Request, left int64, mem bool) error {
 	if req.ContentLength <= 0 {
 		return nil // unknown (0 with a body), or none
 	}
 	if req.Body == nil || req.Body == http.NoBody {
 		return fmt.Errorf("idem: http: Request.ContentLength=%d with nil Body", req.ContentLength)
 	}
-	if left, _, ok := inMemory(req.Body, req.ContentLength); ok && left != req.ContentLength {
+	if mem && left != req.ContentLength {
 		return fmt.Errorf("idem: http: ContentLength=%d with Body length %d", req.ContentLength, left)
 	}
 	return nil

@@ -307,6 +307,15 @@ func replayedAfterWrite(req *http.Request) bool {
 	return a || b
 }
 
+// The types of io.NopCloser's results, with and without WriteTo.
+var (
+	nopCloserType         = reflect.TypeOf(io.NopCloser(nil))
+	nopCloserWriterToType = reflect.TypeOf(io.NopCloser(struct {
+		io.Reader
+		io.WriterTo
+	}{}))
+)
+
 // tristate is yes, no, or cannot tell.
 type tristate int
 
@@ -341,9 +350,13 @@ func inMemory(body io.ReadCloser, length int64) (left, size int64, ok bool) {
 	}
 	var r any = body
 	// io.NopCloser's types are unexported structs of package io with the
-	// reader as their one field; net/http unwraps them the same way.
-	if v := reflect.ValueOf(body); v.Kind() == reflect.Struct && v.Type().PkgPath() == "io" && v.NumField() == 1 && v.Field(0).CanInterface() {
-		r = v.Field(0).Interface()
+	// reader as their one field; net/http unwraps them the same way
+	// (unwrapNopCloser in transfer.go). Their types are compared, not
+	// their names: that costs two words, where reading the package path
+	// and the fields' names costs hundreds of instructions per request.
+	switch reflect.TypeOf(body) {
+	case nopCloserType, nopCloserWriterToType:
+		r = reflect.ValueOf(body).Field(0).Interface()
 	}
 	switch r := r.(type) {
 	case *bytes.Reader:

@@ -715,7 +715,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	if op.header != "" || op.sentHeader != "" {
 		areq.Header = op.attemptHeader(&actx.keyValue)
 	}
-	areq.Body = track(body, &ar.body) // localerr.go
+	areq.Body = track(body, op.attempts == 1 && op.body.firstMem, &ar.body) // localerr.go
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
@@ -944,6 +944,7 @@ func (t *Transport) maxBuffered() int64 {
 // body gives every attempt of an operation the same request body bytes.
 type body struct {
 	first      io.ReadCloser // for the first attempt
+	firstMem   bool          // first is an in-memory reader (see inMemory)
 	getBody    func() (io.ReadCloser, error)
 	length     int64 // the length to send, or -1 to keep the request's
 	replayable bool
@@ -954,15 +955,15 @@ type body struct {
 func (b *body) init(req *http.Request, limit int64) error {
 	b.length = -1
 	b.replayable = true
-	if err := checkLength(req); err != nil { // localerr.go
+	left, _, mem := inMemory(req.Body, req.ContentLength) // outcome.go
+	if err := checkLength(req, left, mem); err != nil {   // localerr.go
 		closeBody(req)
 		return err
 	}
+	b.first, b.firstMem = req.Body, mem
 	if req.Body == nil || req.Body == http.NoBody {
-		b.first = req.Body
 		return nil
 	}
-	b.first = req.Body
 	if req.GetBody != nil {
 		b.getBody = req.GetBody
 		return nil
@@ -1000,6 +1001,7 @@ func (b *body) init(req *http.Request, limit int64) error {
 	b.length = int64(len(data))
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(data)), nil }
 	b.first, _ = b.getBody()
+	b.firstMem = true
 	return nil
 }
 
