@@ -416,3 +416,37 @@ func TestOutcomeOfTheWire(t *testing.T) {
 		assert.Equal(t, OutcomeUnknown, OutcomeOf(nil, err), "the first attempt reached the server: %v", err)
 	})
 }
+
+// TestInMemory: the in-memory readers are told, bare and under either of
+// the types io.NopCloser returns, with what is left of them; any other
+// reader, wrapped or not, is not.
+func TestInMemory(t *testing.T) {
+	half := bytes.NewReader([]byte("hello"))
+	_, _ = half.Read(make([]byte, 2))
+	req, err := http.NewRequest(http.MethodPost, "https://api.example.com/", strings.NewReader("hello"))
+	require.NoError(t, err)
+	for _, tt := range []struct {
+		name       string
+		body       io.ReadCloser
+		length     int64
+		left, size int64
+		ok         bool
+	}{
+		{"nil", nil, 0, 0, 0, false},
+		{"http.NoBody", http.NoBody, 0, 0, 0, false},
+		{"http.NewRequest's", req.Body, 5, 5, 5, true},
+		{"bytes.Reader under NopCloser", io.NopCloser(bytes.NewReader([]byte("hello"))), 5, 5, 5, true},
+		{"bytes.Reader half read", io.NopCloser(half), 5, 3, 5, true},
+		{"bytes.Buffer, sized by length", io.NopCloser(bytes.NewBufferString("hello")), 7, 5, 7, true},
+		{"idem's own", func() io.ReadCloser { b := new(bytesBody); b.Reset([]byte("hello")); return b }(), 5, 5, 5, true},
+		{"a reader without WriteTo under NopCloser", io.NopCloser(io.LimitReader(strings.NewReader("hello"), 5)), 5, 0, 0, false},
+		{"an in-memory reader hidden in a struct", io.NopCloser(struct{ io.Reader }{strings.NewReader("hello")}), 5, 0, 0, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			left, size, ok := inMemory(tt.body, tt.length)
+			assert.Equal(t, tt.ok, ok)
+			assert.Equal(t, tt.left, left, "left")
+			assert.Equal(t, tt.size, size, "size")
+		})
+	}
+}
