@@ -34,6 +34,14 @@
 # client with no server and no network in the count (use more OPS there:
 # an op is some 40 times cheaper).
 #
+# STW=1 adds gcstoptheworld=1 to GODEBUG: each GC cycle marks with the
+# world stopped, so its work is the same whatever the timing. With the
+# concurrent GC, how many ops run while the mark phase is on (write
+# barriers, allocating black, assists) depends on wall time under
+# callgrind, which a peer that never blocks (the stub) feels most: its
+# figure moved by 20% from run to run with GOGC=100, and by 1% with
+# STW=1.
+#
 # BASE=REV also runs the idem peers built on the root package at git
 # revision REV (named idem@REV, ...), interleaved with the others, and
 # prints each over its @REV twin: a before/after on the same binary of
@@ -81,7 +89,7 @@ fi
 total() {
 	local f="$out/callgrind.$1.$2" b=$bin
 	if [[ "$1" == *@* ]]; then b=$bin.base; fi
-	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off valgrind --tool=callgrind --callgrind-out-file="$f" \
+	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off${STW:+,gcstoptheworld=1} valgrind --tool=callgrind --callgrind-out-file="$f" \
 		"$b" -test.run "^$test\$" -test.count 1 -ops "$2" -peer "${1%@*}" > "$f.log" 2>&1 ||
 		{ cat "$f.log" >&2; exit 1; }
 	awk '/^summary:/ { print $2 }' "$f"
@@ -100,7 +108,7 @@ done
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 {
-	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test $test under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100}${BASE:+, BASE=$BASE})"
+	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test $test under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100}${STW:+, gcstoptheworld=1}${BASE:+, BASE=$BASE})"
 	echo "x-bare: the ratio of the medians; paired: the median of the ratios to bare in the same round"
 	base=$(printf '%s' "${per[bare]}" | median)
 	printf '%-14s %14s %8s %8s   %s\n' client instructions/op x-bare paired rounds
