@@ -89,8 +89,14 @@ func needsSession(mode pgx.QueryExecMode) bool {
 	return mode == pgx.QueryExecModeCacheStatement || mode == pgx.QueryExecModeDescribeExec
 }
 
-// probeRounds bounds the statements of each of CheckQueryMode's steps.
-const probeRounds = 3
+// probeRounds bounds the statements of each of CheckQueryMode's steps;
+// sharedRounds, the simple SELECTs that look for shared sessions, which
+// other clients of a busy pooler make less likely to show in few rounds
+// (replicas that start together are such clients).
+const (
+	probeRounds  = 3
+	sharedRounds = 25
+)
 
 // probeMoveTimeout bounds CheckQueryMode's wait for a session while it
 // holds one in a transaction: a pooler with one session to hand out
@@ -162,7 +168,7 @@ func sessionsShared(ctx context.Context, conns [2]*pgx.Conn) (bool, error) {
 	for i := range seen {
 		seen[i] = map[uint32]bool{}
 	}
-	for range probeRounds {
+	for range sharedRounds {
 		for i, c := range conns {
 			pid, err := backend(ctx, c)
 			if err != nil {
