@@ -66,9 +66,8 @@ func putAnswerBuf(a *answerBuf) {
 // Close from another goroutine, as net/http allows, waits for nothing and
 // lets the last of them give it back), and a Read after Close returns an
 // error, never the bytes of the answer that took the buffer over. Three
-// words keep attemptRequest, with its wire trace and its hooks, in the
-// 576-byte size class (568 bytes and the 8-byte header of a larger object
-// with pointers; TestAttemptSizeClass).
+// words keep attemptRequest, with its wire trace, in the 576-byte size
+// class (544 bytes and the 8-byte header of a larger object with pointers).
 type answerBody struct {
 	buf *answerBuf // the answer, whole
 	off int        // how much of it has been read

@@ -58,12 +58,13 @@ func firstTryAllocs(t *testing.T, rt http.RoundTripper, setKey bool) float64 {
 // transport's, for a keyed POST whose body has GetBody: the attempt's
 // header, a copy of the caller's with the key and the first-sent time in
 // it (the map and its group), and the attempt's request with its context
-// (one object, its wire trace and the trace's two hooks inside), less the
-// one-string slice in which the bare caller puts its key. Nothing else: no
-// closure for the trace's hooks (attempt.go makes them in place), no
-// buffer for the answer read inside the attempt (it is pooled), no body
-// copy, timer, goroutine or backoff.
-const firstTryExtraAllocs = 2
+// (one object, its wire trace inside), less the one-string slice in which
+// the bare caller puts its key, plus the wire trace's two hooks (GetConn
+// and WroteHeaders, 16 bytes each), which tell "not sent" from "may have
+// reached the server" (outcome.go). Nothing else: no buffer for the answer
+// read inside the attempt (it is pooled), no body copy, timer, goroutine
+// or backoff.
+const firstTryExtraAllocs = 4
 
 // TestFirstTryAllocs checks that a keyed first try allocates exactly
 // firstTryExtraAllocs more than the same POST sent by the bare base with

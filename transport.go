@@ -739,7 +739,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			resp.Body = http.NoBody
 		}
 	}
-	if resp != nil || !notSent(areq, body, err, &actx.wire) { // outcome.go
+	if resp != nil || !notSent(areq, body, err, &ar.wire) { // outcome.go
 		op.reached = true
 	}
 	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {
