@@ -27,13 +27,7 @@ import (
 // is safe to call at every start, twice, and from many processes at once:
 // one applies what is missing, the others wait for it and find nothing to
 // do. A table named idempotency_keys that it did not create is an error
-// naming the columns that differ, never silently used, unless it is the key
-// table of an idem-server from before this package, which it upgrades in
-// place. Replicas of that server may keep
-// serving beside the new ones on the upgraded table during a rolling
-// upgrade: the columns they do not know have defaults for their inserts,
-// and a key they claim, complete or release without the expiry is given
-// one from its lease and retention.
+// naming the columns that differ, never silently used.
 //
 // The version recorded is the table's format; a replica refuses to start
 // on a newer one. Changes that replicas of the same format keep working

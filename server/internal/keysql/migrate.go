@@ -1,7 +1,6 @@
 package keysql
 
 import (
-	"cmp"
 	"context"
 	_ "embed"
 	"errors"
@@ -15,10 +14,6 @@ import (
 var (
 	//go:embed schema/keys.sql
 	keysSQL string
-	//go:embed schema/upgrade_legacy.sql
-	upgradeLegacySQL string
-	//go:embed schema/legacy_replicas.sql
-	legacyReplicasSQL string
 	//go:embed schema/drop_checks.sql
 	dropChecksSQL string
 )
@@ -36,8 +31,7 @@ const migrateLockClass = 0x1de4
 const schemaVersion = 1
 
 // compatibleSteps are the changes to the key table of schemaVersion that
-// replicas of the same format (and of the idem-server before this package)
-// keep working with, so they do not change the recorded version: Migrate
+// replicas of the same format keep working with, so they do not change the recorded version: Migrate
 // applies each one the table lacks, as the query needed finds out, at
 // every start. needed returns one boolean. A step that is optional (the
 // stores serve the table as well without it) waits for the table's lock
@@ -46,19 +40,14 @@ var compatibleSteps = []struct {
 	name, needed, sql string
 	optional          bool
 }{
-	{name: "defaults for earlier replicas", needed: `
-		SELECT column_default IS NULL FROM information_schema.columns
-		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'expires_at'`,
-		sql: legacyReplicasSQL},
 	{name: "no CHECK constraints", needed: `
 		SELECT EXISTS (SELECT FROM pg_constraint
 		WHERE conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND contype = 'c'
 			AND conname IN ('idempotency_keys_key_check', 'idempotency_keys_status_check', 'idempotency_keys_response_check',
 				'idempotency_keys_response_status_check', 'idempotency_keys_lease_check'))`,
 		sql: dropChecksSQL, optional: true},
-	// Tables made before the fingerprint had one canonical form, and those
-	// of the idem-server before this package, have a fingerprint_version
-	// column, NOT NULL, which the stores no longer write or read: its
+	// Tables made before the fingerprint had one canonical form have a
+	// fingerprint_version column, NOT NULL, which the stores no longer write or read: its
 	// default fills it for their inserts, with the 1 that the earlier
 	// replicas, which still write and compare it, expect.
 	{name: "a default for the fingerprint version", needed: `
@@ -150,10 +139,6 @@ var columns = map[string]string{
 	"expires_at":            "timestamp with time zone",
 }
 
-// legacyAdded are the columns that the upgrade of a key table of the
-// reference server before this package (upgrade_legacy.sql) adds.
-var legacyAdded = []string{"release_rejected", "lease_us", "retention_us", "expires_at"}
-
 // Conn runs statements on a store's driver, pgx or database/sql: those of
 // Migrate in one transaction, those of CreateOpenKeysIndex outside a
 // transaction, each on any session (its lock is a LockTx's), and
@@ -176,10 +161,7 @@ type Conn interface {
 // drops it, so a table that has it, from an earlier release, keeps it. It
 // holds a transaction-level advisory lock, so that concurrent calls apply
 // what is missing once. A table named idempotency_keys that it did not
-// create is an error naming what differs, unless it is the key table of an
-// idem-server from before pgstore, which it upgrades in place (see
-// schema/upgrade_legacy.sql and schema/legacy_replicas.sql). pgstore's and
-// sqlstore's Migrate both run it: one table, whichever store serves it.
+// create is an error naming what differs. pgstore's and sqlstore's Migrate both run it: one table, whichever store serves it.
 func Migrate(ctx context.Context, tx Conn) error {
 	if err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {
 		return err
@@ -226,9 +208,8 @@ func Migrate(ctx context.Context, tx Conn) error {
 	return nil
 }
 
-// createTable creates the key table of schemaVersion, upgrades the one of
-// an idem-server from before this package, or adopts one of this version's
-// shape; anything else in the way is an error.
+// createTable creates the key table of schemaVersion, or adopts one of this
+// version's shape; anything else in the way is an error.
 func createTable(ctx context.Context, tx Conn) error {
 	found, err := tableColumns(ctx, tx)
 	if err != nil {
@@ -240,13 +221,6 @@ func createTable(ctx context.Context, tx Conn) error {
 	case len(found) == 0:
 		if err := tx.Exec(ctx, keysSQL); err != nil {
 			return fmt.Errorf("creating the key table: %w", err)
-		}
-	case isLegacy(found):
-		if diff, err := primaryKeyDiff(ctx, tx); err != nil || diff != "" {
-			return cmp.Or(err, fmt.Errorf("the key table of an earlier idem-server has %s: rename it, or migrate into another schema", diff))
-		}
-		if err := tx.Exec(ctx, upgradeLegacySQL); err != nil {
-			return fmt.Errorf("upgrading the key table of an earlier idem-server: %w", err)
 		}
 	default:
 		diff := shapeDiff(found)
@@ -284,26 +258,6 @@ func tableColumns(ctx context.Context, tx Conn) (map[string]string, error) {
 		found[name] = typ
 	}
 	return found, err
-}
-
-// isLegacy reports whether found is the key table of an idem-server from
-// before this package: this version's columns but those the upgrade adds
-// (release_rejected may be there already, from its schema version 3).
-func isLegacy(found map[string]string) bool {
-	if _, ok := found["lease_us"]; ok {
-		return false
-	}
-	want, found := maps.Clone(columns), maps.Clone(found)
-	for _, c := range legacyAdded {
-		delete(want, c)
-	}
-	delete(found, "release_rejected")
-	for c, typ := range want {
-		if found[c] != typ {
-			return false
-		}
-	}
-	return len(found) == len(want)
 }
 
 // adoptSQL creates what a key table of this version's columns may lack
