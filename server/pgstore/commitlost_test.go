@@ -104,11 +104,11 @@ func (c *cutConns) cutAll() {
 // 201).
 func TestLostCommitReadAfterItEnds(t *testing.T) {
 	for _, oneTx := range []bool{true, false} {
-		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) { reviewCommitLost(t, oneTx) })
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) { lostCommit(t, oneTx) })
 	}
 }
 
-func reviewCommitLost(t *testing.T, oneTx bool) {
+func lostCommit(t *testing.T, oneTx bool) {
 	conns := &cutConns{}
 	var s *service
 	s = newService(t, idempotency.Options{OneTransaction: oneTx}, conns.onePool, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
@@ -120,10 +120,10 @@ func reviewCommitLost(t *testing.T, oneTx bool) {
 	})
 	ctx := context.Background()
 	_, err := s.pool.Exec(ctx, `
-CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION slow_write() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
-CREATE CONSTRAINT TRIGGER review_slow AFTER INSERT ON writes
-    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION review_slow()`)
+CREATE CONSTRAINT TRIGGER slow_write AFTER INSERT ON writes
+    DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_write()`)
 	require.NoError(t, err)
 
 	side, err := pgx.Connect(ctx, s.pool.Config().ConnConfig.ConnString())
@@ -205,9 +205,9 @@ func lostBatch(t *testing.T, delay string) {
 	})
 	ctx := context.Background()
 	_, err := s.pool.Exec(ctx, `
-CREATE FUNCTION review_slow() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN IF current_setting('review.slow', true) = 'on' THEN PERFORM pg_sleep(2); END IF; RETURN NULL; END $$;
-CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION review_slow()`)
+CREATE FUNCTION slow_write() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN IF current_setting('idem_test.slow', true) = 'on' THEN PERFORM pg_sleep(2); END IF; RETURN NULL; END $$;
+CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION slow_write()`)
 	require.NoError(t, err)
 	status, _ := s.send("warm") // the one connection prepares the statements of a request
 	require.Equal(t, 201, status)
@@ -228,7 +228,7 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 	} else {
 		wait = `wait_event = 'PgSleep'`
 		slow = func(ctx context.Context, tx pgx.Tx) {
-			_, err := tx.Exec(ctx, `SET LOCAL review.slow = 'on'`)
+			_, err := tx.Exec(ctx, `SET LOCAL idem_test.slow = 'on'`)
 			require.NoError(t, err)
 		}
 	}
@@ -245,8 +245,17 @@ CREATE TRIGGER review_slow BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT 
 			if n > 0 {
 				conns.cutAll()
 				if sideTx != nil {
-					time.Sleep(time.Second)
-					_ = sideTx.Commit(ctx) // the batch goes on, on the server
+					// The store, cut off, releases the key on another
+					// connection: once that release queues behind the lock
+					// too, the batch goes on, on the server.
+					for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
+						_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+							WHERE `+wait+` AND application_name = current_setting('application_name') AND query LIKE '%idempotency_keys%'`).Scan(&n)
+						if n > 1 {
+							break
+						}
+					}
+					_ = sideTx.Commit(ctx)
 				}
 				return
 			}

@@ -29,7 +29,8 @@ func TestRenewExtendsLease(t *testing.T) {
 	if got := expiry(t, pool, "key-1"); got == nil || got.Sub(before.lockedAt) != lease+keep {
 		t.Errorf("expiry of the claimed key %v, want locked_at %v + lease + retention", got, before.lockedAt)
 	}
-	time.Sleep(20 * time.Millisecond)
+	elapse(t, pool, "key-1", time.Second)
+	before, _ = readKey(t, pool, "key-1")
 	if err := s.Renew(ctx, c); err != nil {
 		t.Fatalf("Renew: %v", err)
 	}
@@ -72,12 +73,13 @@ func TestRenewExtendsLease(t *testing.T) {
 func TestLeaseStoredWithKey(t *testing.T) {
 	s, pool := newStore(t, nil)
 	long := leased(req("key-long", "a"), time.Hour, time.Hour)
-	short := leased(req("key-short", "a"), 100*time.Millisecond, time.Hour)
+	short := leased(req("key-short", "a"), time.Minute, time.Hour)
 	owner := mustClaim(t, s, long, idempotency.Claimed).Claim
 	shortOwner := mustClaim(t, s, short, idempotency.Claimed).Claim
-	time.Sleep(300 * time.Millisecond)
+	elapse(t, pool, "key-long", 3*time.Minute)
+	elapse(t, pool, "key-short", 3*time.Minute)
 
-	rec := mustClaim(t, s, leased(long, 100*time.Millisecond, time.Second), idempotency.Exists).Record
+	rec := mustClaim(t, s, leased(long, time.Minute, time.Second), idempotency.Exists).Record
 	if rec.Status != idempotency.StatusStarted {
 		t.Errorf("long-leased key seen as %q, want started", rec.Status)
 	}
@@ -90,7 +92,7 @@ func TestLeaseStoredWithKey(t *testing.T) {
 	}
 	// The taker's lease is now the key's: a replica passing a short one
 	// does not take it over either.
-	time.Sleep(300 * time.Millisecond)
+	elapse(t, pool, "key-short", 3*time.Minute)
 	mustClaim(t, s, short, idempotency.Exists)
 }
 
@@ -100,10 +102,10 @@ func TestLeaseStoredWithKey(t *testing.T) {
 func TestFencedAfterTakeover(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	r := leased(req("key-1", "a"), 100*time.Millisecond, time.Hour)
+	r := leased(req("key-1", "a"), time.Minute, time.Hour)
 	old := mustClaim(t, s, r, idempotency.Claimed).Claim
 	oldTx, oldCtx := unitOf(t, s, old)
-	time.Sleep(300 * time.Millisecond)
+	elapse(t, pool, "key-1", 3*time.Minute)
 	taker := mustClaim(t, s, r, idempotency.TookOver).Claim
 	if taker.Token == old.Token {
 		t.Fatalf("takeover under the same token %d", old.Token)

@@ -20,11 +20,11 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// The tests below sleep past short leases and retentions and assert only
-// the order of events. A check that needs an event to come before a
-// deadline measures an upper bound of the time the database saw on the
-// test's clock; when the machine stalled past the deadline the check
-// proves nothing, and runs again on a new key (see judged).
+// The tests below move time in SQL (see elapse) rather than sleep past
+// leases and retentions. The one that holds a handler's transaction on the
+// real clock measures an upper bound of the time the database saw; when the
+// machine stalled past its deadline the check proves nothing, and runs
+// again on a new key (see judged).
 
 // judged runs check on a new key each time until it returns true, which it
 // does unless the machine stalled past one of its deadlines.
@@ -52,6 +52,17 @@ func makeOld(t *testing.T, pool *pgxpool.Pool, key string) {
 	}
 }
 
+// elapse moves every time of cli_a's key d back, as if d had passed for
+// it: its creation, its last lock or finish, and its expiry bound.
+func elapse(t *testing.T, pool *pgxpool.Pool, key string, d time.Duration) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `UPDATE idempotency_keys SET created_at = created_at - $2::interval,
+		locked_at = locked_at - $2::interval, expires_at = expires_at - $2::interval
+		WHERE client_id = 'cli_a' AND idempotency_key = $1`, key, d); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // TestRetentionOfTheKeyNotTheReplica: a key completed with a 24h retention
 // is kept by a replica running with a short one: past that short
 // retention, the replica's claim of the key (same request, or another)
@@ -59,12 +70,12 @@ func makeOld(t *testing.T, pool *pgxpool.Pool, key string) {
 func TestRetentionOfTheKeyNotTheReplica(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	const short = 200 * time.Millisecond
+	const short = time.Minute
 	r := leased(req("key-1", "a"), time.Minute, 24*time.Hour)
 	c := mustClaim(t, s, r, idempotency.Claimed).Claim
 	mustComplete(t, s, c, "w1")
 	makeOld(t, pool, "key-1")
-	time.Sleep(2 * short)
+	elapse(t, pool, "key-1", 2*short)
 
 	replica := pgstore.New(pool) // another process, with other settings
 	for _, body := range []string{"a", "b"} {
@@ -88,38 +99,31 @@ func TestRetentionOfTheKeyNotTheReplica(t *testing.T) {
 func TestRetentionCountsFromCompletion(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	const keep = 500 * time.Millisecond
-	judged(t, func(key string) bool {
-		r := leased(req(key, "a"), time.Hour, keep)
-		purged := leased(req(key+"-purged", "a"), time.Hour, keep)
-		c := mustClaim(t, s, r, idempotency.Claimed).Claim
-		cp := mustClaim(t, s, purged, idempotency.Claimed).Claim
-		makeOld(t, pool, key)
-		makeOld(t, pool, key+"-purged")
-		start := time.Now()
-		mustComplete(t, s, c)
-		mustComplete(t, s, cp)
-		rec := mustClaim(t, s, r, idempotency.Exists).Record
-		n, err := s.Purge(ctx, 100)
-		if !before(start, keep) {
-			return false
-		}
-		if rec.Status != idempotency.StatusCompleted || n != 0 || err != nil {
-			t.Fatalf("right after the completion: key %q, Purge = %d, %v; want completed, 0", rec.Status, n, err)
-		}
-		time.Sleep(keep + 200*time.Millisecond)
-		again := mustClaim(t, s, r, idempotency.Claimed).Claim
-		if again.OperationID != r.OperationID() {
-			t.Errorf("expired key claimed under operation %s, want the request's %s", again.OperationID, r.OperationID())
-		}
-		if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
-			t.Errorf("Purge past the retention = %d, %v; want 1 (the expired key, not the one claimed anew)", n, err)
-		}
-		if _, ok := readKey(t, pool, key+"-purged"); ok {
-			t.Errorf("expired key not purged")
-		}
-		return true
-	})
+	const keep = time.Hour
+	r := leased(req("key", "a"), time.Hour, keep)
+	purged := leased(req("key-purged", "a"), time.Hour, keep)
+	c := mustClaim(t, s, r, idempotency.Claimed).Claim
+	cp := mustClaim(t, s, purged, idempotency.Claimed).Claim
+	makeOld(t, pool, "key")
+	makeOld(t, pool, "key-purged")
+	mustComplete(t, s, c)
+	mustComplete(t, s, cp)
+	rec := mustClaim(t, s, r, idempotency.Exists).Record
+	if n, err := s.Purge(ctx, 100); rec.Status != idempotency.StatusCompleted || n != 0 || err != nil {
+		t.Fatalf("right after the completion: key %q, Purge = %d, %v; want completed, 0", rec.Status, n, err)
+	}
+	elapse(t, pool, "key", keep+time.Minute)
+	elapse(t, pool, "key-purged", keep+time.Minute)
+	again := mustClaim(t, s, r, idempotency.Claimed).Claim
+	if again.OperationID != r.OperationID() {
+		t.Errorf("expired key claimed under operation %s, want the request's %s", again.OperationID, r.OperationID())
+	}
+	if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
+		t.Errorf("Purge past the retention = %d, %v; want 1 (the expired key, not the one claimed anew)", n, err)
+	}
+	if _, ok := readKey(t, pool, "key-purged"); ok {
+		t.Errorf("expired key not purged")
+	}
 }
 
 // TestRetentionOfHeldTransaction: a handler writes its order, then holds
@@ -168,13 +172,15 @@ func before(start time.Time, d time.Duration) bool { return time.Since(start) < 
 func TestPurgeSparesLiveLease(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	const lease, keep = time.Second, 100 * time.Millisecond
+	const lease, keep = time.Minute, 10 * time.Second
 	c := mustClaim(t, s, leased(req("key-1", "a"), lease, keep), idempotency.Claimed).Claim
 	forever := mustClaim(t, s, leased(req("key-2", "a"), 0, keep), idempotency.Claimed).Claim
 	makeOld(t, pool, "key-1")
 	makeOld(t, pool, "key-2")
-	for end := time.Now().Add(2*(lease+keep) + 200*time.Millisecond); time.Now().Before(end); {
-		time.Sleep(lease / 5)
+	// Renewed every lease/2, for twice the lease and retention.
+	for passed := time.Duration(0); passed <= 2*(lease+keep); passed += lease / 2 {
+		elapse(t, pool, "key-1", lease/2)
+		elapse(t, pool, "key-2", lease/2)
 		if err := s.Renew(ctx, c); err != nil {
 			t.Fatalf("Renew: %v", err)
 		}
@@ -193,58 +199,47 @@ func TestPurgeSparesLiveLease(t *testing.T) {
 	mustBeWritten(t, pool, "w2", true)
 }
 
-// TestResumedKeyOutlivesItsRetention is the regression test of issue 10,
-// defect 2: a released key, old, is resumed by its own request near the
-// end of its retention; while that request runs, past the moment the
-// released key would have expired, a concurrent duplicate must find it
-// started (409), not absent: taken as absent, the duplicate got a new
-// operation and charged a second time. The resumed request then completes.
+// TestResumedKeyOutlivesItsRetention: a released key, old, is resumed by
+// its own request near the end of its retention; while that request runs,
+// past the moment the released key would have expired, a concurrent
+// duplicate finds it started (409), not absent (a new operation, a second
+// charge). The resumed request then completes.
 func TestResumedKeyOutlivesItsRetention(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	const lease, keep = time.Second, 600 * time.Millisecond
-	judged(t, func(key string) bool {
-		r := leased(req(key, "a"), lease, keep)
-		first := mustClaim(t, s, r, idempotency.Claimed).Claim
-		makeOld(t, pool, key)
-		released := time.Now()
-		if err := s.Release(ctx, first, idempotency.ReleaseFailed); err != nil {
-			t.Fatal(err)
-		}
-		time.Sleep(keep * 2 / 3) // near the end of its retention
-		res, err := s.Claim(ctx, r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !before(released, keep) {
-			return false // expired before the retry: a new operation is right
-		}
-		if res.Outcome != idempotency.Claimed || res.Claim.OperationID != first.OperationID {
-			t.Fatalf("retry of the released key: %+v, want Claimed under operation %s", res, first.OperationID)
-		}
-		resumed, resumedAt := res.Claim, time.Now()
-		time.Sleep(time.Until(released.Add(keep + 200*time.Millisecond))) // the released key would have expired
-		dup, err := s.Claim(ctx, r)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if dup.Outcome == idempotency.Claimed {
-			t.Fatalf("a duplicate of the running resumed request claimed it as absent (operation %s): a second charge", dup.Claim.OperationID)
-		}
-		n, err := s.Purge(ctx, 100)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !before(resumedAt, lease) {
-			return false // the lease ran out: a takeover is right
-		}
-		if dup.Outcome != idempotency.Exists || dup.Record.Status != idempotency.StatusStarted || n != 0 {
-			t.Fatalf("duplicate of the running resumed request: %+v, purged %d; want Exists, started, none purged", dup, n)
-		}
-		mustComplete(t, s, resumed, "w_"+key)
-		mustBeWritten(t, pool, "w_"+key, true)
-		return true
-	})
+	const lease, keep = time.Hour, time.Minute
+	r := leased(req("key", "a"), lease, keep)
+	first := mustClaim(t, s, r, idempotency.Claimed).Claim
+	makeOld(t, pool, "key")
+	if err := s.Release(ctx, first, idempotency.ReleaseFailed); err != nil {
+		t.Fatal(err)
+	}
+	elapse(t, pool, "key", keep*2/3) // near the end of its retention
+	res, err := s.Claim(ctx, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Outcome != idempotency.Claimed || res.Claim.OperationID != first.OperationID {
+		t.Fatalf("retry of the released key: %+v, want Claimed under operation %s", res, first.OperationID)
+	}
+	resumed := res.Claim
+	elapse(t, pool, "key", keep/2) // the released key would have expired; the lease has not run out
+	dup, err := s.Claim(ctx, r)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dup.Outcome == idempotency.Claimed {
+		t.Fatalf("a duplicate of the running resumed request claimed it as absent (operation %s): a second charge", dup.Claim.OperationID)
+	}
+	n, err := s.Purge(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if dup.Outcome != idempotency.Exists || dup.Record.Status != idempotency.StatusStarted || n != 0 {
+		t.Fatalf("duplicate of the running resumed request: %+v, purged %d; want Exists, started, none purged", dup, n)
+	}
+	mustComplete(t, s, resumed, "w_key")
+	mustBeWritten(t, pool, "w_key", true)
 }
 
 // TestExpiredKeyPurgedAfterItsRetention: a key an operator expired is
@@ -267,11 +262,7 @@ func TestExpiredKeyPurgedAfterItsRetention(t *testing.T) {
 		t.Fatalf("Purge right after the expiries = %d, %v; want 0", n, err)
 	}
 	for key, passed := range map[string]time.Duration{"short": keep - time.Minute, "past": keep + time.Minute} {
-		if _, err := pool.Exec(ctx, `UPDATE idempotency_keys SET created_at = created_at - $2::interval,
-			locked_at = locked_at - $2::interval, expires_at = expires_at - $2::interval
-			WHERE client_id = 'cli_a' AND idempotency_key = $1`, key, passed); err != nil {
-			t.Fatal(err)
-		}
+		elapse(t, pool, key, passed)
 	}
 	if n, err := s.Purge(ctx, 100); n != 1 || err != nil {
 		t.Fatalf("Purge = %d, %v; want 1, the key past its retention", n, err)
