@@ -200,13 +200,12 @@ func TestExpiredKeyRefusesRetryAfterPurgePostgres(t *testing.T) {
 	testExpiredKeyRefusesRetryAfterPurge(t, postgresStorage)
 }
 
-// testExpiredKeyRefusesRetryAfterPurge is issue 32's repro: an operator
-// expires a payment's key through the admin API, the purge runs, and the
-// client's retry of the payment comes, first sent before the payment
-// began. It is refused with 410, the processor asked once: the purge keeps
-// the expired key until the payment's retention has run out, and the
-// first-sent rule refuses the retry by it (it deleted the key, and the
-// retry ran as a new operation, before). The rest of the story (a new
+// testExpiredKeyRefusesRetryAfterPurge: an operator expires a payment's
+// key through the admin API, the purge runs, and the client's retry of the
+// payment comes, first sent before the payment began. It is refused with
+// 410, the processor asked once: the purge keeps the expired key until the
+// payment's retention has run out, and the first-sent rule refuses the
+// retry by it. The rest of the story (a new
 // request claims the key at once; the purge deletes the key after the
 // retention, and the retry is refused as too old) is the stores'
 // conformance suite's and TestExpiredByOperatorRefusedAfterPurge's in

@@ -3,6 +3,7 @@ package idempotency
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
@@ -259,5 +260,55 @@ func TestMiddlewareStatusAbove599(t *testing.T) {
 		r := serve(t, h, keyed("k", "{}"))
 		assert.Equal(t, http.StatusCreated, r.status)
 		assert.False(t, r.replayed())
+	}
+}
+
+// lateStore models a store whose claim commits but whose answer is lost
+// because the request's context ended meanwhile, as pgx does when the
+// context is cancelled while it waits for the claim's result: the claim
+// happened, Claim returns the context's error.
+type lateStore struct {
+	Store
+	cancel context.CancelFunc
+}
+
+func (s lateStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResult, error) {
+	res, err := s.Store.Claim(context.WithoutCancel(ctx), req)
+	if err != nil {
+		return res, err
+	}
+	s.cancel() // the client goes away while the answer travels back
+	if err := ctx.Err(); err != nil {
+		return ClaimResult{}, err // lost with the claim's context
+	}
+	return res, nil
+}
+
+// TestLostClaimAnswerLeavesKeyFree: the client disconnects while the claim is
+// in flight; the claim committed. The key must not be left started (a
+// retry would get 409 until the lease runs out, and forever with a
+// negative LockTimeout).
+func TestLostClaimAnswerLeavesKeyFree(t *testing.T) {
+	for _, lt := range []time.Duration{0, -1} {
+		t.Run(fmt.Sprint(lt), func(t *testing.T) {
+			mem := NewMemoryStore()
+			ctx, cancel := context.WithCancel(context.Background())
+			var calls atomic.Int32
+			opts := Options{LockTimeout: lt, Logger: testLogger(t)}
+			handler := func(w http.ResponseWriter, r *http.Request) {
+				calls.Add(1)
+				w.WriteHeader(http.StatusCreated)
+			}
+			h := withClient(Middleware(lateStore{mem, cancel}, opts)(http.HandlerFunc(handler)), opts)
+			req := keyed("k", "{}").request(t, "").WithContext(ctx)
+			h.ServeHTTP(httptest.NewRecorder(), req)
+
+			// The client's retry, on a healthy path.
+			retry := serve(t, withClient(Middleware(mem, opts)(http.HandlerFunc(handler)), opts), keyed("k", "{}"))
+			if retry.status != http.StatusCreated || calls.Load() != 1 {
+				t.Errorf("retry after a lost claim answer: %d %s (handler ran %d times); want 201 at once",
+					retry.status, retry.body, calls.Load())
+			}
+		})
 	}
 }

@@ -189,9 +189,9 @@ func TestFirstSentRefusalSaysWhichRule(t *testing.T) {
 	})
 }
 
-// TestExpiredByOperatorRefusedAfterPurge is issue 32's: a completed key
-// that an operator expired, and that the purge ran over, no longer let
-// its operation's retry run again (a second charge). The purge keeps the
+// TestExpiredByOperatorRefusedAfterPurge: a completed key that an
+// operator expired, and that the purge ran over, never lets its
+// operation's retry run again (a second charge). The purge keeps the
 // key until its retention has passed since its operation began, so the
 // retry is refused by the key, and after that as first sent longer ago
 // than the retention; a new request then claims the key.

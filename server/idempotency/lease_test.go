@@ -391,3 +391,38 @@ func TestMiddlewareTinyLockTimeout(t *testing.T) {
 		}
 	}
 }
+
+// TestTakeoverKeepsOperationWhenBeginFails: a request claims a key, charges a
+// card under its operation and dies; its retry takes the key over, but
+// Begin fails (the client went away, the store hiccupped). The key must
+// still belong to that operation: another request with the key is a
+// mismatch, not a new operation that orphans the charge.
+func TestTakeoverKeepsOperationWhenBeginFails(t *testing.T) {
+	mem, clock := newClockedMemoryStore()
+	store := &failingStore{MemoryStore: mem}
+	var ops []string
+	ts := mwServer(t, store, Options{LockTimeout: time.Second}, func(w http.ResponseWriter, r *http.Request) {
+		c, _ := ClaimFromContext(r.Context())
+		ops = append(ops, c.OperationID)
+		w.WriteHeader(http.StatusCreated)
+	})
+	// The first request: claimed, charged under its operation, crashed.
+	first, err := mem.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+		Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", `{"amount":100}`),
+		LockTimeout: time.Second, Retention: time.Hour})
+	if err != nil || first.Outcome != Claimed {
+		t.Fatal(first, err)
+	}
+	clock.Advance(time.Minute) // its lease ran out
+	store.fail = "begin"
+	if r := ts.mustSend(t, keyed("k", `{"amount":100}`)); r.status != http.StatusInternalServerError {
+		t.Fatalf("retry with a failing Begin: %d", r.status)
+	}
+	store.fail = ""
+	// Another request with the key.
+	r := ts.mustSend(t, keyed("k", `{"amount":9999}`))
+	if r.status != http.StatusUnprocessableEntity {
+		t.Errorf("another request with the key of a taken-over operation: %d (operations run %v); want 422, operation %s is not finished",
+			r.status, ops, first.Claim.OperationID)
+	}
+}

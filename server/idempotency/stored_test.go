@@ -334,3 +334,79 @@ func TestMaxStoredBodyDefault(t *testing.T) {
 		t.Errorf("stored status: %+v %v", res.Record, err)
 	}
 }
+
+// TestReplayKeepsObsTextHeader: a handler that echoes a request header
+// (a correlation id) whose value holds obs-text bytes, which net/http
+// accepts, answers 201. The operation must complete once and be replayed.
+func TestReplayKeepsObsTextHeader(t *testing.T) {
+	var calls atomic.Int32
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+		calls.Add(1)
+		w.Header().Set("X-Correlation-Id", r.Header.Get("X-Correlation-Id"))
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, `{"call":%d}`, calls.Load())
+	})
+	send := func() reply {
+		req := keyed("k", "{}").request(t, ts.URL)
+		req.Header.Set("X-Correlation-Id", "caf\xe9")
+		resp, err := ts.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var b [256]byte
+		n, _ := resp.Body.Read(b[:])
+		return reply{status: resp.StatusCode, header: resp.Header, body: b[:n]}
+	}
+	first := send()
+	second := send()
+	if first.status != http.StatusCreated || second.status != http.StatusCreated || !second.replayed() || calls.Load() != 1 {
+		t.Errorf("first %d %s, second %d replayed=%v %s, handler ran %d times; want 201, then its replay, one run",
+			first.status, first.body, second.status, second.replayed(), second.body, calls.Load())
+	}
+}
+
+// TestReplayKeepsSuppressedContentType: a handler that suppresses the
+// Content-Type (net/http's documented nil value) gets none on its first
+// response; the replay must not get a sniffed one.
+func TestReplayKeepsSuppressedContentType(t *testing.T) {
+	ts := mwServer(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil
+		w.WriteHeader(http.StatusCreated)
+		w.Write([]byte("<html>created</html>"))
+	})
+	first := ts.mustSend(t, keyed("k", "{}"))
+	second := ts.mustSend(t, keyed("k", "{}"))
+	if !second.replayed() || first.header.Get("Content-Type") != second.header.Get("Content-Type") {
+		t.Errorf("Content-Type of first %q, of replay %q (replayed=%v); want the same",
+			first.header.Get("Content-Type"), second.header.Get("Content-Type"), second.replayed())
+	}
+}
+
+// TestUnsendableStatusIsNotStored: a handler that writes a status net/http
+// refuses (WriteHeader panics on codes outside 100-999). The recorder must
+// not store an outcome that can never be sent.
+func TestUnsendableStatusIsNotStored(t *testing.T) {
+	for _, code := range []int{0, 42, 1000} {
+		t.Run(fmt.Sprint(code), func(t *testing.T) {
+			store := NewMemoryStore()
+			h := testHandler(t, store, Options{StoreServerErrors: true}, func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(code)
+				w.Write([]byte("ok"))
+			})
+			func() {
+				defer func() { recover() }()
+				serve(t, h, keyed("k", "{}"))
+			}()
+			res, err := store.Claim(context.Background(), ClaimRequest{ClientID: "c", Key: "k", Method: "POST", Path: "/v1/payments",
+				Fingerprint: mustFingerprint(t, "POST", "/v1/payments", "", "application/json", "{}"), LockTimeout: DefaultLockTimeout})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Outcome == Exists && res.Record.Status == StatusCompleted {
+				t.Errorf("WriteHeader(%d), which net/http refuses with a panic, stored as the key's outcome %d", code, res.Record.Response.Status)
+			}
+		})
+	}
+}
