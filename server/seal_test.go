@@ -21,12 +21,12 @@ func sealed(newStorage newStorageFunc) newStorageFunc {
 	}
 }
 
-// TestEndToEndSealed runs the end-to-end tests with the stored responses
-// sealed, in memory and on PostgreSQL: sealing changes nothing a client
-// sees.
+// TestEndToEndSealed runs the end-to-end tests of answers and replays with
+// the stored responses sealed, in memory and on PostgreSQL: sealing
+// changes nothing a client sees.
 func TestEndToEndSealed(t *testing.T) {
-	t.Run("memory", func(t *testing.T) { testEndToEnd(t, sealed(memoryStorage)) })
-	t.Run("postgres", func(t *testing.T) { testEndToEnd(t, sealed(postgresStorage)) })
+	t.Run("memory", func(t *testing.T) { testEndToEndResponses(t, sealed(memoryStorage)) })
+	t.Run("postgres", func(t *testing.T) { testEndToEndResponses(t, sealed(postgresStorage)) })
 }
 
 // TestConfigSealKeys: with Config.SealKeys, a payment's stored response is
