@@ -565,6 +565,9 @@ var keyDetails = []struct {
 	{keyheader.ErrSyntax, `The Idempotency-Key header starts with a double quote but is not a valid structured-field string. Send the bare key, or one quoted string such as "8e03978e-40d5-43e8-bc93-6894a57f9324".`},
 }
 
+// serve reads like the contract's table: a request is refused before its
+// key is used, or claims the key and then runs, or is answered from the
+// key's record.
 func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Handler) {
 	if _, ok := r.Context().Value(runKey).(*run); ok {
 		// Behind another Middleware that already owns the key (a router
@@ -577,67 +580,97 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		next.ServeHTTP(w, r)
 		return
 	}
+	req, log, ok := m.admitKey(w, r)
+	if !ok {
+		return
+	}
+	body, ok := m.admitBody(w, r, &req, log)
+	if !ok {
+		return
+	}
+	m.claimAndServe(w, r, next, req, body, log)
+}
+
+// admitKey finds the client, parses the key and the first-sent time, and
+// checks what the claim will store, refusing the request when any is
+// wrong; nothing is stored. Once the key parses, every response carries it
+// back, with the retention.
+func (m *middleware) admitKey(w http.ResponseWriter, r *http.Request) (req ClaimRequest, log *slog.Logger, ok bool) {
 	clientID, ok := m.clientID(r)
 	if !ok {
-		m.event(EventRejected)
-		refuseUnread(w, r)
-		writeProblem(w, r, ProblemUnauthorized, http.StatusUnauthorized,
-			"Authenticate first: idempotency keys are scoped by client.")
-		return
+		m.refuse(w, r, http.StatusUnauthorized, ProblemUnauthorized, "Authenticate first: idempotency keys are scoped by client.")
+		return req, nil, false
 	}
 	values := r.Header.Values(m.keyHeader)
 	key, err := keyheader.Parse(values)
 	if err != nil {
-		m.event(EventRejected)
-		refuseUnread(w, r)
-		if errors.Is(err, keyheader.ErrMissing) {
-			writeProblem(w, r, ProblemKeyMissing, http.StatusBadRequest, fmt.Sprintf(
-				"%s requests need an %s header: generate a unique key (a random UUIDv4) per operation and send the same key on every retry of it.",
-				r.Method, m.keyHeader))
-			return
-		}
-		detail := err.Error()
-		for _, d := range keyDetails {
-			if errors.Is(err, d.err) {
-				detail = d.detail
-				break
-			}
-		}
-		writeProblem(w, r, ProblemKeyInvalid, http.StatusBadRequest, detail)
-		return
+		m.refuseKey(w, r, err)
+		return req, nil, false
 	}
-	// From here on every response carries the key back, and how long
-	// it is kept.
 	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
 	if m.ttl != "" {
 		w.Header().Set(RetentionHeader, m.ttl)
 	}
-	log := m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+	log = m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
 	firstSent, bad := m.firstSentCheck(r)
 	if bad != "" {
-		m.event(EventRejected)
-		refuseUnread(w, r)
-		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, bad)
-		return
+		m.refuse(w, r, http.StatusBadRequest, ProblemInvalidRequest, bad)
+		return req, nil, false
 	}
 	if !ValidText(clientID) {
 		log.Error("idempotency: the client id is not valid UTF-8 text; check Options.ClientID")
 		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "The server could not identify the client. Retry later.")
-		return
+		return req, nil, false
 	}
 	if !ValidText(r.URL.Path) {
-		m.event(EventRejected)
-		refuseUnread(w, r)
-		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest,
+		m.refuse(w, r, http.StatusBadRequest, ProblemInvalidRequest,
 			"The request path is not valid UTF-8 text, or holds a NUL character. Fix the path; the key was not used.")
+		return req, nil, false
+	}
+	return ClaimRequest{
+		ClientID:    clientID,
+		Key:         key,
+		Method:      r.Method,
+		Path:        r.URL.Path,
+		LockTimeout: m.lockTimeout,
+		Retention:   m.retention,
+		FirstSent:   firstSent,
+	}, log, true
+}
+
+// refuse answers a request refused before its body was read.
+func (m *middleware) refuse(w http.ResponseWriter, r *http.Request, status int, typ, detail string) {
+	m.event(EventRejected)
+	refuseUnread(w, r)
+	writeProblem(w, r, typ, status, detail)
+}
+
+// refuseKey answers 400 a request whose key header does not parse (err).
+func (m *middleware) refuseKey(w http.ResponseWriter, r *http.Request, err error) {
+	if errors.Is(err, keyheader.ErrMissing) {
+		m.refuse(w, r, http.StatusBadRequest, ProblemKeyMissing, fmt.Sprintf(
+			"%s requests need an %s header: generate a unique key (a random UUIDv4) per operation and send the same key on every retry of it.",
+			r.Method, m.keyHeader))
 		return
 	}
+	detail := err.Error()
+	for _, d := range keyDetails {
+		if errors.Is(err, d.err) {
+			detail = d.detail
+			break
+		}
+	}
+	m.refuse(w, r, http.StatusBadRequest, ProblemKeyInvalid, detail)
+}
 
+// admitBody reads the body (415, 413, 400), lets [Options.Validate] refuse
+// the request, and fingerprints it into req (400); nothing is stored.
+func (m *middleware) admitBody(w http.ResponseWriter, r *http.Request, req *ClaimRequest, log *slog.Logger) (body []byte, ok bool) {
 	contentType, ok := m.opts.BodyFormat.contentType(r.Header.Get("Content-Type"))
 	if !ok {
 		m.event(EventRejected)
 		refuseMediaType(w, r)
-		return
+		return nil, false
 	}
 	body, err := m.readBody(w, r)
 	if err != nil {
@@ -645,36 +678,34 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		if mbe := (*http.MaxBytesError)(nil); errors.As(err, &mbe) {
 			writeProblem(w, r, ProblemTooLarge, http.StatusRequestEntityTooLarge, fmt.Sprintf(
 				"The request body is larger than %d bytes. Send a smaller body.", mbe.Limit))
-			return
+			return nil, false
 		}
 		log.Debug("idempotency: reading the body failed", "err", err)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, "The request body could not be read. Retry with the same key.")
-		return
+		return nil, false
 	}
 	if m.opts.Validate != nil {
 		r.Body = io.NopCloser(bytes.NewReader(body))
 		if !m.opts.Validate(w, r) {
 			m.event(EventRejected)
-			return
+			return nil, false
 		}
 	}
-	fp, err := Fingerprint(r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
+	req.Fingerprint, err = Fingerprint(r.Method, r.URL.Path, r.URL.RawQuery, contentType, body)
 	if err != nil {
 		m.event(EventRejected)
 		writeProblem(w, r, ProblemInvalidRequest, http.StatusBadRequest, fmt.Sprintf(
 			"%s. Fix the body and retry; the key was not used.", err))
-		return
+		return nil, false
 	}
-	req := ClaimRequest{
-		ClientID:    clientID,
-		Key:         key,
-		Method:      r.Method,
-		Path:        r.URL.Path,
-		Fingerprint: fp,
-		LockTimeout: m.lockTimeout,
-		Retention:   m.retention,
-		FirstSent:   firstSent,
-	}
+	return body, true
+}
+
+// claimAndServe claims the key, and runs the request when it owns the
+// key, or answers it from the key's record: a replay, 422, 410, or, while
+// the key's first request runs, 409 (after waiting for it, with
+// [Options.WaitForCompletion]).
+func (m *middleware) claimAndServe(w http.ResponseWriter, r *http.Request, next http.Handler, req ClaimRequest, body []byte, log *slog.Logger) {
 	ctx := r.Context()
 	var deadline time.Time
 	if m.opts.WaitForCompletion > 0 {
@@ -693,115 +724,142 @@ func (m *middleware) serve(w http.ResponseWriter, r *http.Request, next http.Han
 		// (forever without a lease). Run to its end, it is released below
 		// if the client is gone.
 		res, err := m.claim(context.WithoutCancel(ctx), req)
-		if errors.Is(err, ErrReadOnly) {
-			log.Error("idempotency: the key store's database is read-only: point this replica at the primary "+
-				"(a multi-host URL with target_session_attrs=read-write follows a failover)", "err", err)
-			w.Header().Set("Retry-After", m.retryAfter)
-			writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
-				"The server's key database is read-only for now (a failover, or maintenance), and nothing was done. Retry later with the same %s.", m.keyHeader))
-			return
-		}
 		if err != nil {
-			log.Error("idempotency: claim failed", "err", err)
-			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
-				"The key could not be checked. Retry later with the same key.")
+			m.claimFailed(w, r, err, log)
 			return
 		}
 		switch res.Outcome {
 		case Claimed, TookOver:
-			if res.Outcome == TookOver {
-				m.event(EventTookOver)
-				log.Warn("idempotency: took over a key whose owner stopped renewing its lease", "operation", res.Claim.OperationID, "token", res.Claim.Token)
-			} else {
-				m.event(EventClaimed)
-			}
-			if ctx.Err() != nil {
-				// The client went away during the claim: nothing ran.
-				// Released as failed, since the claim may have resumed or
-				// taken over an operation that did work (see run).
-				m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
-				m.notRun(w, r)
-				return
-			}
-			r.Body = io.NopCloser(bytes.NewReader(body))
-			r.ContentLength = int64(len(body))
-			r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
-			m.run(w, r, next, res.Claim, log)
+			m.owned(w, r, next, res, body, log)
 			return
 		case Exists:
+			if m.answerRecord(w, r, res.Record, req, log) {
+				return
+			}
 		case Busy:
 			// Held in another request's unit of work, not committed
 			// (Options.OneTransaction): as a started key.
-			if m.waitFirst(ctx, deadline, &wait) {
-				continue
-			}
-			m.conflict(w, r)
-			return
 		case Refused:
-			m.event(EventExpiredRetry)
-			// Say which rule refused it: the age of the request, or a key
-			// let go of (expired, by its retention or an operator) after
-			// this request's operation began.
-			why := fmt.Sprintf("was first sent longer ago than its %s is kept (%s), and the key is gone", m.keyHeader, m.retention)
-			if !req.FirstSent.Stale {
-				why = fmt.Sprintf("belongs to an operation whose %s was let go of (it expired, or an operator expired it) after the operation began", m.keyHeader)
-			}
-			log.Info("idempotency: refused a retry of an operation whose key is gone or expired", "first_sent", r.Header.Get(m.firstSentHeader),
-				"stale", req.FirstSent.Stale)
-			writeProblem(w, r, ProblemKeyExpired, http.StatusGone, "This request "+why+
-				": the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.")
+			m.refuseExpired(w, r, req, log)
 			return
 		default:
 			log.Error("idempotency: store returned an unknown outcome", "outcome", res.Outcome)
 			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
 			return
 		}
-		rec := res.Record
-		// The key's own retention, as stored with it, whatever this
-		// replica's: a replay, a 409 or a 422 tells the client how long
-		// this key is kept.
-		if rec.Retention > 0 {
-			w.Header().Set(RetentionHeader, strconv.FormatInt(int64(math.Ceil(rec.Retention.Seconds())), 10))
-		} else {
-			w.Header().Del(RetentionHeader)
-		}
-		if !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
-			m.event(EventMismatch)
-			log.Debug("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
-			detail := fmt.Sprintf(
-				"This %s was already used with another request (%s %s, with a different query or body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
-				m.keyHeader, rec.Method, rec.Path)
-			if rec.Status == StatusReleased {
-				// Released as failed (see ReleaseFailed): its request may
-				// have done work that only its own retry finishes.
-				detail = fmt.Sprintf(
-					"The request first sent with this %s (%s %s, with a different query or body) failed after it may have taken effect, and only that request can finish it. Resend exactly that request with this key, or use a new key for a new operation.",
-					m.keyHeader, rec.Method, rec.Path)
-			}
-			writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, detail)
-			return
-		}
-		if rec.Status == StatusCompleted && rec.Response != nil {
-			if m.unopened(w, r, rec.Response, log) {
-				return
-			}
-			m.event(EventReplayed)
-			writeStored(w, rec.Response, &m.keep)
-			return
-		}
-		if rec.Status != StatusStarted {
-			// A store claims a released key for its own request (the
-			// same fingerprint); waiting on it would wait forever.
-			log.Error("idempotency: store returned a key it should have claimed or replayed", "status", rec.Status)
-			writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
-			return
-		}
+		// The key's first request is still running.
 		if m.waitFirst(ctx, deadline, &wait) {
 			continue
 		}
 		m.conflict(w, r)
 		return
 	}
+}
+
+// claimFailed answers a request whose claim failed: 503 on a read-only
+// database, 500 otherwise.
+func (m *middleware) claimFailed(w http.ResponseWriter, r *http.Request, err error, log *slog.Logger) {
+	if errors.Is(err, ErrReadOnly) {
+		log.Error("idempotency: the key store's database is read-only: point this replica at the primary "+
+			"(a multi-host URL with target_session_attrs=read-write follows a failover)", "err", err)
+		w.Header().Set("Retry-After", m.retryAfter)
+		writeProblem(w, r, ProblemUnavailable, http.StatusServiceUnavailable, fmt.Sprintf(
+			"The server's key database is read-only for now (a failover, or maintenance), and nothing was done. Retry later with the same %s.", m.keyHeader))
+		return
+	}
+	log.Error("idempotency: claim failed", "err", err)
+	writeProblem(w, r, ProblemInternal, http.StatusInternalServerError,
+		"The key could not be checked. Retry later with the same key.")
+}
+
+// owned runs a request that claimed its key, unless its client went away
+// during the claim.
+func (m *middleware) owned(w http.ResponseWriter, r *http.Request, next http.Handler, res ClaimResult, body []byte, log *slog.Logger) {
+	if res.Outcome == TookOver {
+		m.event(EventTookOver)
+		log.Warn("idempotency: took over a key whose owner stopped renewing its lease", "operation", res.Claim.OperationID, "token", res.Claim.Token)
+	} else {
+		m.event(EventClaimed)
+	}
+	if ctx := r.Context(); ctx.Err() != nil {
+		// The client went away during the claim: nothing ran.
+		// Released as failed, since the claim may have resumed or
+		// taken over an operation that did work (see run).
+		m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
+		m.notRun(w, r)
+		return
+	}
+	r.Body = io.NopCloser(bytes.NewReader(body))
+	r.ContentLength = int64(len(body))
+	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	m.run(w, r, next, res.Claim, log)
+}
+
+// answerRecord answers a request from its key's record: 422 for another
+// request, the replay of a completed one, 500 for a record that should
+// have been claimed. It returns false, having written nothing but headers,
+// for a key whose first request is still running.
+func (m *middleware) answerRecord(w http.ResponseWriter, r *http.Request, rec *Record, req ClaimRequest, log *slog.Logger) (answered bool) {
+	// The key's own retention, as stored with it, whatever this
+	// replica's: a replay, a 409 or a 422 tells the client how long
+	// this key is kept.
+	if rec.Retention > 0 {
+		w.Header().Set(RetentionHeader, strconv.FormatInt(int64(math.Ceil(rec.Retention.Seconds())), 10))
+	} else {
+		w.Header().Del(RetentionHeader)
+	}
+	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) {
+		m.mismatch(w, r, rec, log)
+		return true
+	}
+	if rec.Status == StatusCompleted && rec.Response != nil {
+		if m.unopened(w, r, rec.Response, log) {
+			return true
+		}
+		m.event(EventReplayed)
+		writeStored(w, rec.Response, &m.keep)
+		return true
+	}
+	if rec.Status != StatusStarted {
+		// A store claims a released key for its own request (the
+		// same fingerprint); waiting on it would wait forever.
+		log.Error("idempotency: store returned a key it should have claimed or replayed", "status", rec.Status)
+		writeProblem(w, r, ProblemInternal, http.StatusInternalServerError, "Retry later with the same key.")
+		return true
+	}
+	return false
+}
+
+// mismatch answers 422 a request whose key was used with another one.
+func (m *middleware) mismatch(w http.ResponseWriter, r *http.Request, rec *Record, log *slog.Logger) {
+	m.event(EventMismatch)
+	log.Debug("idempotency: key reused with another request", "stored_method", rec.Method, "stored_path", rec.Path, "stored_status", rec.Status)
+	detail := fmt.Sprintf(
+		"This %s was already used with another request (%s %s, with a different query or body). Use a new key for a new operation, and resend exactly the same request when you retry one.",
+		m.keyHeader, rec.Method, rec.Path)
+	if rec.Status == StatusReleased {
+		// Released as failed (see ReleaseFailed): its request may
+		// have done work that only its own retry finishes.
+		detail = fmt.Sprintf(
+			"The request first sent with this %s (%s %s, with a different query or body) failed after it may have taken effect, and only that request can finish it. Resend exactly that request with this key, or use a new key for a new operation.",
+			m.keyHeader, rec.Method, rec.Path)
+	}
+	writeProblem(w, r, ProblemKeyMismatch, http.StatusUnprocessableEntity, detail)
+}
+
+// refuseExpired answers 410 a request the first-sent policy refused,
+// saying which rule refused it: the age of the request, or a key let go
+// of (expired, by its retention or an operator) after its operation began.
+func (m *middleware) refuseExpired(w http.ResponseWriter, r *http.Request, req ClaimRequest, log *slog.Logger) {
+	m.event(EventExpiredRetry)
+	why := fmt.Sprintf("was first sent longer ago than its %s is kept (%s), and the key is gone", m.keyHeader, m.retention)
+	if !req.FirstSent.Stale {
+		why = fmt.Sprintf("belongs to an operation whose %s was let go of (it expired, or an operator expired it) after the operation began", m.keyHeader)
+	}
+	log.Info("idempotency: refused a retry of an operation whose key is gone or expired", "first_sent", r.Header.Get(m.firstSentHeader),
+		"stale", req.FirstSent.Stale)
+	writeProblem(w, r, ProblemKeyExpired, http.StatusGone, "This request "+why+
+		": the outcome of its operation is unknown and can no longer be looked up. Nothing was done now. Check whether the operation took effect before you send it again with a new key.")
 }
 
 // waitFirst waits for the first request of a key that is still running,
