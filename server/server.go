@@ -253,7 +253,7 @@ func New(cfg Config) (*Server, error) {
 		storeServerErrors: cfg.StoreServerErrors,
 		faults:            cfg.Faults,
 	}
-	keyed := idempotency.Middleware(keys, idempotency.Options{
+	keyed, err := idempotency.New(keys, idempotency.Options{
 		LockTimeout:       cfg.LockTimeout,
 		Retention:         cfg.Retention,
 		RetryAfter:        cfg.RetryAfter,
@@ -267,6 +267,10 @@ func New(cfg Config) (*Server, error) {
 		Logger:            log,
 		OnEvent:           s.metrics.Observe,
 	})
+	if err != nil {
+		s.Close()
+		return nil, fmt.Errorf("server: %w", err)
+	}
 	s.sweeper = newSweeper(cfg, sweptKeys, api, grace, log, s.metrics)
 	if in, ok := cfg.Storage.Keys.(idempotency.Inspector); ok {
 		s.metrics.watchKeys(in.Stats)

@@ -188,10 +188,12 @@ func TestBodyFormatJSONOnly(t *testing.T) {
 	assert.Equal(t, 17, events.count(EventRejected), "every refusal is an EventRejected")
 }
 
-// TestBodyFormatUnknown checks that Middleware refuses a BodyFormat it
-// does not know rather than guess.
+// TestBodyFormatUnknown checks that New refuses a BodyFormat it does not
+// know rather than guess, and that Middleware panics with that error.
 func TestBodyFormatUnknown(t *testing.T) {
-	assert.PanicsWithValue(t, "idempotency: Options.BodyFormat 7 is not a format this package knows", func() {
+	_, err := New(NewMemoryStore(), Options{BodyFormat: 7})
+	assert.EqualError(t, err, "idempotency: Options.BodyFormat 7 is not a format this package knows")
+	assert.PanicsWithError(t, "idempotency: Options.BodyFormat 7 is not a format this package knows", func() {
 		Middleware(NewMemoryStore(), Options{BodyFormat: 7})
 	})
 }

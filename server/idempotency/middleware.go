@@ -165,7 +165,7 @@ type Options struct {
 
 	// FirstSentSkew is the allowance for a client clock that runs ahead of
 	// this server's (see FirstSentHeader). It must be less than half the
-	// Retention: it is taken off the retention. If zero, a tenth of the
+	// Retention, or [New] returns an error: it is taken off the retention. If zero, a tenth of the
 	// Retention is used, at least 1s (the header's precision: a request
 	// just sent may look up to a second old) and at most 5 minutes
 	// ([DefaultMaxFirstSentSkew]).
@@ -186,8 +186,7 @@ type Options struct {
 	// declared as JSON is fingerprinted alike under all three, so only a
 	// key first sent with another declared type, retried after the setting
 	// changed, meets the change (422, or 415): change it on every server
-	// sharing the store at once. Middleware panics on a format it does not
-	// know.
+	// sharing the store at once. [New] refuses a format it does not know.
 	BodyFormat BodyFormat
 
 	// StoredHeaders lists the response headers stored with an outcome and
@@ -357,7 +356,7 @@ func (e Event) String() string {
 	return "event(" + strconv.Itoa(int(e)) + ")"
 }
 
-// Middleware returns middleware that makes POST and PATCH requests safe to
+// New returns middleware that makes POST and PATCH requests safe to
 // retry with an Idempotency-Key header, as the IETF draft
 // (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe.
 // Other methods pass through untouched. Wrap each route that needs it (a
@@ -462,7 +461,13 @@ func (e Event) String() string {
 // when [Options.ClientID] found it. A Middleware behind another one on the
 // same route (a router group's and the route's) passes requests through to
 // its handler, and logs once at Error that one should go.
-func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
+func New(store Store, opts Options) (func(http.Handler) http.Handler, error) {
+	if store == nil {
+		return nil, errors.New("idempotency: the Store is nil")
+	}
+	if !knownBodyFormat(opts.BodyFormat) {
+		return nil, fmt.Errorf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat)
+	}
 	m := &middleware{store: store, opts: opts, claim: store.Claim}
 	if tc, ok := store.(TxClaimer); ok && opts.OneTransaction {
 		m.claim = tc.ClaimInTx
@@ -482,35 +487,42 @@ func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
 	}
 	m.firstSent = !opts.IgnoreFirstSent && m.retention >= MinFirstSentRetention
 	if m.firstSent && !(m.skew > 0 && m.skew < m.retention/2) {
-		panic(fmt.Sprintf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention))
+		return nil, fmt.Errorf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention)
 	}
 	if m.retention > 0 {
 		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
-	}
-	if !knownBodyFormat(opts.BodyFormat) {
-		panic(fmt.Sprintf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat))
 	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
 		m.clientID = func(r *http.Request) (string, bool) { return ClientIDFromContext(r.Context()) }
 	}
-	m.log = opts.Logger
-	if m.log == nil {
-		m.log = slog.Default()
-	}
+	m.log = cmp.Or(opts.Logger, slog.Default())
 	var ignored []string
 	if m.keep, ignored = newKeepPolicy(opts, m.keyHeader); len(ignored) > 0 {
 		m.log.Warn("idempotency: Options.StoredHeaders lists headers that are never stored", "headers", ignored)
 	}
-	return func(next http.Handler) http.Handler {
-		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-			if r.Method != http.MethodPost && r.Method != http.MethodPatch {
-				next.ServeHTTP(w, r)
-				return
-			}
-			m.serve(w, r, next)
-		})
+	return m.wrap, nil
+}
+
+// Middleware is like [New] but panics when New returns an error, as
+// regexp.MustCompile does: for a store and options fixed in code.
+func Middleware(store Store, opts Options) func(http.Handler) http.Handler {
+	mw, err := New(store, opts)
+	if err != nil {
+		panic(err)
 	}
+	return mw
+}
+
+// wrap puts the middleware in front of next.
+func (m *middleware) wrap(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method != http.MethodPost && r.Method != http.MethodPatch {
+			next.ServeHTTP(w, r)
+			return
+		}
+		m.serve(w, r, next)
+	})
 }
 
 // durationOpt maps an option to a store argument: zero takes the default,

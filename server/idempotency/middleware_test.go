@@ -590,3 +590,30 @@ func TestValidateRefusesBeforeTheClaim(t *testing.T) {
 	assert.Equal(t, `{"good":1}`, string(again.body), "the handler saw the body after Validate read it")
 	assert.Equal(t, int32(1), calls.Load())
 }
+
+// TestNewRefusesOptionsThatCannotWork checks that New returns an error,
+// and Middleware panics with it, for a store or options it cannot serve
+// with; the zero Options work.
+func TestNewRefusesOptionsThatCannotWork(t *testing.T) {
+	cases := map[string]struct {
+		store Store
+		opts  Options
+		want  string
+	}{
+		"nil store":      {nil, Options{}, "idempotency: the Store is nil"},
+		"unknown format": {NewMemoryStore(), Options{BodyFormat: 9}, "idempotency: Options.BodyFormat 9 is not a format this package knows"},
+		"negative skew":  {NewMemoryStore(), Options{FirstSentSkew: -time.Second}, "idempotency: Options.FirstSentSkew -1s must be positive and less than half the Retention (24h0m0s)"},
+		"skew of half":   {NewMemoryStore(), Options{Retention: time.Hour, FirstSentSkew: 30 * time.Minute}, "idempotency: Options.FirstSentSkew 30m0s must be positive and less than half the Retention (1h0m0s)"},
+	}
+	for name, c := range cases {
+		t.Run(name, func(t *testing.T) {
+			mw, err := New(c.store, c.opts)
+			assert.Nil(t, mw)
+			assert.EqualError(t, err, c.want)
+			assert.PanicsWithError(t, c.want, func() { Middleware(c.store, c.opts) })
+		})
+	}
+	mw, err := New(NewMemoryStore(), Options{})
+	require.NoError(t, err)
+	assert.NotNil(t, mw)
+}
