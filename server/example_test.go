@@ -11,7 +11,6 @@ import (
 	"strings"
 
 	"github.com/idemkit/idem/server"
-	"github.com/idemkit/idem/server/idempotency"
 )
 
 // New serves the reference payments API, here on the in-memory storage: a
@@ -48,7 +47,7 @@ func ExampleNew() {
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
 		if resp.Header.Get("Content-Type") == "application/problem+json" {
-			var p idempotency.Problem
+			var p struct{ Type string }
 			json.Unmarshal(b, &p)
 			fmt.Println(resp.StatusCode, p.Type)
 			return

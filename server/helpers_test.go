@@ -15,7 +15,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
-	"github.com/idemkit/idem/server/idempotency"
 )
 
 // Test tokens and the clients they map to.
@@ -164,12 +163,12 @@ type reply struct {
 func (r reply) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
 
 // problem decodes the body as problem details.
-func (r reply) problem(t *testing.T) idempotency.Problem {
+func (r reply) problem(t *testing.T) problem {
 	t.Helper()
 	if ct := r.header.Get("Content-Type"); ct != "application/problem+json" {
 		t.Fatalf("Content-Type = %q, want application/problem+json; body %s", ct, r.body)
 	}
-	var p idempotency.Problem
+	var p problem
 	if err := json.Unmarshal(r.body, &p); err != nil {
 		t.Fatalf("problem body %s: %v", r.body, err)
 	}

@@ -188,10 +188,8 @@ func (a *payments) retryHint(o order) string {
 // corrected request.
 func (a *payments) validate(w http.ResponseWriter, r *http.Request) bool {
 	if _, status, errs := parsePayment(r); errs != nil {
-		p := idempotency.NewProblem(idempotency.ProblemInvalidRequest, status,
-			"Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored.")
-		p.Errors = errs
-		idempotency.WriteProblem(w, r, p)
+		writeProblemFields(w, r, idempotency.ProblemInvalidRequest, status,
+			"Fix the listed fields and retry; the same Idempotency-Key may be reused, since nothing was stored.", errs)
 		return false
 	}
 	return true
@@ -206,9 +204,7 @@ func (a *payments) pay(w http.ResponseWriter, r *http.Request, o order) {
 		if o.key == "" {
 			detail = "Fix the listed fields and retry; nothing was stored."
 		}
-		p := idempotency.NewProblem(idempotency.ProblemInvalidRequest, status, detail)
-		p.Errors = errs
-		idempotency.WriteProblem(w, r, p)
+		writeProblemFields(w, r, idempotency.ProblemInvalidRequest, status, detail, errs)
 		return
 	}
 	log := o.log
@@ -362,10 +358,10 @@ func encodeJSON(v any) []byte {
 
 // parsePayment reads and validates a payment body, JSON or form-encoded.
 // It returns the status and the field errors of an invalid one.
-func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError) {
+func parsePayment(r *http.Request) (paymentInput, int, []fieldError) {
 	var buf bytes.Buffer
 	if _, err := buf.ReadFrom(r.Body); err != nil {
-		return paymentInput{}, http.StatusBadRequest, []idempotency.FieldError{{Field: "body", Detail: "could not be read"}}
+		return paymentInput{}, http.StatusBadRequest, []fieldError{{Field: "body", Detail: "could not be read"}}
 	}
 	mt := "application/json"
 	if ct := r.Header.Get("Content-Type"); ct != "" {
@@ -375,7 +371,7 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 		}
 	}
 	var fields map[string]string
-	var errs []idempotency.FieldError
+	var errs []fieldError
 	switch mt {
 	case "application/json":
 		fields, errs = jsonFields(buf.Bytes())
@@ -383,7 +379,7 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 		fields, errs = formFields(buf.String())
 	default:
 		return paymentInput{}, http.StatusUnsupportedMediaType,
-			[]idempotency.FieldError{{Field: "Content-Type", Detail: fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
+			[]fieldError{{Field: "Content-Type", Detail: fmt.Sprintf("%q is not supported: send application/json or application/x-www-form-urlencoded", mt)}}
 	}
 	if errs != nil {
 		return paymentInput{}, http.StatusBadRequest, errs
@@ -392,30 +388,30 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 	amount, ok := fields["amount"]
 	switch n, err := strconv.ParseInt(amount, 10, 64); {
 	case !ok:
-		errs = append(errs, idempotency.FieldError{Field: "amount", Detail: "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, fieldError{Field: "amount", Detail: "is required: a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	case err != nil || n <= 0:
-		errs = append(errs, idempotency.FieldError{Field: "amount", Detail: "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
+		errs = append(errs, fieldError{Field: "amount", Detail: "must be a positive integer in the currency's smallest unit (4200 is 42.00 usd)"})
 	default:
 		in.Amount = n
 	}
 	if in.Currency = fields["currency"]; !currencyRE.MatchString(in.Currency) {
-		errs = append(errs, idempotency.FieldError{Field: "currency", Detail: "must be a three-letter ISO 4217 code in lowercase, such as usd"})
+		errs = append(errs, fieldError{Field: "currency", Detail: "must be a three-letter ISO 4217 code in lowercase, such as usd"})
 	}
 	// Every text field pay writes is checked here, before anything is
 	// charged: the currency by its pattern, the customer below.
 	switch in.Customer = fields["customer"]; {
 	case in.Customer == "" || len(in.Customer) > maxCustomerLen:
-		errs = append(errs, idempotency.FieldError{Field: "customer", Detail: fmt.Sprintf("is required: the customer's id, such as cus_123 (at most %d bytes)", maxCustomerLen)})
+		errs = append(errs, fieldError{Field: "customer", Detail: fmt.Sprintf("is required: the customer's id, such as cus_123 (at most %d bytes)", maxCustomerLen)})
 	case textProblem(in.Customer) != "":
-		errs = append(errs, idempotency.FieldError{Field: "customer", Detail: textProblem(in.Customer) + ": the customer's id, such as cus_123"})
+		errs = append(errs, fieldError{Field: "customer", Detail: textProblem(in.Customer) + ": the customer's id, such as cus_123"})
 	}
 	for name := range fields {
 		if name != "amount" && name != "currency" && name != "customer" {
-			errs = append(errs, idempotency.FieldError{Field: name, Detail: "is not a payment field (amount, currency, customer)"})
+			errs = append(errs, fieldError{Field: name, Detail: "is not a payment field (amount, currency, customer)"})
 		}
 	}
 	if errs != nil {
-		slices.SortFunc(errs, func(a, b idempotency.FieldError) int { return strings.Compare(a.Field, b.Field) })
+		slices.SortFunc(errs, func(a, b fieldError) int { return strings.Compare(a.Field, b.Field) })
 		return paymentInput{}, http.StatusBadRequest, errs
 	}
 	return in, 0, nil
@@ -423,15 +419,15 @@ func parsePayment(r *http.Request) (paymentInput, int, []idempotency.FieldError)
 
 // jsonFields flattens a JSON payment object to strings: numbers as written,
 // strings as they are. Other types are errors.
-func jsonFields(body []byte) (map[string]string, []idempotency.FieldError) {
+func jsonFields(body []byte) (map[string]string, []fieldError) {
 	var raw map[string]json.RawMessage
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.UseNumber()
 	if err := dec.Decode(&raw); err != nil || raw == nil {
-		return nil, []idempotency.FieldError{{Field: "body", Detail: "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
+		return nil, []fieldError{{Field: "body", Detail: "must be a JSON object such as {\"amount\": 4200, \"currency\": \"usd\", \"customer\": \"cus_123\"}"}}
 	}
 	fields := make(map[string]string, len(raw))
-	var errs []idempotency.FieldError
+	var errs []fieldError
 	for name, v := range raw {
 		var s string
 		var n json.Number
@@ -441,13 +437,13 @@ func jsonFields(body []byte) (map[string]string, []idempotency.FieldError) {
 		case name != "amount" && !validJSONText(v):
 			// encoding/json would replace these with U+FFFD: the
 			// stored text would not be what the client sent.
-			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be valid UTF-8, without unpaired surrogate escapes such as \\ud800"})
+			errs = append(errs, fieldError{Field: name, Detail: "must be valid UTF-8, without unpaired surrogate escapes such as \\ud800"})
 		case name != "amount" && json.Unmarshal(v, &s) == nil:
 			fields[name] = s
 		case name == "amount":
-			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be a JSON number: a positive integer"})
+			errs = append(errs, fieldError{Field: name, Detail: "must be a JSON number: a positive integer"})
 		default:
-			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be a JSON string"})
+			errs = append(errs, fieldError{Field: name, Detail: "must be a JSON string"})
 		}
 	}
 	return fields, errs
@@ -490,16 +486,16 @@ func validJSONText(v []byte) bool {
 }
 
 // formFields reads a form-encoded payment; each field may appear once.
-func formFields(body string) (map[string]string, []idempotency.FieldError) {
+func formFields(body string) (map[string]string, []fieldError) {
 	values, err := url.ParseQuery(body)
 	if err != nil {
-		return nil, []idempotency.FieldError{{Field: "body", Detail: "is not valid application/x-www-form-urlencoded"}}
+		return nil, []fieldError{{Field: "body", Detail: "is not valid application/x-www-form-urlencoded"}}
 	}
 	fields := make(map[string]string, len(values))
-	var errs []idempotency.FieldError
+	var errs []fieldError
 	for name, vs := range values {
 		if len(vs) != 1 {
-			errs = append(errs, idempotency.FieldError{Field: name, Detail: "must be given once"})
+			errs = append(errs, fieldError{Field: name, Detail: "must be given once"})
 			continue
 		}
 		fields[name] = vs[0]

@@ -77,7 +77,9 @@ func (api *ordersAPI) change(w http.ResponseWriter, r *http.Request, id string, 
 		Qty  int    `json:"qty"`
 	}
 	if json.NewDecoder(r.Body).Decode(&in) != nil || in.Item == "" || in.Qty < 1 {
-		idempotency.WriteProblem(w, r, idempotency.NewProblem(idempotency.ProblemInvalidRequest, http.StatusBadRequest, "want item and qty"))
+		w.Header().Set("Content-Type", "application/problem+json")
+		w.WriteHeader(http.StatusBadRequest)
+		fmt.Fprintf(w, `{"type":%q,"status":400,"detail":"want item and qty"}`+"\n", idempotency.ProblemInvalidRequest)
 		return
 	}
 	if in.Qty == slowQty {

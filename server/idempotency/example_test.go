@@ -72,7 +72,7 @@ func ExampleMiddleware() {
 		defer resp.Body.Close()
 		b, _ := io.ReadAll(resp.Body)
 		if resp.Header.Get("Content-Type") == "application/problem+json" {
-			var p idempotency.Problem
+			var p struct{ Type string }
 			json.Unmarshal(b, &p)
 			fmt.Println(resp.StatusCode, p.Type)
 			return

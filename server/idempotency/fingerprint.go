@@ -20,11 +20,11 @@ import (
 // maxJSONDepth bounds the nesting of a JSON body the canonicaliser accepts.
 const maxJSONDepth = 1000
 
-// ErrBody is returned (wrapped) by [Fingerprint] for a body that is not
+// errBody is returned (wrapped) by [Fingerprint] for a body that is not
 // well-formed for its media type (see [Fingerprint] for what it rejects).
 // The middleware answers it with 400 invalid-request before it claims the
 // key, so nothing is stored.
-var ErrBody = errors.New("idempotency: malformed request body")
+var errBody = errors.New("idempotency: malformed request body")
 
 // fingerprintTag opens the digest's input. It is the tag of the first
 // canonical form, which compared a repeated query or form field's values
@@ -69,12 +69,12 @@ const fingerprintTag = "idem-fingerprint-v1"
 // has two different fingerprints: a client retries with the bytes it sent
 // first, and two representations are two requests.
 //
-// Fingerprint returns an error wrapping [ErrBody] for a body (or query) it
+// Fingerprint returns an error for a body (or query) it
 // cannot canonicalise. It is safe for concurrent use.
 func Fingerprint(method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
 	query, err := canonicalForm(rawQuery)
 	if err != nil {
-		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
+		return nil, fmt.Errorf("%w: query: %v", errBody, err)
 	}
 	// The digest's input is streamed into a pooled SHA-256: the tag and the
 	// first four fields, assembled in a pooled buffer, then the canonical
@@ -87,13 +87,13 @@ func Fingerprint(method, path, rawQuery, contentType string, body []byte) ([]byt
 	case "json":
 		c.out, err = c.appendJSON(c.out[:0], body)
 		if err != nil {
-			return nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
+			return nil, fmt.Errorf("%w: JSON: %v", errBody, err)
 		}
 		canon = c.out
 	case "form":
 		form, err := canonicalForm(string(body))
 		if err != nil {
-			return nil, fmt.Errorf("%w: form: %v", ErrBody, err)
+			return nil, fmt.Errorf("%w: form: %v", errBody, err)
 		}
 		canon = []byte(form)
 	}
@@ -191,13 +191,13 @@ func canonicalBody(contentType string, body []byte) (kind string, canon []byte, 
 		out, err := c.appendJSON(c.out[:0], body)
 		c.out = out
 		if err != nil {
-			return "", nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
+			return "", nil, fmt.Errorf("%w: JSON: %v", errBody, err)
 		}
 		return "json", bytes.Clone(out), nil
 	case "form":
 		canon, err := canonicalForm(string(body))
 		if err != nil {
-			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
+			return "", nil, fmt.Errorf("%w: form: %v", errBody, err)
 		}
 		return "form", []byte(canon), nil
 	default:

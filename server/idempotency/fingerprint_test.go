@@ -64,8 +64,8 @@ func TestCanonicalBody(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			_, got, err := canonicalBody(tt.contentType, []byte(tt.body))
 			if tt.wantErr {
-				if !errors.Is(err, ErrBody) {
-					t.Fatalf("canonicalBody(%q) error = %v, want ErrBody", tt.body, err)
+				if !errors.Is(err, errBody) {
+					t.Fatalf("canonicalBody(%q) error = %v, want errBody", tt.body, err)
 				}
 				return
 			}
@@ -368,12 +368,12 @@ func checkDifferential(t *testing.T, contentType, query string, body []byte) {
 }
 
 // sameErrorKind reports whether two errors are both nil or both wrap
-// ErrBody.
+// errBody.
 func sameErrorKind(err, ref error) bool {
 	if err == nil || ref == nil {
 		return err == nil && ref == nil
 	}
-	return errors.Is(err, ErrBody) == errors.Is(ref, ErrBody)
+	return errors.Is(err, errBody) == errors.Is(ref, errBody)
 }
 
 // differentialCorpus returns the bodies of the differential tests: the unit
@@ -536,7 +536,7 @@ func FuzzCanonicalDifferential(f *testing.F) {
 func fingerprintReference(method, path, rawQuery, contentType string, body []byte) ([]byte, error) {
 	query, err := canonicalFormReference(rawQuery)
 	if err != nil {
-		return nil, fmt.Errorf("%w: query: %v", ErrBody, err)
+		return nil, fmt.Errorf("%w: query: %v", errBody, err)
 	}
 	kind, canon, err := canonicalBodyReference(contentType, body)
 	if err != nil {
@@ -566,13 +566,13 @@ func canonicalBodyReference(contentType string, body []byte) (kind string, canon
 	case "json":
 		canon, err := canonicalJSONReference(body)
 		if err != nil {
-			return "", nil, fmt.Errorf("%w: JSON: %v", ErrBody, err)
+			return "", nil, fmt.Errorf("%w: JSON: %v", errBody, err)
 		}
 		return "json", canon, nil
 	case "form":
 		canon, err := canonicalFormReference(string(body))
 		if err != nil {
-			return "", nil, fmt.Errorf("%w: form: %v", ErrBody, err)
+			return "", nil, fmt.Errorf("%w: form: %v", errBody, err)
 		}
 		return "form", []byte(canon), nil
 	default:

@@ -129,12 +129,12 @@ type reply struct {
 func (r reply) replayed() bool { return r.header.Get("Idempotent-Replayed") == "true" }
 
 // problem decodes the body as problem details.
-func (r reply) problem(t *testing.T) Problem {
+func (r reply) problem(t *testing.T) problem {
 	t.Helper()
 	if ct := r.header.Get("Content-Type"); ct != "application/problem+json" {
 		t.Fatalf("Content-Type = %q, want application/problem+json; body %s", ct, r.body)
 	}
-	var p Problem
+	var p problem
 	if err := json.Unmarshal(r.body, &p); err != nil {
 		t.Fatalf("problem body %s: %v", r.body, err)
 	}

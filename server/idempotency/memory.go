@@ -129,7 +129,7 @@ func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (C
 	if err := checkText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return ClaimResult{}, err
 	}
-	if !ValidKey(req.Key) {
+	if !validKey(req.Key) {
 		return ClaimResult{}, fmt.Errorf("%w: %d bytes", ErrInvalidKey, len(req.Key))
 	}
 	s.mu.Lock()

@@ -9,8 +9,8 @@ import (
 // Problem type URIs. Every error response of [Middleware] is an RFC 9457
 // problem whose "type" is one of these, one per case, so clients can switch
 // on it; the URIs are stable and are never reused for another case. Each
-// names a page documenting the case. A handler may use them too, with
-// [WriteProblem], for its own errors of the same kinds.
+// names a page documenting the case. A handler may use them too for its own
+// errors of the same kinds.
 const (
 	// ProblemKeyMissing (400): a POST or PATCH came without an
 	// Idempotency-Key header.
@@ -75,46 +75,22 @@ var problemTitles = map[string]string{
 	ProblemKeyExpired:           "Idempotency-Key has expired",
 }
 
-// Problem is an RFC 9457 problem details object, as written with the media
+// problem is an RFC 9457 problem details object, as written with the media
 // type application/problem+json.
-type Problem struct {
-	Type   string `json:"type"`
-	Title  string `json:"title"`
-	Status int    `json:"status"`
-	Detail string `json:"detail,omitempty"`
-	// Instance is the request path the problem occurred on.
-	Instance string `json:"instance,omitempty"`
-	// Errors lists the invalid fields of a [ProblemInvalidRequest].
-	Errors []FieldError `json:"errors,omitempty"`
+type problem struct {
+	Type     string `json:"type"`
+	Title    string `json:"title"`
+	Status   int    `json:"status"`
+	Detail   string `json:"detail,omitempty"`
+	Instance string `json:"instance,omitempty"` // the request path
 }
 
-// FieldError names one invalid field of a request body.
-type FieldError struct {
-	Field  string `json:"field"`
-	Detail string `json:"detail"`
-}
-
-// NewProblem returns the problem of the given type URI with the given
-// status and detail, which should tell the developer what to do. Its title is
-// the standard one of a Problem… constant of this package, or the status
-// text for another type (set Title to give one of your own).
-func NewProblem(typ string, status int, detail string) *Problem {
-	title, ok := problemTitles[typ]
-	if !ok {
-		title = http.StatusText(status)
-	}
-	return &Problem{Type: typ, Title: title, Status: status, Detail: detail}
-}
-
-// WriteProblem writes p as an application/problem+json response with status
-// p.Status, filling in Instance from r when it is empty. Headers already set
-// on w (Retry-After, Idempotency-Key) are kept.
-func WriteProblem(w http.ResponseWriter, r *http.Request, p *Problem) {
-	if p.Instance == "" && r != nil {
-		p.Instance = r.URL.Path
-	}
-	body, err := json.Marshal(p)
-	if err != nil { // a Problem always marshals
+// writeProblem writes a problem of type typ, with its title, the status
+// and the detail, which tells the developer what to do. Headers already
+// set on w (Retry-After, Idempotency-Key) are kept.
+func writeProblem(w http.ResponseWriter, r *http.Request, typ string, status int, detail string) {
+	body, err := json.Marshal(problem{Type: typ, Title: problemTitles[typ], Status: status, Detail: detail, Instance: r.URL.Path})
+	if err != nil { // a problem always marshals
 		panic(err)
 	}
 	body = append(body, '\n')
@@ -122,11 +98,6 @@ func WriteProblem(w http.ResponseWriter, r *http.Request, p *Problem) {
 	h.Set("Content-Type", "application/problem+json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	h.Set("Cache-Control", "no-store")
-	w.WriteHeader(p.Status)
+	w.WriteHeader(status)
 	w.Write(body)
-}
-
-// writeProblem writes a problem of type typ.
-func writeProblem(w http.ResponseWriter, r *http.Request, typ string, status int, detail string) {
-	WriteProblem(w, r, NewProblem(typ, status, detail))
 }

@@ -148,14 +148,14 @@ func validSealKeyID(id string) bool {
 	return true
 }
 
-// SealKeyID reports whether resp is sealed and, if so, the id of the key
+// sealKeyID reports whether resp is sealed and, if so, the id of the key
 // that sealed it, as its content type names it. A content type is sealed
 // when its media type is [SealedMediaType], compared as RFC 9110 compares
 // media types (without regard to case, parameters aside): a handler's own
 // type that only begins like it (application/vnd.idemkit.sealedreport+json)
 // is not. The id is "" when the content type is sealed but does not carry
 // exactly one well-formed key parameter.
-func SealKeyID(resp StoredResponse) (id string, sealed bool) {
+func sealKeyID(resp StoredResponse) (id string, sealed bool) {
 	ct := resp.ContentType
 	// Most responses are not sealed: they are not parsed.
 	if len(ct) < len(SealedMediaType) || !strings.EqualFold(ct[:len(SealedMediaType)], SealedMediaType) {
@@ -238,7 +238,7 @@ func (k *SealKeys) Seal(clientID, key, operationID string, resp StoredResponse) 
 // when resp was sealed with a key k does not hold, or was altered, or was
 // sealed for another client, key, operation or status.
 func (k *SealKeys) Open(clientID, key, operationID string, resp StoredResponse) (StoredResponse, error) {
-	id, sealed := SealKeyID(resp)
+	id, sealed := sealKeyID(resp)
 	if !sealed {
 		return resp, nil
 	}
@@ -447,7 +447,7 @@ func (s *sealedStore) opened(req ClaimRequest, res ClaimResult, err error) (Clai
 		return res, err
 	}
 	rec := res.Record
-	if _, sealed := SealKeyID(*rec.Response); !sealed {
+	if _, sealed := sealKeyID(*rec.Response); !sealed {
 		if s.keys.require && bytes.Equal(rec.Fingerprint, req.Fingerprint) {
 			// The request would replay it (another one gets its 422).
 			return ClaimResult{}, fmt.Errorf("%w: the response of key %q of client %q is stored in the clear; it is not replayed",

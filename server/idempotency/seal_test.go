@@ -224,9 +224,9 @@ func TestSealKeyID(t *testing.T) {
 		{SealedMediaType + "/x", "", false},
 		{SealedMediaType + "x; key=k1; key=k2", "", false},
 	} {
-		id, sealed := SealKeyID(StoredResponse{ContentType: tt.ct})
+		id, sealed := sealKeyID(StoredResponse{ContentType: tt.ct})
 		if id != tt.id || sealed != tt.sealed {
-			t.Errorf("SealKeyID(%q) = %q, %v; want %q, %v", tt.ct, id, sealed, tt.id, tt.sealed)
+			t.Errorf("sealKeyID(%q) = %q, %v; want %q, %v", tt.ct, id, sealed, tt.id, tt.sealed)
 		}
 	}
 }
@@ -356,7 +356,7 @@ func TestSealedMiddleware(t *testing.T) {
 	}
 	mustReplay(t, first, ts.mustSend(t, keyed("k", `{"a":1}`)))
 	at := storedOf(t, mem, "c", "k")
-	if id, ok := SealKeyID(at); !ok || id != "k1" || at.Status != http.StatusCreated || bytes.Contains(at.Body, []byte("4242")) {
+	if id, ok := sealKeyID(at); !ok || id != "k1" || at.Status != http.StatusCreated || bytes.Contains(at.Body, []byte("4242")) {
 		t.Errorf("at rest: %d %q %q, want the status and the rest sealed with k1", at.Status, at.ContentType, at.Body)
 	}
 
@@ -365,7 +365,7 @@ func TestSealedMiddleware(t *testing.T) {
 	mustReplay(t, first, rotated.mustSend(t, keyed("k", `{"a":1}`)))
 	second := rotated.mustSend(t, keyed("k2", `{"a":1}`))
 	mustReplay(t, second, rotated.mustSend(t, keyed("k2", `{"a":1}`)))
-	if id, _ := SealKeyID(storedOf(t, mem, "c", "k2")); id != "k2" {
+	if id, _ := sealKeyID(storedOf(t, mem, "c", "k2")); id != "k2" {
 		t.Errorf("a new key after the rotation is sealed with %q, want k2", id)
 	}
 	// The first server does not hold k2, nor does a server without sealing.

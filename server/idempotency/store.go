@@ -78,7 +78,8 @@ var (
 	ErrInvalidText = errors.New("idempotency: text is not valid UTF-8 or holds a NUL byte")
 	// ErrInvalidKey is returned (wrapped) by [Store.Claim] asked to claim
 	// an empty key or one longer than 255 bytes; every store refuses the
-	// same keys, and [Middleware] never asks (see [ValidKey]).
+	// same keys, and [Middleware], which takes 1 to 255 visible ASCII
+	// characters, never asks.
 	ErrInvalidKey = errors.New("idempotency: key is empty or longer than 255 bytes")
 	// ErrInvalidStatus is returned (wrapped) by [Tx.Complete] asked to
 	// store a status outside 100 to 599, the HTTP status codes (RFC 9110,
@@ -438,10 +439,9 @@ func ValidStatus(status int) bool {
 	return status >= 100 && status <= 599
 }
 
-// ValidKey reports whether key has a length a [Store] keeps: 1 to 255
-// bytes. [Middleware] asks for less (1 to 255 visible ASCII characters,
-// one RFC 9651 sf-string).
-func ValidKey(key string) bool {
+// validKey reports whether key has a length a [Store] keeps (see
+// [ErrInvalidKey]).
+func validKey(key string) bool {
 	return len(key) >= 1 && len(key) <= 255
 }
 
@@ -464,8 +464,7 @@ func (c FirstSentCheck) refuses(began time.Time) bool {
 // problem that says so, replayed to every retry, since running the request
 // again could repeat writes that were committed.
 func UnitEndedResponse() StoredResponse {
-	body, _ := json.Marshal(NewProblem(ProblemInternal, http.StatusInternalServerError,
-		"The service's handler ended the transaction of this request itself, so part of what it wrote may have been "+
-			"committed without this answer. The request is not run again under this key: ask the service's operators what was done."))
+	body, _ := json.Marshal(problem{Type: ProblemInternal, Title: problemTitles[ProblemInternal], Status: http.StatusInternalServerError, Detail: "The service's handler ended the transaction of this request itself, so part of what it wrote may have been " +
+		"committed without this answer. The request is not run again under this key: ask the service's operators what was done."})
 	return StoredResponse{Status: http.StatusInternalServerError, ContentType: "application/problem+json", Body: body}
 }

@@ -271,10 +271,9 @@ func (m *middleware) tooLarge(r *http.Request, resp StoredResponse) StoredRespon
 	if header["Location"] != "" {
 		detail += " Read the result at the URL of the Location header."
 	}
-	p := NewProblem(ProblemResponseTooLarge, resp.Status, detail)
-	p.Instance = r.URL.Path
-	body, err := json.Marshal(p)
-	if err != nil { // a Problem always marshals
+	body, err := json.Marshal(problem{Type: ProblemResponseTooLarge, Title: problemTitles[ProblemResponseTooLarge],
+		Status: resp.Status, Detail: detail, Instance: r.URL.Path})
+	if err != nil { // a problem always marshals
 		panic(err)
 	}
 	return StoredResponse{Status: resp.Status, ContentType: "application/problem+json", Header: header, Body: append(body, '\n')}
@@ -283,7 +282,7 @@ func (m *middleware) tooLarge(r *http.Request, resp StoredResponse) StoredRespon
 // unopened answers a replay whose stored response is still sealed (see
 // [Sealed]) with 500 [ProblemResponseSealed], and reports whether it did.
 func (m *middleware) unopened(w http.ResponseWriter, r *http.Request, resp *StoredResponse, log *slog.Logger) bool {
-	id, sealed := SealKeyID(*resp)
+	id, sealed := sealKeyID(*resp)
 	if !sealed {
 		return false
 	}

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/idemkit/idem/internal/keyheader"
 	"github.com/idemkit/idem/server/idempotency"
 )
 
@@ -81,7 +82,7 @@ func CheckClaim(req idempotency.ClaimRequest) error {
 	if err := CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return err
 	}
-	if !idempotency.ValidKey(req.Key) {
+	if len(req.Key) < 1 || len(req.Key) > keyheader.MaxLen {
 		return fmt.Errorf("%w: %d bytes", idempotency.ErrInvalidKey, len(req.Key))
 	}
 	return nil
