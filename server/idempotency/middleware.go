@@ -53,248 +53,99 @@ const (
 	RetentionHeader = "Idempotency-TTL"
 )
 
-// Options configures [Middleware]. The zero value is ready to use: every
-// zero field takes the default it documents. Defaults are applied when the
-// middleware is built, on a copy; the caller's struct is not changed.
+// Options configures [New] and [Middleware]. The zero value is ready to
+// use: every zero field takes the default it documents, applied on a copy.
+// docs/server.md ("Options in detail") gives each field's edge cases.
 type Options struct {
 	// KeyHeader is the request header carrying the key, echoed on every
-	// keyed response. If empty, "Idempotency-Key" is used.
+	// keyed response. Defaults to "Idempotency-Key".
 	KeyHeader string
 
-	// LockTimeout is the lease of a claimed key. While the handler runs,
-	// the middleware renews the lease every third of it ([Store.Renew]),
-	// so a slow request keeps its key however long it takes; a key whose
-	// owner stopped renewing it (crashed, or cut off from the store) for
-	// this long is taken over by a retry with the same request (the first
-	// request is presumed dead). It is stored with
-	// each key, so replicas with different settings agree. If zero, 10s
-	// ([DefaultLockTimeout]) is used; if negative, a started key is never
-	// taken over (nor renewed).
+	// LockTimeout is the lease of a claimed key, renewed every third of it
+	// while the handler runs; a key whose owner stopped renewing it this
+	// long is taken over by a retry. Defaults to 10s; negative: never.
 	LockTimeout time.Duration
 
-	// Retention is how long a key is kept after its request finished
-	// (its outcome stored, or the key released); after that it counts as
-	// absent, so reusing it starts a new operation, and [Purger] deletes
-	// it. It is stored with each key when the key is claimed, so the
-	// replica that finishes a key decides its expiry, whatever the
-	// settings of the replica that reads it later. A key whose request is
-	// running never expires. If zero, 24h is used; if negative, keys never
-	// expire.
+	// Retention is how long a key is kept after its request finished;
+	// then it counts as absent and [Purger] deletes it. Defaults to 24h;
+	// negative: forever.
 	Retention time.Duration
 
-	// RetryAfter is the wait suggested by the Retry-After header of a 409
-	// (rounded up to whole seconds, at least 1). If zero, 1s is used.
+	// RetryAfter is the Retry-After of a 409, in whole seconds, at least
+	// 1. Defaults to 1s.
 	RetryAfter time.Duration
 
-	// StoreServerErrors chooses what a 5xx of the handler does to the key.
-	// If false (the default), the response is sent but not stored, the
-	// unit of work is rolled back and the key is released, so the client's
-	// retry runs the operation again; this is safe because the business
-	// writes are transactional, and the retry of the same request gets the
-	// same [Claim.OperationID] (see [Store.Release]), so downstream calls
-	// keyed by it find the work already done. If true, the 5xx is stored
-	// and replayed to every retry, as Stripe's API does: consistent, but a
-	// transient error becomes the key's permanent outcome.
+	// StoreServerErrors stores and replays a handler's 5xx, as Stripe
+	// does, instead of releasing the key so that the retry runs again.
 	StoreServerErrors bool
 
-	// WaitForCompletion is how long a duplicate that finds its key started
-	// waits for the first request to finish, checking the store with a
-	// growing interval (10ms to 250ms), before it is answered. A duplicate
-	// that sees the first complete gets the replay; one that sees the key
-	// released (or stale) claims it and runs the operation itself, under
-	// the same [Claim.OperationID]; one that times out gets the 409. If
-	// zero, a duplicate gets the 409 at once, as the IETF draft describes.
+	// WaitForCompletion is how long a duplicate of a running request waits
+	// for it to finish (then gets its replay) before it gets 409. Zero:
+	// 409 at once, as the IETF draft describes.
 	WaitForCompletion time.Duration
 
-	// MaxBodyBytes caps the request body; a larger one gets 413. The body is
-	// buffered to be fingerprinted and handed on. If zero, 1 MiB is used;
-	// if negative, there is no limit. The middleware bounds the body's
-	// size, not its pace: a body that stalls is cut off by the
-	// http.Server's ReadTimeout (or a deadline the service sets with
-	// http.ResponseController), which a service should set.
+	// MaxBodyBytes caps the request body, buffered to be fingerprinted;
+	// larger gets 413. Defaults to 1 MiB; negative: no limit.
 	MaxBodyBytes int64
 
 	// ClientID returns the authenticated client of a request, which scopes
-	// its keys; a request without one gets 401. It is how a service brings
-	// its own authentication. If nil, [ClientIDFromContext] is used, which
-	// reads what an authentication middleware stored with [WithClientID].
-	// A single-tenant API can return a constant.
+	// its keys; without one the request gets 401. Defaults to
+	// [ClientIDFromContext].
 	ClientID func(*http.Request) (string, bool)
 
-	// Validate, if not nil, checks a keyed request before its key is
-	// claimed, as Stripe validates parameters before it saves anything: r
-	// carries the buffered body; to refuse the request, Validate writes
-	// the answer (a 400) and returns false. The key is then not used, so
-	// the corrected request may reuse it, and a late copy of the refused
-	// one (an attempt the network held back) cannot take the key from it.
+	// Validate, if not nil, checks a keyed request (its body buffered)
+	// before its key is claimed; to refuse it, it writes the answer (a
+	// 400) and returns false, and the key stays unused.
 	Validate func(w http.ResponseWriter, r *http.Request) bool
 
-	// FirstSentHeader names the request header that carries when the
-	// client first sent the request's operation, an HTTP-date
-	// (IMF-fixdate), the same on every retry; idem.Transport sends it on
-	// every keyed attempt. If empty, "Repeatability-First-Sent" is used.
-	//
-	// With it, the middleware never runs again an operation whose key it
-	// let go of: a keyed request whose key is absent or expired is refused
-	// with 410 [ProblemKeyExpired], nothing run, when it was first sent
-	// longer ago than Retention less FirstSentSkew (the key may have been
-	// its own, and purged), or when the key expired and the request was
-	// first sent no later than FirstSentSkew after the key's operation
-	// began (the retry belongs to that operation). A key that is present
-	// and not expired is served as without the header, whatever its time;
-	// a request without the header is served as before. A first-sent time
-	// more than FirstSentSkew in the future, or one that is not an
-	// HTTP-date, gets 400 [ProblemInvalidRequest].
-	//
-	// Clock skew. The first-sent time is on the client's clock; now, on
-	// this server's. A client clock that runs ahead by d makes a request
-	// look d younger: a retry after a purge, at least Retention after the
-	// first send on this server's clock, looks at least Retention - d old,
-	// which is refused as long as d < FirstSentSkew; past that, its first
-	// attempt already got the 400 for a time in the future. So the
-	// allowance is subtracted from the retention, never added, and a
-	// purged key never gets through for a clock off by less than it. A
-	// client clock that runs behind makes requests look older: a new
-	// operation is refused only when the clock is more than Retention -
-	// FirstSentSkew behind, which the 410 makes plain. The horizon is this
-	// server's Retention: replicas with different retentions should share
-	// the shortest one for this, since a purged key's retention is gone
-	// with it (an expired key that is still there is judged by the time
-	// its operation began, whatever its retention).
+	// FirstSentHeader names the header carrying when the client first sent
+	// the operation (an HTTP-date); a retry whose key is gone or expired
+	// and that may belong to the key's operation gets 410
+	// [ProblemKeyExpired]. Defaults to "Repeatability-First-Sent".
 	FirstSentHeader string
 
-	// FirstSentSkew is the allowance for a client clock that runs ahead of
-	// this server's (see FirstSentHeader). It must be less than half the
-	// Retention, or [New] returns an error: it is taken off the retention. If zero, a tenth of the
-	// Retention is used, at least 1s (the header's precision: a request
-	// just sent may look up to a second old) and at most 5 minutes
-	// ([DefaultMaxFirstSentSkew]).
+	// FirstSentSkew is the allowance for a client clock that runs ahead;
+	// it must be less than half the Retention, or [New] returns an error.
+	// Defaults to a tenth of the Retention, within 1s to 5 minutes.
 	FirstSentSkew time.Duration
 
-	// IgnoreFirstSent turns the first-sent policy off: keyed requests are
-	// served whatever their first-sent time, and a retry that arrives
-	// after its key was purged runs its operation again. The policy is
-	// also off when keys never expire (a negative Retention), and under a
-	// Retention shorter than [MinFirstSentRetention].
+	// IgnoreFirstSent turns the first-sent policy off. It is off too when
+	// keys never expire, or under a Retention shorter than
+	// [MinFirstSentRetention].
 	IgnoreFirstSent bool
 
-	// BodyFormat says how request bodies are read to be fingerprinted. If
-	// zero ([BodyByContentType]), by their Content-Type: JSON, a form, or
-	// raw bytes. A JSON API sets [BodyAsJSON] (every body is fingerprinted
-	// as JSON, whatever its declared type: curl -d declares a form) or
-	// [BodyJSONOnly] (a body declared as another type gets 415). A request
-	// declared as JSON is fingerprinted alike under all three, so only a
-	// key first sent with another declared type, retried after the setting
-	// changed, meets the change (422, or 415): change it on every server
-	// sharing the store at once. [New] refuses a format it does not know.
+	// BodyFormat says how request bodies are read to be fingerprinted.
+	// Defaults to [BodyByContentType]; [New] refuses a format it does not
+	// know.
 	BodyFormat BodyFormat
 
-	// StoredHeaders lists the response headers stored with an outcome and
-	// replayed with it, besides Content-Type, which is always kept. Names
-	// are matched without regard to case. If nil, [DefaultStoredHeaders]
-	// is used; an empty, non-nil list stores none. A header left out is
-	// sent on the first response and is missing from its replays. Headers
-	// that carry credentials (Authorization, Cookie, Set-Cookie,
-	// WWW-Authenticate, Proxy-Authenticate, Proxy-Authorization,
-	// Authentication-Info) are never stored, nor are the framing headers
-	// the server writes for each response (Content-Length, Date,
-	// Transfer-Encoding, ...) and the ones the middleware sets (the key
-	// header, Idempotency-TTL, Idempotent-Replayed, [RedactedHeader]):
-	// listing them changes nothing, and Middleware logs a warning. A replay
-	// writes only the stored headers this list keeps, whatever the store
-	// holds: never a credential, and the key header as the request sent it.
+	// StoredHeaders lists the response headers stored and replayed with an
+	// outcome, besides Content-Type; credentials are never stored. Nil:
+	// [DefaultStoredHeaders]; empty: none.
 	StoredHeaders []string
 
-	// Redact, if not nil, sees each response about to be stored (its
-	// status, content type, the headers StoredHeaders keeps, and its body,
-	// a copy it may change) and returns the response to store in its
-	// place: a body with the card number masked, a vended token removed.
-	// The first client gets the full response; every replay gets the
-	// stored one, with [RedactedHeader] ("Idempotent-Replay-Redacted:
-	// true") when it differs from the first. The status is kept whatever
-	// Redact returns, and the headers it returns are filtered again as
-	// StoredHeaders says. Redact runs on the request's goroutine, after
-	// the handler and before the completion; it must not fail (return
-	// less when in doubt); a panic in it fails the completion: nothing is
-	// committed, the key is released as after a 5xx, and the client gets
-	// 500.
-	//
-	// The trade-off: a replay is the answer to a client that did not get
-	// the first one (a timeout, a lost connection), and it is all that
-	// client will get of the operation's result. Redact what the client
-	// can fetch again by other means (GET the resource at its Location) or
-	// does not need twice, and never the fields it needs to know what
-	// happened (the id, the status of a payment).
+	// Redact, if not nil, returns the response to store in place of the
+	// one the first client gets (a card number masked); replays of a
+	// changed response carry [RedactedHeader].
 	Redact func(r *http.Request, resp StoredResponse) StoredResponse
 
-	// MaxStoredBodyBytes caps the body of a stored response, after Redact.
-	// A response whose body is larger is sent whole to the first client,
-	// and stored as its status and headers with, in place of the body, a
-	// problem of type [ProblemResponseTooLarge] saying so (Location is
-	// kept, so the client can fetch the resource): the operation is never
-	// run again for it. If zero, 1 MiB ([DefaultMaxStoredBodyBytes]) is
-	// used; if negative, there is no cap.
+	// MaxStoredBodyBytes caps a stored body; a larger one is stored as a
+	// [ProblemResponseTooLarge] and never run again. Defaults to 1 MiB;
+	// negative: no cap.
 	MaxStoredBodyBytes int64
 
-	// OneTransaction claims each new key in the handler's own unit of
-	// work instead of in a commit of its own: the key, the handler's
-	// writes and the stored outcome commit together, one commit per first
-	// execution, and nothing of a request is visible before it. It is for
-	// routes whose handler writes only to the key's database, through the
-	// store's unit of work (pgstore.Tx), and calls no other
-	// system before it answers; work that must follow goes to an outbox
-	// written in the same transaction (a job queue's table, such as
-	// River's InsertTx), and is done after the commit by workers that key
-	// their calls by [Claim.OperationID]. Set it per route: a route that
-	// calls a card processor keeps the default.
-	//
-	// A crash, a panic, a lost connection or an answer that is not stored
-	// (a 5xx, a 4xx that releases the key) rolls the key back with the
-	// writes, so the retry runs at once, under the same OperationID (it is
-	// derived from the request, see [ClaimRequest.OperationID]). There is no lease,
-	// no renewal and no takeover for these keys; LockTimeout does not
-	// apply to them. A duplicate that arrives while the first request
-	// runs gets 409 at once (or waits, see WaitForCompletion), however
-	// long the first takes, and whatever its body: a request cannot be
-	// compared with one that has not committed. Once the first commits,
-	// the duplicate gets the replay, or 422 for another request. A key
-	// that has a row (started by a route without the option, released,
-	// or expired but not purged) is claimed as without the option.
-	// Fingerprints, scoping, retention from the completion, the
-	// first-sent policy and the events hold as without it.
-	//
-	// The price: the unit of work begins with the claim, so the request
-	// holds one of the store's connections from the claim to the
-	// completion, however long the handler takes (size the pool for the
-	// route's concurrency), and it runs in the database's default
-	// isolation level (a SET TRANSACTION after the claim fails; set the
-	// connections' default_transaction_isolation instead). Do not use it
-	// for a handler that calls a slow or external system: the connection
-	// is held across the call, and after a failure nothing of the request
-	// is kept, so another request under the key runs as a new operation
-	// and leaves the first call's work behind (a charge with no payment;
-	// the retry of the same request calls again under the same
-	// OperationID). The default, where the claim commits first, is made
-	// for such handlers.
-	//
-	// A store that cannot claim in a unit of work (one that is not a
-	// [TxClaimer]) claims in a commit of its own, and the request runs as
-	// without the option. [MemoryStore] emulates the mode; pgstore and
-	// sqlstore do it.
+	// OneTransaction claims each new key in the handler's own transaction,
+	// for routes that write only to the key's database: one commit per
+	// first execution, no lease, a connection held from claim to answer.
 	OneTransaction bool
 
-	// Logger receives what an operator must act on, at Warn and Error:
-	// takeovers, lost leases, fenced completions, panics and store errors,
-	// each with the client, key, method and path as attributes; per-request
-	// outcomes (stored, replayed, mismatched) go at Debug. Bodies are
-	// never logged. If nil, [slog.Default] is used.
+	// Logger receives what an operator must act on (Warn, Error) and
+	// per-request outcomes (Debug); bodies are never logged. Defaults to
+	// [slog.Default].
 	Logger *slog.Logger
 
 	// OnEvent, if not nil, is called once for each [Event] of a keyed
-	// request: [EventRenewed] and [EventLeaseLost] from the goroutine that
-	// renews the request's lease while its handler runs, the others from
-	// the request's goroutine. It must be safe for concurrent use. Wire it
-	// to the metrics of your choice.
+	// request, from several goroutines: wire it to your metrics.
 	OnEvent func(Event)
 }
 
@@ -358,109 +209,19 @@ func (e Event) String() string {
 
 // New returns middleware that makes POST and PATCH requests safe to
 // retry with an Idempotency-Key header, as the IETF draft
-// (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe.
-// Other methods pass through untouched. Wrap each route that needs it (a
-// route that 404s or 405s behind it still claims and releases the key), and
-// put it behind the authentication that identifies the client. The returned
-// middleware is safe for concurrent use; store must be too.
+// (draft-ietf-httpapi-idempotency-key-header) and Stripe's API describe;
+// other methods pass through. Put it behind the authentication that
+// identifies the client. It is safe for concurrent use; store must be too.
 //
-// For a POST or PATCH it:
+// A request is refused (400, 401, 413, 415) before its key is used when
+// its key, client or body is wrong; otherwise it claims the key and runs,
+// or gets the stored outcome replayed, 409 while the first request runs,
+// or 422 for another request with the key. The handler's 2xx, 3xx and
+// definitive 4xx are stored with its writes; other answers release the key
+// for the retry (see [ReleaseKind]). docs/server.md gives the full table.
 //
-//  1. finds the authenticated client ([Options.ClientID]; 401
-//     without one), since keys are scoped by client;
-//  2. parses the key header, a bare token or an RFC 9651 sf-string (the
-//     same key either way): 400 [ProblemKeyMissing] without it, 400
-//     [ProblemKeyInvalid] when it is sent on several lines, empty, over 255
-//     characters, outside visible ASCII or malformed;
-//  3. reads the first-sent time ([Options.FirstSentHeader]; 400
-//     [ProblemInvalidRequest] when it is not an HTTP-date, is sent twice,
-//     or lies further ahead than the allowance), and from here on answers
-//     every keyed response with the key header echoed and the retention in
-//     Idempotency-TTL ([RetentionHeader]);
-//  4. reads the body (415 [ProblemUnsupportedMediaType] before reading a
-//     body whose type [Options.BodyFormat] refuses, 413 [ProblemTooLarge]
-//     over the limit) and computes its [Fingerprint] (400
-//     [ProblemInvalidRequest] for a malformed JSON or form body). None of
-//     these store anything;
-//  5. claims the key with [Store.Claim]. A key that is absent or expired
-//     gets 410 [ProblemKeyExpired], nothing run, when the request's
-//     first-sent time says it may be a retry of the operation the key was
-//     kept for (see [Options.FirstSentHeader]). A key that exists with another
-//     fingerprint gets 422 [ProblemKeyMismatch]; a completed one gets its
-//     stored status, headers and body, byte for byte, with
-//     Idempotent-Replayed: true (the headers [Options.StoredHeaders] keeps;
-//     a header whose name or value is not valid
-//     text, such as an echoed obs-text value, is sent on the first response
-//     but not stored, so its replays go without it; see [ValidText]; what
-//     [Options.Redact] and [Options.MaxStoredBodyBytes] change is marked
-//     with [RedactedHeader]), or, when the stored response is sealed and
-//     cannot be opened ([Sealed]), 500 [ProblemResponseSealed], never
-//     another run; a started one gets 409 [ProblemKeyInUse]
-//     with Retry-After (or waits, see
-//     [Options.WaitForCompletion]), as does a key that another request
-//     claimed in its unit of work and has not committed
-//     ([Options.OneTransaction]). A request whose context ends before its
-//     key is claimed gets 503 [ProblemUnavailable] with Retry-After, and
-//     one whose context ends while it waits for the first request gets
-//     that request's 409: never the empty 200 net/http sends for a
-//     handler that wrote nothing;
-//  6. otherwise it owns the key: it opens the unit of work with
-//     [Store.Begin], hands it and the claim to the handler through the
-//     context ([NewContext]: the store's accessor, [ClaimFromContext]),
-//     renews the claim's lease every third of [Options.LockTimeout] while
-//     the handler runs (a claim made in one transaction has no lease), and
-//     buffers the handler's response.
-//
-// The buffered response is then stored or not, by status:
-//
-//   - 2xx, 3xx and the definitive 4xx (402, 410, 422 and any other not
-//     listed below): stored with [Tx.Complete] together with the business
-//     writes, then sent. Every retry gets it again.
-//   - 400, 401, 403, 404, 405, 408, 409, 413, 415, 425 and 429: the request
-//     was rejected before it did anything, or may succeed later. The unit
-//     of work is rolled back and the key released as [ReleaseRejected];
-//     the client may retry with the same key (and, after a 400, a
-//     corrected body).
-//   - 5xx: released as [ReleaseFailed] unless
-//     [Options.StoreServerErrors] asks for Stripe's behaviour of
-//     storing them. A status above 599, which is no HTTP status, is sent
-//     but never stored (no store keeps one), and released as
-//     [ReleaseFailed].
-//   - nothing at all (no header, no body written) once the request's
-//     context is done (the client gone, a deadline, a shutdown, a lost
-//     lease): rolled back, released as [ReleaseFailed], and answered 503
-//     [ProblemUnavailable] with Retry-After instead of an empty 200.
-//   - a panic in the handler, or a completion that fails (other than
-//     fenced, below): rolled back and released as [ReleaseFailed]; a panic
-//     then goes on up.
-//
-// A released key keeps its [Claim.OperationID] (see [Store.Release]): the
-// client's retry of the same request runs again at once, under the same
-// operation, so work the failed request did outside its unit of work and
-// keyed by the operation (a downstream charge) is found, not done twice.
-// So a handler may fail at any point, also after an irreversible
-// downstream call, and the key is still free for the retry. A different
-// request with the key is a new operation after a [ReleaseRejected] 4xx,
-// and 422 [ProblemKeyMismatch] after a [ReleaseFailed] failure: a new
-// operation would leave the failed request's work behind, or do it twice.
-//
-// A renewal that finds the key taken over (the renewals did not reach the
-// store for a whole lock timeout) cancels the handler's context with cause
-// [ErrLeaseLost], so the handler may stop early. When the completion fails
-// with [ErrFenced], the request was taken over by a retry while it was
-// still running; its writes are rolled back and it gets 409
-// [ProblemKeyInUse], so only the retry's work counts.
-//
-// The outcome is decided by the status alone, also when the client has gone
-// away: a handler that finished its work and answered is completed (store
-// calls use [context.WithoutCancel]), so the retry gets the replay. Every
-// keyed response echoes the key header as it was received.
-//
-// The handler's context carries the claim ([ClaimFromContext]), the unit of
-// work, and the client the key is scoped by ([ClientIDFromContext]), also
-// when [Options.ClientID] found it. A Middleware behind another one on the
-// same route (a router group's and the route's) passes requests through to
-// its handler, and logs once at Error that one should go.
+// New returns an error for a nil store and for options that cannot work
+// (see [Options.FirstSentSkew] and [Options.BodyFormat]).
 func New(store Store, opts Options) (func(http.Handler) http.Handler, error) {
 	if store == nil {
 		return nil, errors.New("idempotency: the Store is nil")

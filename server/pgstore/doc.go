@@ -103,19 +103,10 @@
 //
 // # Poolers
 //
-// The store keeps nothing on a session between two transactions, nor
-// between two statements outside one: no session-level lock or setting,
-// no LISTEN, no temporary table, and no prepared statement of its own.
-// So it works behind a pooler in session mode, and behind one in
-// transaction mode, such as PgBouncer with pool_mode = transaction, in
-// the query modes of pgx that leave nothing on the session for a later
-// round trip: set default_query_exec_mode=exec (or simple_protocol, or
-// cache_describe) in the connection string. pgx's default,
-// cache_statement, runs named statements it prepared once, which works
-// there only if the pooler keeps them for its clients (PgBouncer 1.21 and
-// later, with max_prepared_statements above 0, its default from 1.22);
-// describe_exec binds in a second round trip what it prepared in the
-// first, which may then be another client's statement. [Migrate] refuses
-// them where they cannot work with a [*QueryModeError] that says what to
-// set ([CheckQueryMode]). See docs/operations.md, "Poolers".
+// The store keeps nothing on a session between two transactions, so it works
+// behind PgBouncer in transaction mode in the query modes of pgx that leave
+// nothing on the session (exec, simple_protocol, cache_describe), and in pgx's
+// default cache_statement when the pooler keeps prepared statements (PgBouncer
+// 1.21 and later). Migrate refuses the others with a *QueryModeError
+// ([CheckQueryMode]). See docs/operations.md, "Poolers".
 package pgstore
