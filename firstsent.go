@@ -112,17 +112,19 @@ func (t *Transport) firstSentValue(at time.Time, cache *atomic.Pointer[sentStamp
 	return s.value
 }
 
-// initFirstSent sets the first-sent header of a keyed operation, unless
-// the Transport sends none or the request carries one already (which is
-// sent as it is). When it reads the clock for the first-sent time, it
+// initFirstSent sets the first-sent header name of a keyed operation,
+// unless name is "" (the Transport sends none) or the request carries one
+// already (carried says so, under any spelling, with its values), which
+// is sent as it is. When it reads the clock for the first-sent time, it
 // sets the operation's start from the same reading, and reports true.
-func (op *operation) initFirstSent() (started bool) {
-	name := op.t.firstSentHeader()
+func (op *operation) initFirstSent(name string, values []string, carried bool) (started bool) {
 	if name == "" {
 		return false
 	}
-	if _, ok := op.req.Header[name]; ok {
-		op.sentAt, _ = http.ParseTime(strings.TrimSpace(op.req.Header.Get(name)))
+	if carried {
+		if len(values) > 0 {
+			op.sentAt, _ = http.ParseTime(strings.TrimSpace(values[0]))
+		}
 		return false
 	}
 	op.sentHeader = name

@@ -115,6 +115,25 @@ func TestFirstSentOnEveryAttempt(t *testing.T) {
 	assert.Len(t, srv2.values()[0], 1)
 }
 
+// TestFirstSentCarriedUnderAnotherSpelling: a first-sent header the
+// request carries under a spelling of its own, set in the map directly, is
+// sent as it is, and no second one beside it, whether the key goes in a
+// header or in the body.
+func TestFirstSentCarriedUnderAnotherSpelling(t *testing.T) {
+	srv := &firstSentServer{header: idem.DefaultFirstSentHeader, script: []int{201}}
+	ts := httptest.NewServer(srv)
+	defer ts.Close()
+	carried := http.Header{"repeatability-first-sent": {"Tue, 01 Dec 2026 09:00:00 GMT"}}
+	_, err := sendFS(t, fsTransport(t), context.Background(), "POST", ts.URL, carried)
+	require.NoError(t, err)
+	body := fsTransport(t)
+	body.KeyBodyField = "idempotency_key"
+	_, err = sendFS(t, body, context.Background(), "POST", ts.URL, carried)
+	require.NoError(t, err)
+	want := []string{"Tue, 01 Dec 2026 09:00:00 GMT"}
+	assert.Equal(t, [][]string{want, want}, srv.values())
+}
+
 // TestKeyExpiredError: idem's server side refuses a keyed request first
 // sent longer ago than it keeps keys, whose key is gone, with 410: the
 // call ends in a KeyExpiredError, after one attempt, its outcome unknown,

@@ -106,23 +106,44 @@ func noteSentKey(ctx context.Context, key string) {
 // under any spelling: also those set directly in the map under another
 // one, such as h["idempotency-key"], which http.Header's methods do not see
 // but net/http sends. respelt reports whether there is such a spelling.
-// It walks the map once and looks nothing up: the order of the values
-// matters only when there is a single one.
 func headerValues(h http.Header, name string) (vs []string, respelt bool) {
+	s := scanHeader(h, name, "")
+	return s.key, s.respelt
+}
+
+// headerScan is what one walk of a request's header finds of the key
+// header and the first-sent header, under any spelling.
+type headerScan struct {
+	key     []string // the key header's values
+	respelt bool     // the key header is there under another spelling too
+	sent    []string // the first-sent header's values, the canonical spelling's if it has one
+	hasSent bool     // the first-sent header is there
+}
+
+// scanHeader walks h once, and looks nothing up, for the header name and
+// the header sentName (both canonical; "" for none). The order of the key
+// header's values matters only when there is a single one.
+func scanHeader(h http.Header, name, sentName string) (s headerScan) {
 	for k, more := range h {
-		if k != name {
-			if !strings.EqualFold(k, name) {
-				continue
+		// The lengths first: EqualFold of two names costs a call.
+		switch {
+		case len(k) == len(name) && name != "" && (k == name || strings.EqualFold(k, name)):
+			if k != name {
+				s.respelt = true
 			}
-			respelt = true
-		}
-		if vs == nil {
-			vs = more
-		} else {
-			vs = append(vs[:len(vs):len(vs)], more...)
+			if s.key == nil {
+				s.key = more
+			} else {
+				s.key = append(s.key[:len(s.key):len(s.key)], more...)
+			}
+		case len(k) == len(sentName) && sentName != "" && (k == sentName || strings.EqualFold(k, sentName)):
+			if !s.hasSent || k == sentName {
+				s.sent = more
+			}
+			s.hasSent = true
 		}
 	}
-	return vs, respelt
+	return s
 }
 
 // keyFor returns the key of the operation req starts and the header value

@@ -188,8 +188,8 @@ type Transport struct {
 	// FirstSentHeader names the header in which every attempt of a keyed
 	// operation says when the operation was first sent, an HTTP-date, the
 	// same on every retry: when RoundTrip began, or the time pinned with
-	// [WithFirstSent]; a request that carries the header already is sent
-	// as it is. A server that keeps keys for a limited time can then tell
+	// [WithFirstSent]; a request that carries the header already, under
+	// any spelling, is sent as it is. A server that keeps keys for a limited time can then tell
 	// a retry that comes after it let the key go, and refuse it instead of
 	// running the operation again: idem's server side answers it 410,
 	// which ends the call in a [*KeyExpiredError]. If empty,
@@ -438,10 +438,16 @@ func (op *operation) attemptAll() (*http.Response, error) {
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
 	bodyKey := op.keyed && op.t.keyBodyField() != ""
+	var hs headerScan // the key header (but with a KeyBodyField) and the first-sent header
+	sentName := ""
+	if op.keyed {
+		sentName = op.t.firstSentHeader() // firstsent.go
+	}
 	if op.keyed && !bodyKey {
 		op.header = op.t.keyHeader()
-		var vs []string
-		vs, op.respelt = headerValues(req.Header, op.header)
+		hs = scanHeader(req.Header, op.header, sentName)
+		vs := hs.key
+		op.respelt = hs.respelt
 		var err error
 		op.newKey = !pinned(req, vs)
 		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
@@ -453,7 +459,10 @@ func (op *operation) attemptAll() (*http.Response, error) {
 			return nil, refused(err)
 		}
 	}
-	if !op.keyed || !op.initFirstSent() { // firstsent.go
+	if bodyKey && sentName != "" {
+		hs = scanHeader(req.Header, "", sentName) // initBodyKey reads the key header
+	}
+	if !op.keyed || !op.initFirstSent(sentName, hs.sent, hs.hasSent) { // firstsent.go
 		op.start = time.Since(epoch)
 	}
 	if bodyKey {
