@@ -90,7 +90,7 @@ func (op *operation) initBodyKey() error {
 		noteSentKey(req.Context(), key) // not the pinned one, for a Client
 		op.key, op.val = key, keyheader.Format(key, t.keyFormat() == KeySFString)
 		if len(vs) > 0 {
-			hkey, val, err := keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
+			hkey, val, _, err := keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 			if err != nil {
 				return err
 			}
@@ -100,8 +100,7 @@ func (op *operation) initBodyKey() error {
 			op.val = val
 		}
 	} else {
-		op.newKey = !pinned(req, vs)
-		op.key, op.val, err = keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
+		op.key, op.val, op.newKey, err = keyFor(req, vs, op.header, t.keyFormat(), t.NewKey)
 		if err != nil {
 			return err
 		}

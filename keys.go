@@ -150,41 +150,32 @@ func scanHeader(h http.Header, name, sentName string) (s headerScan) {
 // to send, in this order of precedence: the key header already on req
 // (vs, its values under any spelling, from headerValues), the key pinned on
 // its context, a new key from newKey, or from [NewKey] if newKey is nil.
-// pinned reports whether keyFor finds the key of req in its key header's
-// values vs or its context, rather than making one.
-func pinned(req *http.Request, vs []string) bool {
-	if len(vs) > 0 {
-		return true
-	}
-	switch v := req.Context().Value(keyContextKey{}).(type) {
-	case string:
-		return true
-	case *clientKey:
-		return !v.made
-	}
-	return false
-}
-
-func keyFor(req *http.Request, vs []string, header string, format KeyFormat, newKey func() string) (key, value string, err error) {
+// made reports whether the key was made for the operation (here, or by a
+// Client for this call) rather than pinned by the caller.
+func keyFor(req *http.Request, vs []string, header string, format KeyFormat, newKey func() string) (key, value string, made bool, err error) {
 	if len(vs) > 0 {
 		key, err := keyheader.Parse(vs)
 		if err != nil {
-			return "", "", fmt.Errorf("idem: the request's %s header: %w", header, err)
+			return "", "", false, fmt.Errorf("idem: the request's %s header: %w", header, err)
 		}
-		return key, vs[0], nil
+		return key, vs[0], false, nil
 	}
-	key, ok := KeyFromContext(req.Context())
-	switch {
-	case ok:
-	case newKey == nil:
-		// A UUID is a valid key by construction: not checked again.
-		key = NewKey()
-		return key, keyheader.Format(key, format == KeySFString), nil
+	switch v := req.Context().Value(keyContextKey{}).(type) {
+	case string:
+		key = v
+	case *clientKey:
+		key, made = v.key, v.made
 	default:
+		made = true
+		if newKey == nil {
+			// A UUID is a valid key by construction: not checked again.
+			key = NewKey()
+			return key, keyheader.Format(key, format == KeySFString), made, nil
+		}
 		key = newKey()
 	}
 	if err := keyheader.Validate(key); err != nil {
-		return "", "", fmt.Errorf("idem: idempotency key %.40q: %w", key, err)
+		return "", "", false, fmt.Errorf("idem: idempotency key %.40q: %w", key, err)
 	}
-	return key, keyheader.Format(key, format == KeySFString), nil
+	return key, keyheader.Format(key, format == KeySFString), made, nil
 }

@@ -92,13 +92,13 @@ func (t *Transport) firstSentMemory() time.Duration {
 // did; else the operation's own is remembered for the key. A key made for
 // the operation is new: remembered only if the operation fails (see
 // rememberNewKey), when the caller may send it again.
-func (op *operation) recallFirstSent(pinnedTime bool) {
+func (op *operation) recallFirstSent() {
 	horizon := op.t.firstSentMemory()
 	if op.sentHeader == "" || op.key == "" || op.newKey || horizon == 0 {
 		return
 	}
 	at := op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
-	if !pinnedTime && !at.Equal(op.sentAt) {
+	if _, pinnedTime := FirstSentFromContext(op.ctx); !pinnedTime && !at.Equal(op.sentAt) {
 		op.sentAt = at
 		op.sentValue = op.t.firstSentValue(at, nil)
 	}

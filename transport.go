@@ -449,8 +449,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		vs := hs.key
 		op.respelt = hs.respelt
 		var err error
-		op.newKey = !pinned(req, vs)
-		op.key, op.val, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
+		op.key, op.val, op.newKey, err = keyFor(req, vs, op.header, op.t.keyFormat(), op.t.NewKey)
 		if err == nil {
 			err = op.t.checkKeyLen(op.key) // provider.go
 		}
@@ -476,8 +475,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		return nil, refused(err)
 	}
 	if op.keyed {
-		_, pinnedTime := FirstSentFromContext(op.ctx)
-		op.recallFirstSent(pinnedTime) // sentmemory.go
+		op.recallFirstSent() // sentmemory.go
 	}
 	if err := op.ctx.Err(); err != nil {
 		// Done before anything was sent.
