@@ -4,6 +4,7 @@ import (
 	"context"
 	"net/http"
 	"net/http/httptrace"
+	"reflect"
 	"sync/atomic"
 )
 
@@ -84,6 +85,25 @@ func (p *keyProbe) Value(key any) any {
 	return nil
 }
 
+// traceKeyType is the type of traceKey if it has no size, as context keys
+// usually have (httptrace's is a struct{}): every value of it is traceKey
+// then, and comparing types is enough, where comparing two interfaces of
+// one type calls its equality function. Else it is nil.
+var traceKeyType = func() reflect.Type {
+	if t := reflect.TypeOf(traceKey); t != nil && t.Size() == 0 {
+		return t
+	}
+	return nil
+}()
+
+// isTraceKey reports whether key is traceKey.
+func isTraceKey(key any) bool {
+	if traceKeyType != nil {
+		return reflect.TypeOf(key) == traceKeyType
+	}
+	return key == traceKey
+}
+
 type attemptContextKey struct{}
 
 // Value returns the context itself for attemptContextKey, so that a lookup
@@ -92,7 +112,7 @@ func (c *attemptContext) Value(key any) any {
 	if key == (attemptContextKey{}) {
 		return c
 	}
-	if c.trace != nil && key == traceKey {
+	if c.trace != nil && isTraceKey(key) {
 		return c.trace
 	}
 	return c.Context.Value(key)

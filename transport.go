@@ -524,7 +524,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 				return op.inProgress(resp, cancel, "409: "+errorReason(op.ctx.Err()), op.ctx.Err())
 			}
 		}
-		if op.ctx.Err() != nil && v == retry {
+		if v == retry && op.ctx.Err() != nil {
 			// The caller has given up: nothing more is sent. The outcome
 			// is not a definitive answer, so it earns the budget nothing.
 			op.indefinite = true
