@@ -151,7 +151,17 @@ func (t *Transport) maxAnswer() int64 {
 // returns why.
 func readAnswer(resp *http.Response, into *answerBody) error {
 	a := getAnswerBuf(plusOne(resp.ContentLength)) // +1 to see the end
-	n, err := io.ReadFull(resp.Body, a.b)
+	// io.ReadFull, with the first Read inlined: net/http's body returns
+	// the whole answer and io.EOF in one.
+	n, err := resp.Body.Read(a.b)
+	switch {
+	case n == len(a.b):
+		err = nil // full, as io.ReadFull says it
+	case err == nil:
+		var more int
+		more, err = io.ReadFull(resp.Body, a.b[n:])
+		n += more
+	}
 	switch {
 	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
 		// It ended where it said it would. (net/http's own short body

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/iotest"
 	"testing/synctest"
 	"time"
 
@@ -274,5 +275,47 @@ func TestAnswerReadAfterClose(t *testing.T) {
 		_, err = first.Body.(io.WriterTo).WriteTo(io.Discard)
 		assert.ErrorIs(t, err, errAnswerClosed)
 		assert.Equal(t, strings.Repeat(string(fill2), 100), readAll(t, second))
+	}
+}
+
+// TestReadAnswerWhateverTheReadsReturn: an answer of known length is read
+// whole however its body's reads split it, with io.EOF beside the last
+// bytes or after them; one that ends short is an error; one longer than
+// it said is handed over as it came, every byte.
+func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
+	const answer = `{"id":"pay_1"}`
+	for _, tt := range []struct {
+		name    string
+		body    func() io.Reader
+		length  int64
+		want    string
+		wantErr bool
+	}{
+		{"EOF after", func() io.Reader { return strings.NewReader(answer) }, int64(len(answer)), answer, false},
+		{"EOF beside the data", func() io.Reader { return iotest.DataErrReader(strings.NewReader(answer)) }, int64(len(answer)), answer, false},
+		{"one byte a read", func() io.Reader { return iotest.OneByteReader(strings.NewReader(answer)) }, int64(len(answer)), answer, false},
+		{"half a read", func() io.Reader { return iotest.HalfReader(strings.NewReader(answer)) }, int64(len(answer)), answer, false},
+		{"shorter", func() io.Reader { return strings.NewReader(answer[:5]) }, int64(len(answer)), "", true},
+		{"empty", func() io.Reader { return strings.NewReader("") }, int64(len(answer)), "", true},
+		{"longer", func() io.Reader { return strings.NewReader(answer) }, 5, answer, false},
+		{"longer, EOF beside the data", func() io.Reader { return iotest.DataErrReader(strings.NewReader(answer)) }, 5, answer, false},
+		{"read error", func() io.Reader {
+			return io.MultiReader(strings.NewReader(answer[:3]), iotest.ErrReader(io.ErrClosedPipe))
+		}, int64(len(answer)), "", true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			resp := &http.Response{Status: "201 Created", StatusCode: 201, ContentLength: tt.length, Body: io.NopCloser(tt.body())}
+			var into answerBody
+			err := readAnswer(resp, &into)
+			if tt.wantErr {
+				assert.Error(t, err)
+				return
+			}
+			require.NoError(t, err)
+			got, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			assert.Equal(t, tt.want, string(got))
+			resp.Body.Close()
+		})
 	}
 }
