@@ -42,6 +42,13 @@
 # figure moved by 20% from run to run with GOGC=100, and by 1% with
 # STW=1.
 #
+# WARMUP=N sends N ops before the counted ones in each run (default 10):
+# a type assertion's cache (io.Copy's, say) is filled on one miss in
+# 1024, so its misses end at a random op, and with a short warm-up they
+# move a peer's figure by up to ~180 instructions per op from round to
+# round in the stub. WARMUP=5000 leaves them out, at the price of the
+# warm-up's time under callgrind.
+#
 # BASE=REV also runs the idem peers built on the root package at git
 # revision REV (named idem@REV, ...), interleaved with the others, and
 # prints each over its @REV twin: a before/after on the same binary of
@@ -90,7 +97,7 @@ total() {
 	local f="$out/callgrind.$1.$2" b=$bin
 	if [[ "$1" == *@* ]]; then b=$bin.base; fi
 	GOMAXPROCS=1 GODEBUG=asyncpreemptoff=1,cpu.rdtscp=off${STW:+,gcstoptheworld=1} valgrind --tool=callgrind --callgrind-out-file="$f" \
-		"$b" -test.run "^$test\$" -test.count 1 -ops "$2" -peer "${1%@*}" > "$f.log" 2>&1 ||
+		"$b" -test.run "^$test\$" -test.count 1 -warmup "${WARMUP:-10}" -ops "$2" -peer "${1%@*}" > "$f.log" 2>&1 ||
 		{ cat "$f.log" >&2; exit 1; }
 	awk '/^summary:/ { print $2 }' "$f"
 }
@@ -108,7 +115,7 @@ done
 
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 {
-	echo "instructions per op, median of $rounds rounds, $half and $ops ops (go test $test under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100}${STW:+, gcstoptheworld=1}${BASE:+, BASE=$BASE})"
+	echo "instructions per op, median of $rounds rounds, $half and $ops ops after ${WARMUP:-10} (go test $test under callgrind, GOMAXPROCS=1, GOGC=${GOGC:-100}${STW:+, gcstoptheworld=1}${BASE:+, BASE=$BASE})"
 	echo "x-bare: the ratio of the medians; paired: the median of the ratios to bare in the same round"
 	base=$(printf '%s' "${per[bare]}" | median)
 	printf '%-14s %14s %8s %8s   %s\n' client instructions/op x-bare paired rounds
