@@ -107,9 +107,11 @@ func isTraceKey(key any) bool {
 type attemptContextKey struct{}
 
 // Value returns the context itself for attemptContextKey, so that a lookup
-// allocates nothing, and defers to the parent for any other key.
+// allocates nothing, and defers to the parent for any other key. (Keys are
+// told by their type: key == attemptContextKey{} would call the type's
+// equality function.)
 func (c *attemptContext) Value(key any) any {
-	if key == (attemptContextKey{}) {
+	if _, ok := key.(attemptContextKey); ok {
 		return c
 	}
 	if c.trace != nil && isTraceKey(key) {
