@@ -43,11 +43,11 @@
 # STW=1.
 #
 # WARMUP=N sends N ops before the counted ones in each run (default 10):
-# a type assertion's cache (io.Copy's, say) is filled on one miss in
-# 1024, so its misses end at a random op, and with a short warm-up they
-# move a peer's figure by up to ~180 instructions per op from round to
-# round in the stub. WARMUP=5000 leaves them out, at the price of the
-# warm-up's time under callgrind.
+# a type assertion's cache (io.Copy's, shared by the whole binary) is
+# filled on one miss in 1024, and more rarely as it grows, so its misses
+# end at a random op and move a peer's stub figure by up to ~180
+# instructions per op from run to run. A longer warm-up makes that less
+# likely (5000 did not rule it out), at the price of its time.
 #
 # BASE=REV also runs the idem peers built on the root package at git
 # revision REV (named idem@REV, ...), interleaved with the others, and

@@ -14,8 +14,9 @@ var (
 	// connection, the pools and the runtime are warm; instructions.sh
 	// cancels them out anyway by differencing two op counts. What it
 	// cannot cancel is warm-up that ends at random: the runtime fills a
-	// type assertion's cache on one miss in 1024 (runtime.typeAssert), so
-	// io.Copy's assertions miss for a random few thousand ops.
+	// type assertion's cache on one miss in 1024, and more rarely as the
+	// cache grows (runtime.typeAssert), so io.Copy's assertions, shared
+	// by the whole binary, miss for a random many thousand ops.
 	warmupFlag = flag.Int("warmup", 10, "keyed POSTs TestOps sends through each peer before the -ops counted ones")
 )
 
