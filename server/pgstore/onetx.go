@@ -49,7 +49,7 @@ func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (id
 }
 
 // claimInTx claims req's key in one transaction (keysql.ClaimTxSQL, sent with the
-// BEGIN in one round trip). When it claimed the key, the transaction stays
+// BEGIN in one round trip; it reads the transaction's ID too). When it claimed the key, the transaction stays
 // open on its connection, as the unit of work that Begin returns. Otherwise
 // it rolls the transaction back (a second round trip) and returns the
 // outcome; ok is false when the key has a row that keysql.ClaimSQL may renew
@@ -79,18 +79,15 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	}
 	var row keysql.ClaimRow
 	found := false
-	tx, xid, err := beginOn(ctx, conn, s.Isolation, &batched{
-		queue: func(b *pgx.Batch) { b.Queue(keysql.ClaimTxSQL, keysql.ClaimArgs(req)...) },
-		read: func(br pgx.BatchResults) (err error) {
-			row, found, err = scanClaim(br.Query())
-			return err
-		},
+	tx, _, err := beginOn(ctx, conn, s.Isolation, keysql.ClaimTxSQL, keysql.ClaimArgs(req), func(br pgx.BatchResults) (err error) {
+		row, found, err = scanClaim(br.Query())
+		return err
 	})
 	if err == nil && !found {
 		err = errors.New("the claim returned no row")
 	}
 	if err == nil && row.Outcome() == idempotency.Claimed {
-		u := &unit{store: s, conn: conn, tx: tx, xid: xid, snap: snapshotLevel(s.Isolation),
+		u := &unit{store: s, conn: conn, tx: tx, xid: row.TxID(), snap: snapshotLevel(s.Isolation),
 			inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}

@@ -89,7 +89,8 @@ type unit struct {
 }
 
 // begin returns the unit's transaction, beginning it on first use: BEGIN
-// at the store's isolation level and keysql.TxIDSQL in one round trip.
+// at the store's isolation level and keysql.TxIDSQL in one round trip
+// (see beginOn).
 func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
@@ -113,7 +114,7 @@ func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 		u.err = interpretError(err)
 		return nil, u.err
 	}
-	tx, xid, err := beginOn(ctx, conn, u.store.Isolation, nil)
+	tx, xid, err := beginOn(ctx, conn, u.store.Isolation, "", nil, nil)
 	if err != nil {
 		conn.Release() // the pool drops it unless it is idle and outside a transaction
 		u.err = interpretError(err)
@@ -123,37 +124,28 @@ func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 	return tx, nil
 }
 
-// beginOn begins a transaction on conn at level, and reads its ID, in one
-// round trip; first, when not nil, is a statement that goes between the
-// two (a claim in one transaction): queue queues it, read reads its
-// result.
-func beginOn(ctx context.Context, conn *pgxpool.Conn, level pgx.TxIsoLevel, first *batched) (pgx.Tx, string, error) {
+// beginOn begins a transaction on conn at level and runs one statement
+// in it, in one round trip: sql with args, whose result read reads (a
+// claim in one transaction, which reads the transaction's ID itself), or,
+// when read is nil, keysql.TxIDSQL, whose ID it returns.
+func beginOn(ctx context.Context, conn *pgxpool.Conn, level pgx.TxIsoLevel, sql string, args []any, read func(pgx.BatchResults) error) (pgx.Tx, string, error) {
+	var xid string
+	if read == nil {
+		sql, args = keysql.TxIDSQL, nil
+		read = func(br pgx.BatchResults) error { return br.QueryRow().Scan(&xid) }
+	}
 	b := &pgx.Batch{}
 	b.BeginTx(pgx.TxOptions{IsoLevel: level})
-	if first != nil {
-		first.queue(b)
-	}
-	b.Queue(keysql.TxIDSQL)
+	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
 	_, err := br.Exec()
-	if err == nil && first != nil {
-		err = first.read(br)
-	}
-	var xid string
 	if err == nil {
-		err = br.QueryRow().Scan(&xid)
+		err = read(br)
 	}
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
 	return br.Tx(), xid, err
-}
-
-// batched is a statement in a batch: how it is queued, how its result is
-// read.
-type batched struct {
-	queue func(b *pgx.Batch)
-	read  func(br pgx.BatchResults) error
 }
 
 // snapshotLevel reports whether level keeps one snapshot for the whole
@@ -186,10 +178,10 @@ func (u *unit) renew(ctx context.Context) error {
 // token, which only this completion can have done, and Complete succeeds.
 //
 // With one, it first checks that the transaction is still the one Tx
-// began and still open (see settle); then keysql.TxGuardSQL,
-// keysql.CompleteInTxSQL and COMMIT go in one round trip, and the guard
-// aborts the transaction, COMMIT included, when it is another (a COMMIT
-// AND CHAIN ended the first). When the connection broke under them, they
+// began and still open (see settle); then keysql.CompleteInTxSQL and
+// COMMIT go in one round trip, and the completion's check of the
+// transaction's ID aborts it, COMMIT included, when it is another (a
+// COMMIT AND CHAIN ended the first). When the connection broke under them, they
 // may not have run yet (the batch on its way, or waiting on the server for
 // a lock), or be running, or have committed. Complete first releases the
 // key under this claim's token: a completion that runs later is then
@@ -274,7 +266,8 @@ var errBusy = errors.New("pgstore: the handler left rows or a batch of its trans
 // settle finds out what became of the handler's transaction before it is
 // completed or rolled back. open: it is still in progress on its
 // connection, and the caller checks that it is the one Tx began
-// (keysql.TxGuardSQL) with its next statement. Otherwise the connection is
+// (keysql.CompleteInTxSQL's check, or keysql.TxGuardSQL) with its next
+// statement. Otherwise the connection is
 // given back and nothing of the transaction is left: it was aborted by a
 // failed statement, or its connection closed, and nothing of it committed
 // unless the transaction Tx began committed, which keysql.TxStatusSQL tells
@@ -330,30 +323,24 @@ func (u *unit) failClosed(ctx context.Context, why string) error {
 	return fmt.Errorf("pgstore: %s: %w", why, idempotency.ErrUnitEnded)
 }
 
-// commitLocked sends keysql.TxGuardSQL, sql (keysql.CompleteInTxSQL, or
+// commitLocked sends sql (keysql.CompleteInTxSQL, or
 // keysql.CompleteNewInTxSQL) and COMMIT on the handler's transaction in one
-// round trip; the guard fails when the transaction is not the one Tx
-// began, the completion when the claim was fenced, and PostgreSQL then
-// skips the COMMIT. The caller holds u.mu.
+// round trip, with args and then the transaction's ID: the completion fails
+// when the transaction is not the one Tx began, or when the claim was
+// fenced, and PostgreSQL then skips the COMMIT. The caller holds u.mu.
 func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	conn := u.conn
 	b := &pgx.Batch{}
-	b.Queue(keysql.TxGuardSQL, u.xid)
-	b.Queue(sql, args...)
+	b.Queue(sql, append(args, u.xid)...)
 	b.Queue("COMMIT")
 	br := conn.SendBatch(ctx, b)
-	// Each statement's own error tells: the guard's an ended
-	// transaction, the completion's a fence; the COMMIT's (a deferred
-	// constraint of the handler's tables) never does, whatever its
-	// SQLSTATE.
+	// The completion's own error tells: an ended transaction, or a
+	// fence; the COMMIT's (a deferred constraint of the handler's tables)
+	// never does, whatever its SQLSTATE.
 	var pgErr *pgconn.PgError
 	_, err := br.Exec()
-	other := errors.As(err, &pgErr) && pgErr.Code == keysql.DivisionByZero
-	fenced := false
-	if err == nil {
-		_, err = br.Exec()
-		fenced = errors.As(err, &pgErr) && keysql.IsFence(sql, pgErr.Code)
-	}
+	other := errors.As(err, &pgErr) && pgErr.Code == keysql.TxChangedCode
+	fenced := errors.As(err, &pgErr) && keysql.IsFence(sql, pgErr.Code)
 	if err == nil {
 		_, err = br.Exec()
 	}
@@ -489,7 +476,7 @@ func (u *unit) rollbackChecked(ctx context.Context) error {
 	// Still ours? A COMMIT AND CHAIN leaves another transaction open.
 	_, err = u.conn.Exec(ctx, keysql.TxGuardSQL, u.xid)
 	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) && pgErr.Code == keysql.DivisionByZero {
+	if errors.As(err, &pgErr) && pgErr.Code == keysql.TxChangedCode {
 		return u.failClosed(ctx, "the handler ended the transaction and began another (a COMMIT AND CHAIN, say)")
 	}
 	return u.rollbackLocked(ctx)

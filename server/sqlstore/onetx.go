@@ -60,7 +60,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	var none idempotency.ClaimResult
 	u := &unit{store: s}
 	var row keysql.ClaimRow
-	if err := u.beginLocked(ctx); err != nil {
+	if err := u.beginLocked(ctx, false); err != nil {
 		return none, false, err
 	}
 	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
@@ -68,6 +68,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
 		u.inTx = keysql.CompleteNewArgs(req, *row.CreatedAt, *row.OperationID)
+		u.xid = row.TxID()
 		s.units.Add(u.claim, u, false)
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: u.claim}, true, nil
 	}

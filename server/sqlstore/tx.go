@@ -68,7 +68,7 @@ type unit struct {
 	done bool
 	conn *sql.Conn // nil until the transaction began
 	tx   *sql.Tx   // on conn
-	xid  string    // the transaction's ID (keysql.TxIDSQL), read when it began
+	xid  string    // the transaction's ID, read when it began (keysql.TxIDSQL, or the claim in one transaction)
 	err  error     // the transaction failed to begin: returned by every later Tx
 
 	snapshot sync.Mutex // guards snap; held by a renewal while it runs
@@ -83,16 +83,17 @@ func (u *unit) begin(ctx context.Context) (*sql.Tx, error) {
 		return nil, errTxDone
 	}
 	if u.tx == nil && u.err == nil {
-		u.err = u.beginLocked(ctx)
+		u.err = u.beginLocked(ctx, true)
 	}
 	return u.tx, u.err
 }
 
 // beginLocked begins the transaction on a connection of the pool,
-// acquired under ctx, and reads its ID; the transaction itself outlives
-// ctx (database/sql would roll it back when the context of its BeginTx
-// ends): the middleware ends it. The caller holds u.mu.
-func (u *unit) beginLocked(ctx context.Context) error {
+// acquired under ctx, and reads its ID unless readID is false (a claim in
+// one transaction reads it with the claim); the transaction itself
+// outlives ctx (database/sql would roll it back when the context of its
+// BeginTx ends): the middleware ends it. The caller holds u.mu.
+func (u *unit) beginLocked(ctx context.Context, readID bool) error {
 	if snapshotLevel(u.store.Isolation) {
 		// From now on renewals only check the claim; one that updates
 		// the key row finishes first. No connection is held meanwhile.
@@ -108,6 +109,10 @@ func (u *unit) beginLocked(ctx context.Context) error {
 	if err != nil {
 		conn.Close()
 		return interpretError(err)
+	}
+	if !readID {
+		u.conn, u.tx = conn, tx
+		return nil
 	}
 	if err := tx.QueryRowContext(ctx, keysql.TxIDSQL).Scan(&u.xid); err != nil {
 		_ = tx.Rollback()
@@ -141,7 +146,7 @@ func (u *unit) renew(ctx context.Context) error {
 //
 // Without a handler transaction it is keysql.CompleteSQL alone, run once
 // more on a live connection when the connection broke under it (see
-// [Store.Release]). With one, it is keysql.CompleteCheckedInTxSQL in the
+// [Store.Release]). With one, it is keysql.CompleteInTxSQL in the
 // handler's transaction, then COMMIT. The completion fails with
 // division_by_zero when the claim was fenced, and with keysql.TxChangedCode
 // when the handler ended the transaction (see [Tx]), which fails closed.
@@ -174,9 +179,9 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		}
 		return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteSQL, args[3:], idempotency.StatusCompleted)
 	}
-	query, alone := keysql.CompleteCheckedInTxSQL, keysql.CompleteSQL
+	query, alone := keysql.CompleteInTxSQL, keysql.CompleteSQL
 	if u.inTx != nil {
-		query, alone = keysql.CompleteNewCheckedInTxSQL, keysql.CompleteNewSQL
+		query, alone = keysql.CompleteNewInTxSQL, keysql.CompleteNewSQL
 	}
 	_, err = on{u.store, u.tx}.ExecContext(ctx, query, append(args, u.xid)...)
 	switch c := code(err); {
@@ -335,7 +340,7 @@ func (u *unit) rollbackChecked(ctx context.Context) error {
 	case err == nil:
 		u.rollbackLocked()
 		return nil
-	case c == keysql.DivisionByZero, errors.Is(err, sql.ErrTxDone):
+	case c == keysql.TxChangedCode, errors.Is(err, sql.ErrTxDone):
 		return u.failClosed(ctx, "the handler ended the transaction")
 	}
 	u.rollbackLocked() // aborted, or its connection lost

@@ -17,50 +17,32 @@ func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID strin
 
 // TxIDSQL reads the ID of the transaction it runs in, sent with its BEGIN:
 // the store checks at the end that the handler's transaction is still
-// that one (TxGuardSQL, TxStatusSQL). It assigns the ID at once, which the
-// completion's write would do anyway.
+// that one (the completion's own check, TxGuardSQL, TxStatusSQL). It
+// assigns the ID at once, which the completion's write would do anyway. A
+// claim in one transaction reads it with the claim instead (ClaimTxSQL).
 const TxIDSQL = `SELECT pg_current_xact_id()::text`
 
-// TxGuardSQL fails with division_by_zero unless it runs in the transaction
-// whose ID is $1 (TxIDSQL): sent before the completion, in one pipeline
-// with it and its COMMIT, it makes PostgreSQL skip both when the handler
-// ended that transaction and began another (COMMIT AND CHAIN).
-const TxGuardSQL = `SELECT 1 / (pg_current_xact_id() = $1::xid8)::integer`
+// TxGuardSQL fails with TxChangedCode unless it runs in the transaction
+// whose ID is $1 (TxIDSQL): sent before a ROLLBACK, it tells a transaction
+// the handler ended and replaced (COMMIT AND CHAIN) from the one begun.
+const TxGuardSQL = `SELECT ` + txIsExpr1
 
-// txIsExpr8 and txIsExpr15 are 1 in the transaction whose ID is $8 or $15
-// (TxIDSQL); in any other they fail with numeric_value_out_of_range
-// (TxChangedCode), which no other part of a completion raises.
+// txIsExpr1, txIsExpr8 and txIsExpr15 are 1 in the transaction whose ID
+// is $1, $8 or $15 (TxIDSQL); in any other they fail with
+// numeric_value_out_of_range (TxChangedCode), which no other part of a
+// completion raises. An expression rather than a statement of its own, so
+// that the check costs the completion no statement.
 const (
+	txIsExpr1  = `((CASE WHEN pg_current_xact_id() = $1::xid8 THEN 0 ELSE 2147483647 END) + 1)`
 	txIsExpr8  = `((CASE WHEN pg_current_xact_id() = $8::xid8 THEN 0 ELSE 2147483647 END) + 1)`
 	txIsExpr15 = `((CASE WHEN pg_current_xact_id() = $15::xid8 THEN 0 ELSE 2147483647 END) + 1)`
 )
 
-// TxChangedCode is the SQLSTATE of a checked completion
-// (CompleteCheckedInTxSQL, CompleteNewCheckedInTxSQL) run in another
-// transaction than the one whose ID it was given: the handler ended that
-// one.
+// TxChangedCode is the SQLSTATE of a completion in the handler's
+// transaction (CompleteInTxSQL, CompleteNewInTxSQL), or of TxGuardSQL, run
+// in another transaction than the one whose ID it was given: the handler
+// ended that one.
 const TxChangedCode = "22003"
-
-// CompleteCheckedInTxSQL is CompleteInTxSQL that also checks, first, that
-// it runs in the transaction whose ID is $8 (TxIDSQL): sent on a
-// database/sql transaction, which cannot pipeline TxGuardSQL before it,
-// it fails with TxChangedCode when the handler ended that transaction
-// (outside any transaction, it then commits nothing either).
-const CompleteCheckedInTxSQL = `
-WITH done AS (` + CompleteSQL + `
-    RETURNING 1)
-SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
-
-// CompleteNewCheckedInTxSQL is CompleteNewInTxSQL with the check of
-// CompleteCheckedInTxSQL, on $15.
-const CompleteNewCheckedInTxSQL = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
-    response_status, response_content_type, response_headers, response_body,
-    request_method, request_path, request_hash, operation_id,
-    created_at, locked_at, lease_us, retention_us, expires_at)
-SELECT $1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
-    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END
-WHERE ` + txIsExpr15 + ` > 0`
 
 // TxStatusSQL tells whether the transaction whose ID is $1 (TxIDSQL)
 // committed, aborted or is in progress; NULL once it is too old to tell.
@@ -82,15 +64,18 @@ UPDATE idempotency_keys SET
 WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = 'started'`
 
 // CompleteInTxSQL is CompleteSQL as the last statement of the handler's
-// transaction, sent in one pipeline with its COMMIT. It fails with
-// division_by_zero when it completed nothing (the claim was fenced): the
-// error makes PostgreSQL skip the COMMIT queued behind it, so the
-// handler's writes are never committed without the key's outcome. A
-// fenced completion is the only way this statement divides by zero.
+// transaction, sent in one pipeline with its COMMIT, with $8 the ID of the
+// transaction the handler was given (TxIDSQL). It fails with
+// division_by_zero when it completed nothing (the claim was fenced), and
+// first with TxChangedCode when it runs in another transaction (the
+// handler ended that one): either error makes PostgreSQL skip the COMMIT
+// queued behind it, so the handler's writes are never committed without
+// the key's outcome. A fenced completion is the only way this statement
+// divides by zero.
 const CompleteInTxSQL = `
 WITH done AS (` + CompleteSQL + `
     RETURNING 1)
-SELECT 1 / (SELECT count(*)::integer FROM done)`
+SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
 
 // DivisionByZero is the SQLSTATE of a fenced CompleteInTxSQL.
 const DivisionByZero = "22012"
@@ -102,7 +87,9 @@ const DivisionByZero = "22012"
 // with a transaction-level advisory lock, taken without waiting, on a hash
 // of the table, the client and the key: outcome 1 with a new token and
 // operation ID and the time of the claim, which the completion writes with
-// the key (CompleteNewInTxSQL); or outcome 5 (Busy) when another
+// the key (CompleteNewInTxSQL), and in the status column the transaction's
+// ID, which the completion checks (ClaimRow.TxID; no TxIDSQL of its own);
+// or outcome 5 (Busy) when another
 // transaction holds the lock, having claimed the key in one transaction and
 // not ended. No row is written, so neither a duplicate nor a claim in a
 // commit of its own ever waits for the claiming transaction. A request
@@ -122,7 +109,7 @@ WITH ` + existingCTE + `, probe AS (
         $3::text AS method, $4::text AS path, $6::bigint AS lease_us, $7::bigint AS retention_us -- unused: typed for the prepared statement
 )
 SELECT 1, nextval('idempotency_lock_tokens'), $8::uuid::text,
-    NULL::text, NULL::text, NULL::bytea, NULL::text,
+    NULL::text, NULL::text, NULL::bytea, pg_current_xact_id()::text,
     NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false
 FROM probe WHERE held
 UNION ALL
@@ -153,6 +140,20 @@ const LostCommitWait = 30 * time.Second
 // rowLockExpr is keyLockExpr of the key row k (see PurgeSQL).
 const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.client_id, 'idempotency_keys'::regclass::oid::bigint))`
 
+// completeNewHead and completeNewTail insert the key of a claim made in
+// one transaction, completed (CompleteNewSQL, CompleteNewInTxSQL), around
+// the value of its lock_token.
+const (
+	completeNewHead = `
+INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
+    response_status, response_content_type, response_headers, response_body,
+    request_method, request_path, request_hash, operation_id,
+    created_at, locked_at, lease_us, retention_us, expires_at)
+VALUES ($1, $2, `
+	completeNewTail = `, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
+    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)`
+)
+
 // CompleteNewSQL inserts the key of a claim made in one transaction,
 // completed: $1 client, $2 key, $3 token, $4 to $7 the response as in
 // CompleteSQL, then the claim's request ($8 method, $9 path, $10
@@ -161,24 +162,22 @@ const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.clie
 // expires its retention from now. It inserts nothing when the key has a row
 // (a claim in a commit of its own, from a route without the mode, took the
 // key meanwhile): the claim was fenced.
-const CompleteNewSQL = CompleteNewInTxSQL + `
+const CompleteNewSQL = completeNewHead + `$3` + completeNewTail + `
 ON CONFLICT (client_id, idempotency_key) DO NOTHING`
 
 // CompleteNewInTxSQL is CompleteNewSQL as the last statement of the
-// claim's transaction, sent with its COMMIT. It has no ON CONFLICT: when
-// the key has a row (the claim was fenced) it fails with unique_violation
-// on the key table's primary key (see IsFence), and PostgreSQL skips
-// the COMMIT queued behind it, so the handler's writes never commit without
-// the key. A plain INSERT costs PostgreSQL less than ON CONFLICT DO
-// NOTHING in a WITH that divides by its count, the way CompleteInTxSQL
-// fences an UPDATE (bench/NOTES.md, "The one-transaction completion").
-const CompleteNewInTxSQL = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
-    response_status, response_content_type, response_headers, response_body,
-    request_method, request_path, request_hash, operation_id,
-    created_at, locked_at, lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
-    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)`
+// claim's transaction, sent with its COMMIT, with $15 the ID of that
+// transaction (ClaimTxSQL), checked as CompleteInTxSQL checks its $8: in
+// another transaction it fails with TxChangedCode. It has no ON CONFLICT:
+// when the key has a row (the claim was fenced) it fails with
+// unique_violation on the key table's primary key (see IsFence), and
+// PostgreSQL skips the COMMIT queued behind it, so the handler's writes
+// never commit without the key. A plain INSERT costs PostgreSQL less than
+// ON CONFLICT DO NOTHING in a WITH that divides by its count, the way
+// CompleteInTxSQL fences an UPDATE (bench/NOTES.md, "The one-transaction
+// completion"); the check is an expression of its lock_token, evaluated
+// before the row is inserted.
+const CompleteNewInTxSQL = completeNewHead + `$3::bigint * ` + txIsExpr15 + completeNewTail
 
 // IsFence reports whether an error of SQLSTATE code, raised by query
 // itself, is the fence of a completion sent with its COMMIT: the division
@@ -187,8 +186,8 @@ VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, 
 // COMMIT's behind it: a deferred constraint of the handler's own tables
 // fails the COMMIT with any SQLSTATE, and is no fence.
 func IsFence(query, code string) bool {
-	return (query == CompleteInTxSQL || query == CompleteCheckedInTxSQL) && code == DivisionByZero ||
-		(query == CompleteNewInTxSQL || query == CompleteNewCheckedInTxSQL) && code == UniqueViolation
+	return query == CompleteInTxSQL && code == DivisionByZero ||
+		query == CompleteNewInTxSQL && code == UniqueViolation
 }
 
 // TakenSQL tells whether a key ($1 client, $2 key) has a row under

@@ -127,6 +127,10 @@ func (r *ClaimRow) Dests(header any) []any {
 		&r.RetentionUS, &r.Lost}
 }
 
+// TxID is the ID of the claim's transaction, of an outcome 1 row of
+// ClaimTxSQL, which carries it in the status column.
+func (r *ClaimRow) TxID() string { return *r.Status }
+
 // Outcome is the row's outcome.
 func (r *ClaimRow) Outcome() idempotency.Outcome { return idempotency.Outcome(r.Code) }
 
