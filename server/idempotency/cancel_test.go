@@ -108,6 +108,31 @@ func TestMiddlewareContextEndsBeforeAnswer(t *testing.T) {
 		assert.Equal(t, http.StatusCreated, r.status, "the retry: %s", r.body)
 	})
 
+	// A claim that began a new operation ran nothing: the key is released
+	// as rejected, and a corrected request (another body) takes it. One
+	// that resumed an operation released as failed is released as failed
+	// again: another body still gets 422.
+	for _, resumed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("during the claim, resumed %v", resumed), func(t *testing.T) {
+			mem := NewMemoryStore()
+			handler := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusCreated) }
+			if resumed { // a 500, not stored: released as failed
+				failing := func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(http.StatusInternalServerError) }
+				require.Equal(t, http.StatusInternalServerError, serve(t, testHandler(t, mem, Options{}, failing), keyed("k", "{}")).status)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			opts := Options{Logger: testLogger(t)}
+			h := withClient(Middleware(lateStore{mem, cancel}, opts)(http.HandlerFunc(handler)), opts)
+			h.ServeHTTP(httptest.NewRecorder(), keyed("k", "{}").request(t, "").WithContext(ctx))
+			want := http.StatusCreated
+			if resumed {
+				want = http.StatusUnprocessableEntity
+			}
+			r := serve(t, testHandler(t, mem, Options{}, handler), keyed("k", `{"other":1}`))
+			assert.Equal(t, want, r.status, "another request after the claim its client left: %s", r.body)
+		})
+	}
+
 	t.Run("handler answers nothing", func(t *testing.T) {
 		synctest.Test(t, func(t *testing.T) {
 			var calls atomic.Int32

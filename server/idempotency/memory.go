@@ -154,10 +154,14 @@ func (s *MemoryStore) claim(ctx context.Context, req ClaimRequest, inTx bool) (C
 	case k.rec.Status == StatusReleased && sameRequest:
 		// The retry of the released request resumes its operation.
 		s.own(k, req, now)
-		return ClaimResult{Outcome: Claimed, Claim: k.claim()}, nil
+		c := k.claim()
+		c.Resumed = k.release == ReleaseFailed
+		return ClaimResult{Outcome: Claimed, Claim: c}, nil
 	case sameRequest && k.stale(now):
 		s.own(k, req, now)
-		return ClaimResult{Outcome: TookOver, Claim: k.claim()}, nil
+		c := k.claim()
+		c.Resumed = true
+		return ClaimResult{Outcome: TookOver, Claim: c}, nil
 	}
 	if k == nil {
 		if s.pending[ref] != nil {

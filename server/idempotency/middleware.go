@@ -556,9 +556,9 @@ func (m *middleware) owned(w http.ResponseWriter, r *http.Request, next http.Han
 	}
 	if ctx := r.Context(); ctx.Err() != nil {
 		// The client went away during the claim: nothing ran.
-		// Released as failed, since the claim may have resumed or
-		// taken over an operation that did work (see run).
-		m.release(context.WithoutCancel(ctx), res.Claim, ReleaseFailed, log)
+		// Released as failed when the claim resumed or took over
+		// an operation that may have done work (see run).
+		m.release(context.WithoutCancel(ctx), res.Claim, res.Claim.unrunRelease(), log)
 		m.notRun(w, r)
 		return
 	}

@@ -259,10 +259,26 @@ type Claim struct {
 	// claims the key anew. A key released with [ReleaseRejected] and
 	// claimed by another request gets another one.
 	OperationID string
+	// Resumed reports a claim that went on with an operation that may have
+	// done work (a key released as failed, or taken over), rather than one
+	// that began an operation (a new, expired or replaced key, or one
+	// released as rejected).
+	Resumed bool
 	// OneTransaction reports a claim made in its unit of work
 	// ([TxClaimer.ClaimInTx]), which changes what Begin, Renew and
 	// Release do with it (see [TxClaimer]).
 	OneTransaction bool
+}
+
+// unrunRelease is the kind of release of claim c when its request ran
+// nothing: ReleaseRejected for a claim that began its operation, which
+// lets a corrected request replace it, ReleaseFailed for one that resumed
+// an operation that may have done work.
+func (c Claim) unrunRelease() ReleaseKind {
+	if c.Resumed {
+		return ReleaseFailed
+	}
+	return ReleaseRejected
 }
 
 // Record is a stored key as a duplicate request sees it.

@@ -21,6 +21,9 @@ func testClaimNewKey(t *testing.T, b Backend) {
 	if res.Record != nil {
 		t.Errorf("Claimed with a record %+v, want none", res.Record)
 	}
+	if res.Claim.Resumed {
+		t.Errorf("claim of a new key reads as resumed, want a new operation")
+	}
 }
 
 func testClaimStartedKey(t *testing.T, b Backend) {
@@ -179,6 +182,9 @@ func testTakeover(t *testing.T, b Backend) {
 	if second.OperationID != first.OperationID {
 		t.Errorf("takeover changed the operation %q to %q, want it kept", first.OperationID, second.OperationID)
 	}
+	if !second.Resumed {
+		t.Errorf("takeover does not read as resumed, want it: the first owner may have done work")
+	}
 	// The lock is fresh again: the next request waits, unless the machine
 	// stalled past the new lease, when a second takeover is right.
 	res := try(t, b.Store, req)
@@ -268,6 +274,9 @@ func releaseThenClaim(t *testing.T, b Backend, kind idempotency.ReleaseKind) {
 	if second.OperationID != first.OperationID {
 		t.Errorf("claim after release: operation %q, want the released %q", second.OperationID, first.OperationID)
 	}
+	if want := kind == idempotency.ReleaseFailed; second.Resumed != want {
+		t.Errorf("claim after a release as %s: resumed %v, want %v (only a failure may have left work done)", kind, second.Resumed, want)
+	}
 	rec := peek(t, b.Store, req) // the new owner holds it
 	if rec.Status != idempotency.StatusStarted || !rec.CreatedAt.Equal(createdAt) || !bytes.Equal(rec.Fingerprint, fingerprint("a")) {
 		t.Errorf("resumed key: status %q, created %v, fingerprint %x; want started, created %v, the request's",
@@ -301,8 +310,8 @@ func testReleaseThenClaimOther(t *testing.T, b Backend) {
 	}
 	other := request("cli_a", "key-1", "b")
 	second := claim(t, b.Store, other, idempotency.Claimed).Claim
-	if second.OperationID == first.OperationID || second.Token == first.Token {
-		t.Errorf("another request after release: claim %+v, want a new operation and token than %+v", second, first)
+	if second.OperationID == first.OperationID || second.Token == first.Token || second.Resumed {
+		t.Errorf("another request after release: claim %+v, want a new operation and token than %+v, not resumed", second, first)
 	}
 	rec := claim(t, b.Store, other, idempotency.Exists).Record
 	if rec.Status != idempotency.StatusStarted || !bytes.Equal(rec.Fingerprint, fingerprint("b")) || rec.CreatedAt.Before(before.CreatedAt) {

@@ -150,14 +150,16 @@ func testRetentionReleased(t *testing.T, b Backend) {
 		if !before(start, retention) {
 			return false
 		}
-		if res.Outcome != idempotency.Claimed || res.Claim.OperationID != first.OperationID {
-			t.Fatalf("retry of a key released less than its retention ago: %s, operation %q; want Claimed, the released %q",
-				res.Outcome, res.Claim.OperationID, first.OperationID)
+		if res.Outcome != idempotency.Claimed || res.Claim.OperationID != first.OperationID || !res.Claim.Resumed {
+			t.Fatalf("retry of a key released less than its retention ago: %s, operation %q, resumed %v; want Claimed, the released %q, resumed",
+				res.Outcome, res.Claim.OperationID, res.Claim.Resumed, first.OperationID)
 		}
 		release(t, b.Store, res.Claim, idempotency.ReleaseFailed)
 		began := begunAt(t, b, req)
 		time.Sleep(pause)
-		claim(t, b.Store, req, idempotency.Claimed)
+		if claim(t, b.Store, req, idempotency.Claimed).Claim.Resumed {
+			t.Errorf("claim of an expired released key reads as resumed, want a new operation")
+		}
 		if !begunAt(t, b, req).After(began) {
 			t.Errorf("expired released key kept its operation %q", first.OperationID)
 		}

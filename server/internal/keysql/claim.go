@@ -88,9 +88,12 @@ const (
 // retention. Its WHERE is re-checked by PostgreSQL on the newest row
 // version when another transaction changed the row first, so of many
 // concurrent claimers of an expired, released or stale row exactly one
-// wins; the re-check also requires the status the snapshot saw, so the
-// outcome reported (Claimed for a new, expired or released row, TookOver
-// for a stale started one) is the one that happened. inserted creates the
+// wins; the re-check also requires the status (and release kind) the
+// snapshot saw, so the outcome reported (Claimed for a new, expired or
+// released row, TookOver for a stale started one) is the one that
+// happened, and so is resumed (the last column): the claim kept the
+// operation of a key released as failed or taken over, which may have
+// done work (idempotency.Claim.Resumed). inserted creates the
 // row when the snapshot had none.
 //
 // The snapshot is taken when the statement starts, so it can miss a row
@@ -122,20 +125,22 @@ WITH ` + existingCTE + `, ` + heldCTE + `, renewed AS (
         response_body = NULL
     WHERE k.client_id = $1 AND k.idempotency_key = $2
         AND k.status = (SELECT status FROM existing)
+        AND k.release_rejected = (SELECT release_rejected FROM existing)
         AND NOT ` + refusedExpr + `
         AND (` + expiredExpr + `
             OR (k.status = 'released' AND (k.release_rejected OR k.request_hash = $5))
             OR (` + staleExpr + ` AND k.request_hash = $5))
     RETURNING k.lock_token, k.operation_id,
-        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed
+        k.created_at = statement_timestamp() OR (SELECT status FROM existing) = 'released' AS claimed,
+        k.created_at <> statement_timestamp() AND NOT (SELECT release_rejected FROM existing) AS resumed
 ), ` + insertedCTE + `
 SELECT 1, lock_token, operation_id::text,
     NULL::text, NULL::text, NULL::bytea, NULL::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, NULL::bigint, false
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, NULL::timestamptz, NULL::timestamptz, NULL::bigint, false, false
 FROM inserted
 UNION ALL
 SELECT CASE WHEN claimed THEN 1 ELSE 2 END, lock_token, operation_id::text,
-    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+    NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, resumed
 FROM renewed
 UNION ALL
 ` + existingRow + `
@@ -216,7 +221,7 @@ const (
 	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, operation_id::text,
     request_method, request_path, request_hash, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at, retention_us,
-    (expired OR stale OR free) AND NOT refused
+    (expired OR stale OR free) AND NOT refused, false
 FROM existing`
 	// heldCTE tells, for a key the snapshot does not have (and a request
 	// whose first-sent check is not stale), whether a claim in one
@@ -228,12 +233,12 @@ FROM existing`
 )`
 	// busyAbsentRow is the outcome 5 (Busy) row of a key the snapshot did
 	// not have, held by a claim in one transaction (heldCTE).
-	busyAbsentRow = `SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+	busyAbsentRow = `SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false
 FROM held WHERE NOT free`
 	// refusedAbsentRow is the outcome 4 (Refused) row of a key the snapshot
 	// did not have, for a stale first-sent check ($9), which inserted
 	// nothing.
-	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+	refusedAbsentRow = `SELECT 4, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false
 WHERE $9::boolean AND NOT EXISTS (SELECT FROM existing)`
 )
 

@@ -110,10 +110,10 @@ WITH ` + existingCTE + `, probe AS (
 )
 SELECT 1, nextval('idempotency_lock_tokens'), $8::uuid::text,
     NULL::text, NULL::text, NULL::bytea, pg_current_xact_id()::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false, false
 FROM probe WHERE held
 UNION ALL
-SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false
+SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false
 FROM probe WHERE NOT held
 UNION ALL
 ` + existingRow + `

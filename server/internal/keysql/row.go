@@ -114,6 +114,7 @@ type ClaimRow struct {
 	LockedAt        *time.Time
 	RetentionUS     *int64 // of a row found: the retention stored with it
 	Lost            bool   // outcome 3 of a row that ClaimSQL may renew: run ClaimSQL (again)
+	Resumed         bool   // outcome 1 or 2: see idempotency.Claim.Resumed
 }
 
 // Dests returns the scan destinations of a claim row's columns, in order;
@@ -124,7 +125,7 @@ func (r *ClaimRow) Dests(header any) []any {
 	return []any{&r.Code, &r.Token, &r.OperationID,
 		&r.Method, &r.Path, &r.Fingerprint, &r.Status,
 		&r.RespStatus, &r.RespContentType, header, &r.RespBody, &r.CreatedAt, &r.LockedAt,
-		&r.RetentionUS, &r.Lost}
+		&r.RetentionUS, &r.Lost, &r.Resumed}
 }
 
 // TxID is the ID of the claim's transaction, of an outcome 1 row of
@@ -149,6 +150,7 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 			Key:         req.Key,
 			Token:       *r.Token,
 			OperationID: *r.OperationID,
+			Resumed:     r.Resumed,
 		}}, nil
 	}
 	switch st := idempotency.Status(*r.Status); {
