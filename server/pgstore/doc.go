@@ -37,10 +37,13 @@
 // own transaction as it would cost without the middleware (BEGIN, which
 // reads the transaction's ID in the same round trip, and its statements),
 // whose COMMIT carries the key's completion in the same round trip. The claim of a new key is a plain INSERT, the cheapest statement
-// that claims it; a key that has a row costs a second, the read of its row:
-// a replay and a duplicate cost two round trips, and a claim that resumes,
-// replaces or takes over a key (a retry after a release or an expiry, a
-// takeover) three. See [Store] for what happens
+// that claims it. A retry (its Repeatability-First-Sent a second old or
+// more) sends a read of the key's row before the insert, in the same round
+// trip, so its replay or duplicate costs one round trip; a first attempt
+// does not pay for that read, and a key of its that has a row costs two
+// (the insert, then the read). A claim that resumes, replaces or takes
+// over a key (a retry after a release or an expiry, a takeover) costs one
+// more. See [Store] for what happens
 // when a connection breaks, and [Migrate] for the table. A service that
 // runs an idempotency.Sweeper, or the inspector's lists and gauges,
 // creates their index at start too, with [CreateOpenKeysIndex]; one that

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -25,11 +26,13 @@ import (
 // transaction, which may have begun long before, and the key's retention
 // counts from the completion.
 //
-// Each operation on a key is one SQL statement in one round trip, but for
-// the claims of keys that have a row: a claim inserts a new key in one
-// (keysql.ClaimInsertSQL), reads the row of a key it could not insert (a replay, a
-// duplicate) in two, and resumes, replaces or takes over a key in three (see
-// keysql.ClaimReadSQL), or more in the rare case it lost a race to another
+// Each operation on a key is one round trip, but for the claims of keys
+// that have a row: a claim inserts a new key in one
+// (keysql.ClaimInsertSQL); a retry (a request whose first-sent time is a
+// second old) reads the key's row in the same round trip, so a replay or a
+// duplicate of it costs one, and a first attempt reads it in a second; a
+// claim that resumes, replaces or takes over a key costs one more
+// (keysql.ClaimSQL), or more in the rare case it lost a race to another
 // writer of the key; a renewal, a release and a completion
 // each update the row under the claim's fencing token. A completion whose
 // handler wrote through [Tx] is the last statement of the
@@ -81,11 +84,13 @@ func New(pool *pgxpool.Pool) *Store {
 	return &Store{pool: pool}
 }
 
-// Claim implements [idempotency.Store.Claim] in one statement for a new
-// key (keysql.ClaimInsertSQL), a second to read a key that has a row
-// (keysql.ClaimReadSQL), and keysql.ClaimSQL after it for a key to resume, replace or
-// take over; keysql.ClaimSQL is re-run when it lost a race to a concurrent writer
-// of the same key.
+// Claim implements [idempotency.Store.Claim] in one round trip for a new
+// key (keysql.ClaimInsertSQL) and, for a retry, a replay and a duplicate
+// (the insert after keysql.ClaimPeekSQL, see insertClaim); in a second
+// for a first attempt whose key has a row (keysql.ClaimReadSQL), and
+// with keysql.ClaimSQL after it for a key to resume, replace or take
+// over; keysql.ClaimSQL is re-run when it lost a race to a concurrent
+// writer of the same key.
 //
 // When the connection broke under the statement, ended by PostgreSQL or
 // failed without a word from it (see errConnLost), and ctx is not done,
@@ -103,23 +108,34 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if req.FirstSent.Stale { // a stale request must not insert the key
 		return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 	}
-	switch c, claimed, err := s.insertClaim(ctx, req); {
+	c, claimed, row, found, err := s.insertClaim(ctx, req)
+	switch {
 	case err != nil:
 		return idempotency.ClaimResult{}, err
 	case claimed:
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
+	case found && !row.Lost:
+		return row.Result(req) // a replay, a duplicate of a retry: one round trip
+	case found:
+		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 }
 
-// insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is false when
-// the key has a row. When the connection broke under the insert, it runs it
-// once more on a connection that answers (see Claim).
-func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
+// insertClaim claims req's key with keysql.ClaimInsertSQL. For a retry
+// (keysql.Resent) it sends keysql.ClaimPeekSQL before it in the same round
+// trip, which reads the row the key has before the insert: a replay or a
+// duplicate is then answered without a second round trip, and a new key
+// costs the read an index probe that finds nothing, which a first attempt
+// does not pay. claimed is false when the insert inserted nothing; found
+// then tells whether the peek found a row. When the connection broke
+// under them, it runs them once more on a connection that answers (see
+// Claim).
+func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, row keysql.ClaimRow, found bool, err error) {
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
-	insert := func(q querier) error {
-		var rows pgx.Rows
-		rows, err = q.Query(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8]...)
+	args := keysql.ClaimArgs(req)
+	peek := keysql.Resent(req, time.Now())
+	readInsert := func(rows pgx.Rows, err error) error {
 		if err != nil {
 			return err
 		}
@@ -131,8 +147,23 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 		rows.Close()
 		return cmp.Or(err, rows.Err())
 	}
+	insert := func(q querier) error {
+		if !peek {
+			rows, err := q.Query(ctx, keysql.ClaimInsertSQL, args[:8]...)
+			return readInsert(rows, err)
+		}
+		b := &pgx.Batch{}
+		b.Queue(keysql.ClaimPeekSQL, args...)
+		b.Queue(keysql.ClaimInsertSQL, args[:8]...)
+		br := q.SendBatch(ctx, b)
+		var err error
+		if row, found, err = scanClaim(br.Query()); err == nil {
+			err = readInsert(br.Query())
+		}
+		return cmp.Or(err, br.Close())
+	}
 	for range keysql.MaxRaces {
-		claimed = false
+		claimed, found = false, false
 		err = interpretError(insert(s.pool))
 		if errors.Is(err, errConnLost) && ctx.Err() == nil {
 			err = interpretError(s.onLiveConn(ctx, insert))
@@ -141,7 +172,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 			break // else it lost a race under REPEATABLE READ or SERIALIZABLE, and did nothing
 		}
 	}
-	return c, claimed, err
+	return c, claimed, row, found, err
 }
 
 // claimLoop runs sql (keysql.ClaimReadSQL or keysql.ClaimSQL), then keysql.ClaimSQL while the

@@ -248,63 +248,86 @@ func (c *roundTrips) since(last *int64) int64 {
 }
 
 // TestRoundTrips counts the round trips of a first execution whose handler
-// writes one row, and of its replay. The handler's transaction without the
-// middleware (BEGIN, INSERT, COMMIT, on the same pool) is the baseline: the
-// layer adds at most one round trip to it, the claim, since the key's
-// completion travels with the COMMIT. A replay is the claim's insert,
-// which finds the key there, and the read of its row. Each store runs a first
-// request beforehand, so that the statements are prepared on the pool's one
-// connection.
+// writes one row, and of its replay, in two commits and in one
+// transaction. The handler's transaction without the middleware (BEGIN,
+// INSERT, COMMIT, on the same pool) is the baseline: in two commits the
+// layer adds one round trip to it, the claim, since the key's completion
+// travels with the COMMIT; in one transaction none, since the claim
+// travels with the BEGIN. A replay in two commits is one round trip for a
+// retry (a first-sent time a minute old): the read of the key's row, sent
+// with the insert that finds it there; two without (the insert, then the
+// read). In one transaction it is two: the claim, sent with the BEGIN, and
+// the ROLLBACK of that transaction. Each mode runs a first request beforehand, so that
+// the statements are prepared on the pool's one connection.
 func TestRoundTrips(t *testing.T) {
 	ctx := context.Background()
-	const wantReplay = 2
-
 	rt := &roundTrips{}
 	s, pool := newStore(t, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = 1
 		cfg.ConnConfig.Tracer = rt
 	})
-	var last int64
-	for i := range 2 {
-		rt.since(&last)
-		if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint("plain", i))
-			return err
-		}); err != nil {
-			t.Fatal(err)
-		}
-		baseline := rt.since(&last)
+	for _, mode := range []struct {
+		name                                         string
+		claim                                        func(idempotency.ClaimRequest) (idempotency.ClaimResult, error)
+		wantClaim, wantFirst, wantReplay, wantUnsent int64
+	}{
+		{"two commits", func(r idempotency.ClaimRequest) (idempotency.ClaimResult, error) { return s.Claim(ctx, r) }, 1, 4, 1, 2},
+		{"one transaction", func(r idempotency.ClaimRequest) (idempotency.ClaimResult, error) { return s.ClaimInTx(ctx, r) }, 1, 3, 2, 2},
+	} {
+		var last int64
+		for i := range 2 {
+			rt.since(&last)
+			if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				_, err := tx.Exec(ctx, `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprint(mode.name, "-plain", i))
+				return err
+			}); err != nil {
+				t.Fatal(err)
+			}
+			baseline := rt.since(&last)
 
-		r := req(fmt.Sprint("key-", i), "a")
-		c := mustClaim(t, s, r, idempotency.Claimed).Claim
-		claim := rt.since(&last)
-		tx, hctx := unitOf(t, s, c)
-		if err := write(hctx, fmt.Sprint("w", i)); err != nil {
-			t.Fatal(err)
-		}
-		handler := rt.since(&last)
-		if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
-			t.Fatal(err)
-		}
-		complete := rt.since(&last)
-		mustClaim(t, s, r, idempotency.Exists)
-		replay := rt.since(&last)
-		if i == 0 {
-			continue // statements prepared meanwhile
-		}
-		first := claim + handler + complete
-		t.Logf("round trips: %d for the handler's transaction alone; %d for a first execution "+
-			"(claim %d, handler %d, completion and COMMIT %d); %d for a replay",
-			baseline, first, claim, handler, complete, replay)
-		if baseline != 3 {
-			t.Errorf("the handler's transaction alone took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", baseline)
-		}
-		if claim != 1 || handler > 2 || complete != 1 || first > baseline+1 {
-			t.Errorf("a first execution took %d round trips (claim %d, handler's BEGIN and INSERT %d, completion and COMMIT %d); "+
-				"want 1, at most 2, 1: at most %d", first, claim, handler, complete, baseline+1)
-		}
-		if replay != wantReplay {
-			t.Errorf("a replay took %d round trips, want %d", replay, wantReplay)
+			r := req(fmt.Sprint(mode.name, "-key-", i), "a")
+			res, err := mode.claim(r)
+			if err != nil || res.Outcome != idempotency.Claimed {
+				t.Fatalf("%s: claim: %v, %v; want Claimed", mode.name, res.Outcome, err)
+			}
+			claim := rt.since(&last)
+			tx, hctx := unitOf(t, s, res.Claim)
+			if err := write(hctx, fmt.Sprint(mode.name, "-w", i)); err != nil {
+				t.Fatal(err)
+			}
+			handler := rt.since(&last)
+			if err := tx.Complete(ctx, created(fmt.Sprint("ord_", i))); err != nil {
+				t.Fatal(err)
+			}
+			complete := rt.since(&last)
+			resent := r
+			resent.FirstSent.Sent = time.Now().Add(-time.Minute).Truncate(time.Second)
+			if res, err := mode.claim(resent); err != nil || res.Outcome != idempotency.Exists {
+				t.Fatalf("%s: replay: %v, %v; want Exists", mode.name, res.Outcome, err)
+			}
+			replay := rt.since(&last)
+			if res, err := mode.claim(r); err != nil || res.Outcome != idempotency.Exists {
+				t.Fatalf("%s: replay without a first-sent time: %v, %v; want Exists", mode.name, res.Outcome, err)
+			}
+			unsent := rt.since(&last)
+			if i == 0 {
+				continue // statements prepared meanwhile
+			}
+			first := claim + handler + complete
+			t.Logf("%s: round trips: %d for the handler's transaction alone; %d for a first execution "+
+				"(claim %d, handler %d, completion and COMMIT %d); %d for a replay",
+				mode.name, baseline, first, claim, handler, complete, replay)
+			if baseline != 3 {
+				t.Errorf("the handler's transaction alone took %d round trips, want 3 (BEGIN, INSERT, COMMIT)", baseline)
+			}
+			if claim != mode.wantClaim || complete != 1 || first != mode.wantFirst {
+				t.Errorf("%s: a first execution took %d round trips (claim %d, handler %d, completion and COMMIT %d); want %d (claim %d, completion 1)",
+					mode.name, first, claim, handler, complete, mode.wantFirst, mode.wantClaim)
+			}
+			if replay != mode.wantReplay || unsent != mode.wantUnsent {
+				t.Errorf("%s: a replay took %d round trips, %d without a first-sent time; want %d, %d",
+					mode.name, replay, unsent, mode.wantReplay, mode.wantUnsent)
+			}
 		}
 	}
 }

@@ -151,13 +151,15 @@ UNION ALL
 ` + busyAbsentRow
 
 // ClaimInsertSQL is the claim that Claim runs first (for a request whose
-// first-sent check is not stale, which must not insert the key): a plain insert of the key's row, started, which inserts
-// nothing when the key has a row. A new key, the common case, costs
-// PostgreSQL the insert alone: no read of the row first, no subquery, no
-// CTE to set up (a sixth less CPU than a statement that reads the row and
-// inserts it when it is absent; see bench/pgcost). It returns the new token
-// and operation ID, or no row, and then Claim reads the row with
-// ClaimReadSQL. It inserts nothing either while a claim in one transaction
+// first-sent check is not stale, which must not insert the key), sent
+// after ClaimPeekSQL in the same round trip: a plain insert of the key's
+// row, started, which inserts nothing when the key has a row. A new key,
+// the common case, costs PostgreSQL the insert and the peek's index probe
+// that finds nothing: no subquery, no CTE around the insert (a sixth less
+// CPU than a statement that reads the row and inserts it when it is
+// absent; see bench/pgcost). It returns the new token and operation ID,
+// or no row, and then the peek's row answers (or ClaimReadSQL, when the
+// peek found none). It inserts nothing either while a claim in one transaction
 // holds the key (its advisory lock, keyLockExpr, taken exclusive; the
 // insert tries it shared, so that claims in commits of their own do not
 // hold one another off, and holds it only to its own commit): a route
@@ -174,15 +176,14 @@ WHERE pg_try_advisory_xact_lock_shared(` + keyLockExpr + `)
 ON CONFLICT (client_id, idempotency_key) DO NOTHING
 RETURNING lock_token, operation_id::text`
 
-// ClaimReadSQL reads the row of a key that ClaimInsertSQL could not insert,
-// or that a stale request claims: outcome 3 (Exists), or 4 (Refused),
-// flagged (lost) when ClaimSQL would renew it (expired, free or stale), in
-// which case the caller runs ClaimSQL; outcome 4 for a stale request whose
-// key is absent; no row for any other absent key (deleted since the insert
-// failed), which ClaimSQL then inserts. So a replay and a duplicate of a
-// live key cost two statements, the failed insert and this read, and only a
-// key that is taken over, resumed or replaced costs three. Same parameters
-// and rows as ClaimSQL.
+// ClaimReadSQL reads the row of a key that ClaimInsertSQL could not insert
+// and ClaimPeekSQL did not find, or that a stale request claims: outcome
+// 3 (Exists), or 4 (Refused), flagged (lost) when ClaimSQL would renew it
+// (expired, free or stale), in which case the caller runs ClaimSQL;
+// outcome 4 for a stale request whose key is absent; outcome 5 (Busy) for
+// a key a claim in one transaction holds; no row for any other absent key
+// (deleted since the insert failed), which ClaimSQL then inserts. Same
+// parameters and rows as ClaimSQL.
 const ClaimReadSQL = `
 WITH ` + existingCTE + `, typed AS (
     SELECT $3::text, $4::text, $6::bigint, $7::bigint, $8::uuid -- unused: typed for the prepared statement
@@ -192,6 +193,19 @@ UNION ALL
 ` + refusedAbsentRow + `
 UNION ALL
 ` + busyAbsentRow
+
+// ClaimPeekSQL reads the row of a key as ClaimReadSQL does, for a claim
+// that inserts the key in the same round trip (ClaimInsertSQL, sent after
+// it): outcome 3, flagged when ClaimSQL would renew it, or 4; no row for
+// a key that has none, which the insert claims. Its snapshot is taken
+// before the insert, so it costs a new key an index probe that finds
+// nothing, and answers a replay or a duplicate without a second round
+// trip. Same parameters and rows as ClaimSQL.
+const ClaimPeekSQL = `
+WITH ` + existingCTE + `, typed AS (
+    SELECT $3::text, $4::text, $6::bigint, $7::bigint, $8::uuid -- unused: typed for the prepared statement
+)
+` + existingRow
 
 // The parts that ClaimSQL, ClaimReadSQL and ClaimTxSQL share. existingCTE reads the
 // key's row without locking it, with what ClaimSQL may do with it:

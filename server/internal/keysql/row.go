@@ -53,6 +53,15 @@ func ClaimArgs(req idempotency.ClaimRequest) []any {
 		Micros(req.LockTimeout), Micros(req.Retention), req.OperationID(), req.FirstSent.Stale, earliest}
 }
 
+// Resent reports whether req is a retry, by its first-sent time: a second
+// or more before now (the time is sent to the second). A retry's key has a
+// row more often than not (a replay, a duplicate), and a store reads it
+// with the claim (ClaimPeekSQL); a first attempt's has none. A client
+// clock that runs late or early only moves the cost of a read.
+func Resent(req idempotency.ClaimRequest, now time.Time) bool {
+	return !req.FirstSent.Sent.IsZero() && now.Sub(req.FirstSent.Sent) >= time.Second
+}
+
 // Micros returns d in microseconds for a lease or retention column: 0
 // (never) for zero or less, at least 1 otherwise.
 func Micros(d time.Duration) int64 {
