@@ -103,6 +103,12 @@ func paymentBody(n int64) []byte {
 // post sends POST to the route (/v1/payments) with key ("" for none) and reads the answer
 // to the end.
 func (c *client) post(ctx context.Context, key string, body []byte) outcome {
+	return c.postSent(ctx, key, "", body)
+}
+
+// postSent is post with a Repeatability-First-Sent header of firstSent
+// ("" for none), as idem's Transport sends on every attempt.
+func (c *client) postSent(ctx context.Context, key, firstSent string, body []byte) outcome {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base+c.path, bytes.NewReader(body))
 	if err != nil {
 		return outcome{err: err}
@@ -111,6 +117,9 @@ func (c *client) post(ctx context.Context, key string, body []byte) outcome {
 	req.Header["Content-Type"] = []string{"application/json"}
 	if key != "" {
 		req.Header["Idempotency-Key"] = []string{key}
+	}
+	if firstSent != "" {
+		req.Header["Repeatability-First-Sent"] = []string{firstSent}
 	}
 	resp, err := c.http.Do(req)
 	if err != nil {

@@ -237,7 +237,9 @@ func (r *runner) first(ctx context.Context, base, name string) (result, error) {
 	return r.summarize(name, t, w, commits), nil
 }
 
-// replay creates replayKeys payments, then measures retries of them.
+// replay creates replayKeys payments, then measures retries of them. Each
+// key is sent with the first-sent time of its creation, and retried with
+// it, as idem's Transport does.
 func (r *runner) replay(ctx context.Context) (result, error) {
 	c := r.client(r.url)
 	defer c.close()
@@ -246,6 +248,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 	for i := range keys {
 		keys[i] = uuid.NewString()
 	}
+	sent := time.Now().UTC().Format(http.TimeFormat)
 	// Create them, untimed, with the same concurrency.
 	errs := make(chan error, r.cfg.concurrency)
 	var next sync.Mutex
@@ -261,7 +264,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 				if k >= n || ctx.Err() != nil {
 					return
 				}
-				if o := c.post(ctx, keys[k], paymentBody(int64(k))); o.status != http.StatusCreated {
+				if o := c.postSent(ctx, keys[k], sent, paymentBody(int64(k))); o.status != http.StatusCreated {
 					errs <- fmt.Errorf("creating the keys to replay: %s", describe(o))
 					return
 				}
@@ -278,7 +281,7 @@ func (r *runner) replay(ctx context.Context) (result, error) {
 	commits, err := r.countCommits(ctx, w, pidOf(r.srv), r.url, func() {
 		t = drive(ctx, r.cfg.concurrency, w, int64(r.cfg.maxRequests), func(ctx context.Context, _ int, seq int64) outcome {
 			k := int(seq % int64(n))
-			return c.post(ctx, keys[k], paymentBody(int64(k)))
+			return c.postSent(ctx, keys[k], sent, paymentBody(int64(k)))
 		}, isStatus(http.StatusCreated, true))
 	})
 	if err != nil {
