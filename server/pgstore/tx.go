@@ -370,7 +370,7 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	if u.inTx == nil {
 		// The completion travelled with the COMMIT, and may not have run
 		// yet (the batch still on its way, or waiting on the server for a
-		// lock): a read would not wait for it (TestLostBatchBeforeItRuns).
+		// lock): a read would not wait for it.
 		// Release the key under the claim's token first: a completion
 		// that runs later is fenced and commits nothing; one that ran
 		// holds the key's row until its transaction ends, and the release

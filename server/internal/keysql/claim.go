@@ -11,25 +11,15 @@ const (
 	// after its lease runs out, a finished one retention after it
 	// finished; never without a retention, nor while started without a
 	// lease. expires_at is not the expiry but a bound below it, which the
-	// purge walks in its index: this package writes the claim's time plus
-	// the retention (NULL while started without a lease, or without a
-	// retention), which is never after the expiry, and leaves it alone
-	// afterwards, so that a renewal, a completion and a release change no
-	// column of the primary key's index or of expires_at's, so the
-	// updates are HOT, adding nothing to any index, when the page has
-	// room; with the open keys' index (CreateOpenKeysIndex), which reads
-	// status and locked_at, none is, and PostgreSQL still deletes the
-	// other indexes' stale entries bottom-up: see pgstore's
-	// TestFinishIsHOT and its converse) (a completion lowers it to the expiry of a key
-	// whose expires_at is later, or sets it on one whose expires_at is
-	// NULL: a key claimed without a lease, or by a replica of the previous
-	// release, which wrote the expiry itself, as finishedExpiryExpr did).
-	// The greatest() covers every other writer: replicas of the previous
-	// release, which write the expiry itself, and those of an idem-server
-	// from before pgstore, which claim, take over, resume, complete
-	// and release keys without touching expires_at (see
-	// schema/legacy_replicas.sql), while they serve beside this one during
-	// a rolling upgrade; their rows and this package's read the same.
+	// purge walks in its index: the claim writes its time plus the
+	// retention (NULL while started without a lease, or without a
+	// retention), a completion or a release may only lower it
+	// (finishedSetExpr), and nothing else moves it, so a renewal, a
+	// completion and a release change no indexed column and can be HOT
+	// updates (without the open keys' index, which reads status and
+	// locked_at). As expires_at is never after the computed expiry, the
+	// greatest() in expiryTimeExpr returns the computed one; an operator's
+	// expiry (ExpireSQL) moves both into the past.
 	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
         AND ` + expiryTimeExpr + ` < statement_timestamp())`
 	// expiryTimeExpr is when k starts counting as absent, for a key that

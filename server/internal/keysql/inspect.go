@@ -3,12 +3,9 @@ package keysql
 // More expressions over a key row k (see staleExpr).
 const (
 	// finishedExpr is when k was completed or released; NULL while
-	// started. This package sets locked_at when a key finishes (see
-	// finishedSetExpr); a replica of the previous release set expires_at
-	// to the retention after it finished and left locked_at at the last
-	// renewal; the later of the two is the time it finished, whichever
-	// wrote the row (expires_at less the retention is never later than
-	// the finish for a row this package finished).
+	// started. A key's locked_at is set when it finishes (see
+	// finishedSetExpr), and expires_at less the retention is never later
+	// than that; an operator's expiry (ExpireSQL) moves both back.
 	finishedExpr = `(CASE WHEN k.status <> 'started'
         THEN greatest(k.locked_at, k.expires_at - k.retention_us * interval '1 microsecond') END)`
 	// releasedAtExpr is when a released k was released, or its last
