@@ -384,7 +384,7 @@ func (m *middleware) admitKey(w http.ResponseWriter, r *http.Request) (req Claim
 	if m.ttl != "" {
 		w.Header().Set(RetentionHeader, m.ttl)
 	}
-	log = m.log.With("client", clientID, "key", key, "method", r.Method, "path", r.URL.Path)
+	log = newRequestLog(m.log, clientID, key, r.Method, r.URL.Path)
 	firstSent, bad := m.firstSentCheck(r)
 	if bad != "" {
 		m.refuse(w, r, http.StatusBadRequest, ProblemInvalidRequest, bad)
@@ -821,7 +821,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	switch err := tx.Complete(detached, resp); {
 	case err == nil:
 		m.event(EventCompleted)
-		log.Debug("idempotency: outcome stored", "status", status, "operation", claim.OperationID)
+		// Attrs, not key-value pairs, which would be boxed even when the
+		// level is off.
+		log.LogAttrs(detached, slog.LevelDebug, "idempotency: outcome stored", slog.Int("status", status), slog.String("operation", claim.OperationID))
 		writeRecorded(w, rec)
 	case errors.Is(err, ErrFenced):
 		m.event(EventFenced)
