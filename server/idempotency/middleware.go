@@ -251,7 +251,7 @@ func New(store Store, opts Options) (func(http.Handler) http.Handler, error) {
 		return nil, fmt.Errorf("idempotency: Options.FirstSentSkew %v must be positive and less than half the Retention (%v)", opts.FirstSentSkew, m.retention)
 	}
 	if m.retention > 0 {
-		m.ttl = strconv.FormatInt(int64(math.Ceil(m.retention.Seconds())), 10)
+		m.ttl = retentionSeconds(m.retention)
 	}
 	m.clientID = opts.ClientID
 	if m.clientID == nil {
@@ -284,6 +284,14 @@ func (m *middleware) wrap(next http.Handler) http.Handler {
 		}
 		m.serve(w, r, next)
 	})
+}
+
+// retentionKey is [RetentionHeader] as a key of http.Header.
+var retentionKey = http.CanonicalHeaderKey(RetentionHeader)
+
+// retentionSeconds returns the value of [RetentionHeader] for a retention.
+func retentionSeconds(d time.Duration) string {
+	return strconv.FormatInt(int64(math.Ceil(d.Seconds())), 10)
 }
 
 // durationOpt maps an option to a store argument: zero takes the default,
@@ -380,9 +388,15 @@ func (m *middleware) admitKey(w http.ResponseWriter, r *http.Request) (req Claim
 		m.refuseKey(w, r, err)
 		return req, nil, false
 	}
-	w.Header().Set(m.keyHeader, strings.Trim(values[0], " \t"))
+	// Set as Header.Set would (both names are canonical), the values in
+	// one allocation.
+	h := w.Header()
+	vs := make([]string, 2)
+	vs[0] = strings.Trim(values[0], " \t")
+	h[m.keyHeader] = vs[0:1:1]
 	if m.ttl != "" {
-		w.Header().Set(RetentionHeader, m.ttl)
+		vs[1] = m.ttl
+		h[retentionKey] = vs[1:2:2]
 	}
 	log = newRequestLog(m.log, clientID, key, r.Method, r.URL.Path)
 	firstSent, bad := m.firstSentCheck(r)
@@ -576,9 +590,12 @@ func (m *middleware) answerRecord(w http.ResponseWriter, r *http.Request, rec *R
 	// The key's own retention, as stored with it, whatever this
 	// replica's: a replay, a 409 or a 422 tells the client how long
 	// this key is kept.
-	if rec.Retention > 0 {
-		w.Header().Set(RetentionHeader, strconv.FormatInt(int64(math.Ceil(rec.Retention.Seconds())), 10))
-	} else {
+	switch {
+	case rec.Retention == m.retention:
+		// Set already (see admitKey).
+	case rec.Retention > 0:
+		w.Header().Set(RetentionHeader, retentionSeconds(rec.Retention))
+	default:
 		w.Header().Del(RetentionHeader)
 	}
 	if !bytes.Equal(rec.Fingerprint, req.Fingerprint) {

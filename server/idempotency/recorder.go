@@ -15,6 +15,8 @@ type recorder struct {
 	status      int
 	body        bytes.Buffer
 	wroteHeader bool
+	// length backs the Content-Length that writeRecorded sets.
+	length [1]string
 }
 
 func newRecorder() *recorder { return &recorder{header: make(http.Header)} }
@@ -99,7 +101,8 @@ func writeRecorded(w http.ResponseWriter, rec *recorder) {
 		h[name] = values
 	}
 	if bodyAllowed(rec.status) {
-		h.Set("Content-Length", strconv.Itoa(rec.body.Len()))
+		rec.length[0] = strconv.Itoa(rec.body.Len())
+		h["Content-Length"] = rec.length[:]
 	}
 	w.WriteHeader(rec.status)
 	w.Write(rec.body.Bytes())
@@ -110,26 +113,41 @@ func writeRecorded(w http.ResponseWriter, rec *recorder) {
 // holds, a replay writes no credential, no framing header and no key
 // header, which w carries already as the request sent it.
 func writeStored(w http.ResponseWriter, resp *StoredResponse, p *keepPolicy) {
-	h := w.Header()
+	// The values are set as Header.Set would, in one allocation.
+	h := headerSetter{h: w.Header(), values: make([]string, 0, len(resp.Header)+3)}
 	for name, value := range resp.Header {
 		if p.replays(name) {
-			h.Set(name, value)
+			h.set(http.CanonicalHeaderKey(name), value)
 		}
 	}
 	if resp.ContentType != "" {
-		h.Set("Content-Type", resp.ContentType)
+		h.set("Content-Type", resp.ContentType)
 	} else if len(resp.Body) > 0 {
 		// The recorder gives every body a Content-Type unless the handler
 		// suppressed it (net/http's nil value): suppress it again, or
 		// net/http would sniff one the first response did not have.
-		h["Content-Type"] = nil
+		h.h["Content-Type"] = nil
 	}
 	if bodyAllowed(resp.Status) {
-		h.Set("Content-Length", strconv.Itoa(len(resp.Body)))
+		h.set("Content-Length", strconv.Itoa(len(resp.Body)))
 	}
-	h.Set("Idempotent-Replayed", "true")
+	h.set("Idempotent-Replayed", "true")
 	w.WriteHeader(resp.Status)
 	w.Write(resp.Body)
+}
+
+// headerSetter sets header values, each in its own slice of values, which
+// it grows only past its capacity.
+type headerSetter struct {
+	h      http.Header
+	values []string
+}
+
+// set sets name, which is canonical, to value.
+func (s *headerSetter) set(name, value string) {
+	s.values = append(s.values, value)
+	n := len(s.values)
+	s.h[name] = s.values[n-1 : n : n]
 }
 
 // bodyAllowed reports whether a response with this status has a body.
