@@ -9,18 +9,19 @@ import (
 )
 
 // keepLease renews the lease of c on store every third of lease until the
-// returned stop is called; stop waits for a renewal under way to end. It
+// returned keeper's stop is called, which waits for a renewal under way
+// to end. It
 // is how the owner of a key (a request's handler, a [Sweeper]'s hook)
 // keeps it for as long as it works. A renewal that finds the key taken
 // over cancels ctx's work through cancel with [ErrLeaseLost] and stops
 // renewing. A renewal that fails otherwise (the store unreachable) is
 // logged and tried again at the next tick: the lease runs out only when
 // no renewal reaches the store for a whole lease. A lease of zero or less
-// never runs out, and is not renewed. event receives [EventRenewed] and
-// [EventLeaseLost].
-func keepLease(ctx context.Context, store Store, c Claim, lease time.Duration, cancel context.CancelCauseFunc, event func(Event), log *slog.Logger) (stop func()) {
+// never runs out, and is not renewed: keepLease returns nil, whose stop
+// does nothing. event receives [EventRenewed] and [EventLeaseLost].
+func keepLease(ctx context.Context, store Store, c Claim, lease time.Duration, cancel context.CancelCauseFunc, event func(Event), log *slog.Logger) *leaseKeeper {
 	if lease <= 0 {
-		return func() {}
+		return nil
 	}
 	// The renewals outlive the client (like the completion) but not the
 	// owner's work: stop cancels the one under way. No goroutine runs
@@ -31,7 +32,7 @@ func keepLease(ctx context.Context, store Store, c Claim, lease time.Duration, c
 	k.mu.Lock()
 	k.timer = time.AfterFunc(k.period, k.renew)
 	k.mu.Unlock()
-	return k.stop
+	return k
 }
 
 // leaseKeeper is the state of keepLease's renewals.
@@ -103,8 +104,11 @@ func (k *leaseKeeper) renewOnce(rctx context.Context) bool {
 }
 
 // stop ends the renewals: none starts after it, and it waits for the one
-// under way, which it cancels, to end.
+// under way, which it cancels, to end. On nil, it does nothing.
 func (k *leaseKeeper) stop() {
+	if k == nil {
+		return
+	}
 	k.mu.Lock()
 	k.stopped = true
 	k.timer.Stop()

@@ -230,6 +230,7 @@ func New(store Store, opts Options) (func(http.Handler) http.Handler, error) {
 		return nil, fmt.Errorf("idempotency: Options.BodyFormat %d is not a format this package knows", opts.BodyFormat)
 	}
 	m := &middleware{store: store, opts: opts, claim: store.Claim}
+	m.onEvent = m.event
 	if tc, ok := store.(TxClaimer); ok && opts.OneTransaction {
 		m.claim = tc.ClaimInTx
 	}
@@ -324,7 +325,8 @@ type middleware struct {
 	keep            keepPolicy
 	clientID        func(*http.Request) (string, bool)
 	log             *slog.Logger
-	nested          sync.Once // logs a Middleware nested in another once
+	nested          sync.Once   // logs a Middleware nested in another once
+	onEvent         func(Event) // m.event, made once rather than per request
 }
 
 func (m *middleware) event(e Event) {
@@ -778,9 +780,9 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}
 	// The handler reads the client the key is scoped by, however the
 	// service authenticates ([Options.ClientID] included).
-	ctx, cancel := context.WithCancelCause(WithClientID(NewContext(r.Context(), claim, tx), claim.ClientID))
+	ctx, cancel := context.WithCancelCause(newRunContext(r.Context(), claim, tx))
 	defer cancel(nil)
-	stopRenewing := m.renew(ctx, claim, cancel, log)
+	lease := m.renew(ctx, claim, cancel, log)
 	rec := newRecorder()
 	returned := false
 	defer func() {
@@ -788,7 +790,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 			return
 		}
 		// The handler panicked (or called runtime.Goexit).
-		stopRenewing()
+		lease.stop()
 		p := recover()
 		if p != http.ErrAbortHandler {
 			log.Error("idempotency: handler panicked", "panic", p)
@@ -800,7 +802,7 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 	}()
 	next.ServeHTTP(rec, r.WithContext(ctx))
 	returned = true
-	stopRenewing()
+	lease.stop()
 
 	if !rec.wroteHeader && rec.body.Len() == 0 && ctx.Err() != nil {
 		// The handler answered nothing, its context done (the client
@@ -860,11 +862,11 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 }
 
 // renew renews the claim's lease while the handler runs (see keepLease).
-func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) (stop func()) {
+func (m *middleware) renew(ctx context.Context, c Claim, cancel context.CancelCauseFunc, log *slog.Logger) *leaseKeeper {
 	if c.OneTransaction { // no lease to renew
-		return func() {}
+		return nil
 	}
-	return keepLease(ctx, m.store, c, m.lockTimeout, cancel, m.event, log)
+	return keepLease(ctx, m.store, c, m.lockTimeout, cancel, m.onEvent, log)
 }
 
 // storable reports whether a handler's status is the key's final outcome.

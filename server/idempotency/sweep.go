@@ -350,8 +350,8 @@ func (s *Sweeper) stored(resp StoredResponse, log *slog.Logger) (StoredResponse,
 func (s *Sweeper) call(ctx context.Context, c Claim, tx Tx, k KeyInfo, lease time.Duration, log *slog.Logger) (st Settlement, err error) {
 	hctx, cancel := context.WithCancelCause(WithClientID(NewContext(ctx, c, tx), c.ClientID))
 	defer cancel(nil)
-	stop := keepLease(hctx, s.Store, c, lease, cancel, s.event, log)
-	defer stop()
+	lk := keepLease(hctx, s.Store, c, lease, cancel, s.event, log)
+	defer lk.stop()
 	defer func() {
 		if p := recover(); p != nil {
 			err = fmt.Errorf("idempotency: the sweep hook panicked: %v", p)
