@@ -474,7 +474,7 @@ func (m *middleware) admitBody(w http.ResponseWriter, r *http.Request, req *Clai
 		return nil, false
 	}
 	if m.opts.Validate != nil {
-		r.Body = io.NopCloser(bytes.NewReader(body))
+		setBody(r, body)
 		if !m.opts.Validate(w, r) {
 			m.event(EventRejected)
 			return nil, false
@@ -578,9 +578,7 @@ func (m *middleware) owned(w http.ResponseWriter, r *http.Request, next http.Han
 		m.notRun(w, r)
 		return
 	}
-	r.Body = io.NopCloser(bytes.NewReader(body))
-	r.ContentLength = int64(len(body))
-	r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	setBody(r, body)
 	m.run(w, r, next, res.Claim, log)
 }
 
@@ -756,11 +754,56 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, e
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
+	if n := r.ContentLength; n > 0 && (m.maxBody <= 0 || n <= m.maxBody) {
+		return readAll(r.Body, n, m.maxBody)
+	}
 	body := r.Body
 	if m.maxBody > 0 {
 		body = http.MaxBytesReader(w, r.Body, m.maxBody)
 	}
 	return io.ReadAll(body)
+}
+
+// readAll reads body, whose length is declared as n, in one allocation of
+// n bytes and one more, so that the read of its end needs no other. It
+// reads no more than limit bytes when limit is positive: a body longer
+// than it is said to be (which net/http's server never hands over) gets
+// the error of [http.MaxBytesReader].
+func readAll(body io.Reader, n, limit int64) ([]byte, error) {
+	b := make([]byte, 0, n+1)
+	for {
+		k, err := body.Read(b[len(b):cap(b)])
+		b = b[:len(b)+k]
+		if limit > 0 && int64(len(b)) > limit {
+			return b[:limit], &http.MaxBytesError{Limit: limit}
+		}
+		switch {
+		case err == io.EOF:
+			return b, nil
+		case err != nil:
+			return b, err
+		case len(b) == cap(b):
+			b = append(b, 0)[:len(b)]
+		}
+	}
+}
+
+// bufferedBody is a request body read whole, handed to the handler.
+type bufferedBody struct{ bytes.Reader }
+
+func (*bufferedBody) Close() error { return nil }
+
+// setBody hands body, read whole, to [Options.Validate] or the handler as
+// the request's body, rewound if it is already; GetBody returns it again.
+func setBody(r *http.Request, body []byte) {
+	b, ok := r.Body.(*bufferedBody)
+	if !ok {
+		b = new(bufferedBody)
+		r.Body = b
+		r.GetBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(body)), nil }
+	}
+	b.Reset(body)
+	r.ContentLength = int64(len(body))
 }
 
 // run serves a request that owns its key and decides what becomes of it.

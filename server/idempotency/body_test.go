@@ -1,0 +1,68 @@
+package idempotency
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+)
+
+// TestHandlerGetsTheBodyReadWhole checks what the handler of a claimed
+// key gets of the body the middleware read: the same bytes, its length,
+// and GetBody for another copy, whatever Content-Length the request
+// declared (net/http's server holds a body to it; a caller in process
+// may not).
+func TestHandlerGetsTheBodyReadWhole(t *testing.T) {
+	body := `{"amount":4200,"currency":"usd"}`
+	for _, tc := range []struct {
+		name     string
+		declared int64
+	}{
+		{"declared", int64(len(body))},
+		{"unknown", -1},
+		{"declared shorter", 5},
+		{"declared longer", 100},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var got, again string
+			var length int64
+			h := testHandler(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+				b, _ := io.ReadAll(r.Body)
+				got, length = string(b), r.ContentLength
+				rc, err := r.GetBody()
+				if err != nil {
+					t.Fatal(err)
+				}
+				b, _ = io.ReadAll(rc)
+				again = string(b)
+				w.WriteHeader(http.StatusCreated)
+			})
+			req := keyed("k", body).request(t, "")
+			req.ContentLength = tc.declared
+			if r := serveRequest(t, h, req); r.status != http.StatusCreated {
+				t.Fatalf("status %d: %s", r.status, r.body)
+			}
+			if got != body || again != body || length != int64(len(body)) {
+				t.Errorf("handler read %q (Content-Length %d), GetBody %q; want %q (%d)", got, length, again, body, len(body))
+			}
+		})
+	}
+}
+
+// TestBodyOverTheLimitIsRefusedWhateverItDeclares checks that a body over
+// MaxBodyBytes gets 413 also when its declared Content-Length is under
+// the limit.
+func TestBodyOverTheLimitIsRefusedWhateverItDeclares(t *testing.T) {
+	for _, declared := range []int64{10, 64, -1, 1000} {
+		h := testHandler(t, NewMemoryStore(), Options{MaxBodyBytes: 64}, func(w http.ResponseWriter, r *http.Request) {
+			t.Error("the handler ran")
+		})
+		req := httptest.NewRequest("POST", "/v1/payments", strings.NewReader(`"`+strings.Repeat("x", 100)+`"`))
+		req.Header.Set("Idempotency-Key", "k")
+		req.ContentLength = declared
+		if r := serveRequest(t, h, req); r.status != http.StatusRequestEntityTooLarge {
+			t.Errorf("declared %d: status %d, want 413", declared, r.status)
+		}
+	}
+}
