@@ -9,6 +9,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 )
 
 func BenchmarkFingerprint(b *testing.B) {
@@ -106,6 +107,7 @@ func BenchmarkKeyedRequest(b *testing.B) {
 	base := httptest.NewRequestWithContext(ctx, "POST", "/v1/payments", nil)
 	base.Header.Set("Content-Type", "application/json")
 	base.Header.Set("Idempotency-Key", "k")
+	base.Header.Set("Repeatability-First-Sent", time.Now().UTC().Format(http.TimeFormat))
 	base.ContentLength = int64(len(body))
 	var rd strings.Reader
 	w := &discardWriter{header: make(http.Header)}
