@@ -1,9 +1,13 @@
 package idempotency
 
 import (
+	"encoding/binary"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
+
+	"github.com/google/uuid"
 )
 
 // TestOperationID checks that a claim request's operation ID is derived
@@ -52,6 +56,31 @@ func TestOperationID(t *testing.T) {
 			t.Errorf("%s derived the operation ID of %s (%s)", name, prev, id)
 		}
 		seen[id] = name
+	}
+}
+
+// TestOperationIDIsUUIDv5 checks the derivation against google/uuid's
+// version 5 UUIDs, for fields short enough to hash on the stack and for
+// longer ones.
+func TestOperationIDIsUUIDv5(t *testing.T) {
+	sent := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
+	for _, req := range []ClaimRequest{
+		{ClientID: "cli_a", Key: "k1", Fingerprint: []byte("fp")},
+		{ClientID: "cli_a", Key: "k1", Fingerprint: []byte("fp"), FirstSent: FirstSentCheck{Sent: sent}},
+		{ClientID: strings.Repeat("c", 400), Key: strings.Repeat("k", 255), Fingerprint: make([]byte, 32),
+			FirstSent: FirstSentCheck{Sent: sent}},
+	} {
+		var b []byte
+		for _, f := range [][]byte{[]byte(req.ClientID), []byte(req.Key), req.Fingerprint} {
+			b = binary.AppendUvarint(b, uint64(len(f)))
+			b = append(b, f...)
+		}
+		if !req.FirstSent.Sent.IsZero() {
+			b = binary.AppendVarint(b, req.FirstSent.Sent.Unix())
+		}
+		if got, want := req.OperationID(), uuid.NewSHA1(operationSpace, b).String(); got != want {
+			t.Errorf("OperationID() of a %d-byte client id = %s, want uuid.NewSHA1's %s", len(req.ClientID), got, want)
+		}
 	}
 }
 

@@ -2,6 +2,7 @@ package idempotency
 
 import (
 	"context"
+	"crypto/sha1"
 	"encoding/binary"
 	"encoding/json"
 	"errors"
@@ -149,15 +150,25 @@ var operationSpace = uuid.MustParse("44ca1d8f-53c5-4dc9-84cc-4e4417ee037c")
 // request first sent at another time, gets another. See docs/server.md,
 // "Operation IDs", for what this gives and what it cannot.
 func (req ClaimRequest) OperationID() string {
-	var b []byte
-	for _, f := range [][]byte{[]byte(req.ClientID), []byte(req.Key), req.Fingerprint} {
-		b = binary.AppendUvarint(b, uint64(len(f)))
-		b = append(b, f...)
-	}
+	// A version 5 UUID (RFC 9562, section 5.5), as uuid.NewSHA1 makes
+	// one, hashed from a buffer on the stack: no allocation but the text.
+	var buf [512]byte
+	b := append(buf[:0], operationSpace[:]...)
+	b = binary.AppendUvarint(b, uint64(len(req.ClientID)))
+	b = append(b, req.ClientID...)
+	b = binary.AppendUvarint(b, uint64(len(req.Key)))
+	b = append(b, req.Key...)
+	b = binary.AppendUvarint(b, uint64(len(req.Fingerprint)))
+	b = append(b, req.Fingerprint...)
 	if !req.FirstSent.Sent.IsZero() {
 		b = binary.AppendVarint(b, req.FirstSent.Sent.Unix())
 	}
-	return uuid.NewSHA1(operationSpace, b).String()
+	sum := sha1.Sum(b)
+	var id uuid.UUID
+	copy(id[:], sum[:])
+	id[6] = id[6]&0x0f | 0x50 // version 5
+	id[8] = id[8]&0x3f | 0x80 // RFC 9562 variant
+	return id.String()
 }
 
 // FirstSentCheck is what the first-sent time of a request tells a
