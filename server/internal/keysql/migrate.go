@@ -3,20 +3,14 @@ package keysql
 import (
 	"context"
 	_ "embed"
-	"errors"
 	"fmt"
 	"maps"
 	"slices"
 	"strings"
-	"time"
 )
 
-var (
-	//go:embed schema/keys.sql
-	keysSQL string
-	//go:embed schema/drop_checks.sql
-	dropChecksSQL string
-)
+//go:embed schema/keys.sql
+var keysSQL string
 
 // migrateLockClass is the first key of the advisory lock Migrate holds; the
 // second is a hash of the schema being migrated, so migrations of different
@@ -25,96 +19,8 @@ const migrateLockClass = 0x1de4
 
 // schemaVersion is the format of the key table this package writes, the
 // version recorded in idempotency_migrations. Replicas refuse to start on a
-// table of a newer format, so it changes only with a change that replicas
-// of the previous format cannot serve beside; changes they can serve
-// beside are compatible steps.
+// table of a newer format.
 const schemaVersion = 1
-
-// compatibleSteps are the changes to the key table of schemaVersion that
-// replicas of the same format keep working with, so they do not change the recorded version: Migrate
-// applies each one the table lacks, as the query needed finds out, at
-// every start. needed returns one boolean. A step that is optional (the
-// stores serve the table as well without it) waits for the table's lock
-// briefly, see applyBriefly; the others wait as long as it takes.
-var compatibleSteps = []struct {
-	name, needed, sql string
-	optional          bool
-}{
-	{name: "no CHECK constraints", needed: `
-		SELECT EXISTS (SELECT FROM pg_constraint
-		WHERE conrelid = to_regclass(quote_ident(current_schema()) || '.idempotency_keys') AND contype = 'c'
-			AND conname IN ('idempotency_keys_key_check', 'idempotency_keys_status_check', 'idempotency_keys_response_check',
-				'idempotency_keys_response_status_check', 'idempotency_keys_lease_check'))`,
-		sql: dropChecksSQL, optional: true},
-	// Tables made before the fingerprint had one canonical form have a
-	// fingerprint_version column, NOT NULL, which the stores no longer write or read: its
-	// default fills it for their inserts, with the 1 that the earlier
-	// replicas, which still write and compare it, expect.
-	{name: "a default for the fingerprint version", needed: `
-		SELECT EXISTS (SELECT FROM information_schema.columns
-		WHERE table_schema = current_schema() AND table_name = 'idempotency_keys' AND column_name = 'fingerprint_version'
-			AND column_default IS NULL)`,
-		sql: `ALTER TABLE idempotency_keys ALTER COLUMN fingerprint_version SET DEFAULT 1`},
-}
-
-// The waits of an optional step for the key table's lock: each at most
-// stepLockTimeout, stepAttempts of them, stepPause apart. While an ALTER
-// TABLE waits for the lock, every statement on the table (every claim)
-// queues behind it, so the wait is short; a transaction that holds the
-// table longer (a handler's, in one transaction) leaves the step to a
-// later start of a replica.
-const (
-	stepLockTimeout = "100ms"
-	stepAttempts    = 3
-	stepPause       = 500 * time.Millisecond
-)
-
-// LockNotAvailable is the SQLSTATE of a lock not taken within
-// lock_timeout.
-const LockNotAvailable = "55P03"
-
-// applyBriefly applies the optional step sql in a savepoint of tx, waiting
-// for each lock at most stepLockTimeout, up to stepAttempts times. A step
-// it could not apply changes nothing, and is not an error: a later start
-// tries again.
-func applyBriefly(ctx context.Context, tx Conn, sql string) error {
-	var was string
-	if err := tx.QueryRow(ctx, `SELECT current_setting('lock_timeout')`, nil, &was); err != nil {
-		return err
-	}
-	for attempt := 1; ; attempt++ {
-		if err := tx.Exec(ctx, `SAVEPOINT idempotency_step`); err != nil {
-			return err
-		}
-		err := tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, stepLockTimeout)
-		if err == nil {
-			err = tx.Exec(ctx, sql)
-		}
-		var st interface{ SQLState() string }
-		if err == nil {
-			if err := tx.Exec(ctx, `RELEASE SAVEPOINT idempotency_step`); err != nil {
-				return err
-			}
-			// The setting outlives the savepoint: restore the one before.
-			return tx.Exec(ctx, `SELECT set_config('lock_timeout', $1, true)`, was)
-		}
-		if !errors.As(err, &st) || st.SQLState() != LockNotAvailable {
-			return err
-		}
-		// Rolling back to the savepoint restores lock_timeout too.
-		if err := tx.Exec(ctx, `ROLLBACK TO SAVEPOINT idempotency_step`); err != nil {
-			return err
-		}
-		if attempt == stepAttempts {
-			return nil
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(stepPause):
-		}
-	}
-}
 
 // columns is the key table of schemaVersion: each column and its type as
 // information_schema.columns.data_type names it.
@@ -158,10 +64,11 @@ type Conn interface {
 // key and idempotency_keys_expires_idx, and the table
 // idempotency_migrations, where it records the version. The open keys'
 // index is CreateOpenKeysIndex's, on request; Migrate neither creates nor
-// drops it, so a table that has it, from an earlier release, keeps it. It
-// holds a transaction-level advisory lock, so that concurrent calls apply
-// what is missing once. A table named idempotency_keys that it did not
-// create is an error naming what differs. pgstore's and sqlstore's Migrate both run it: one table, whichever store serves it.
+// drops it. It holds a transaction-level advisory lock, so that concurrent calls apply
+// what is missing once, and a second call on a table it made changes
+// nothing. A table named idempotency_keys that it did not create is an
+// error naming what differs. pgstore's and sqlstore's Migrate both run
+// it: one table, whichever store serves it.
 func Migrate(ctx context.Context, tx Conn) error {
 	if err := tx.Exec(ctx, `SELECT pg_advisory_xact_lock($1, hashtext(coalesce(current_schema(), '')))`, migrateLockClass); err != nil {
 		return err
@@ -187,24 +94,6 @@ func Migrate(ctx context.Context, tx Conn) error {
 			return err
 		}
 	}
-	for _, step := range compatibleSteps {
-		var needed bool
-		if err := tx.QueryRow(ctx, step.needed, nil, &needed); err != nil {
-			return fmt.Errorf("checking the key table for the step %q: %w", step.name, err)
-		}
-		if !needed {
-			continue
-		}
-		var err error
-		if step.optional {
-			err = applyBriefly(ctx, tx, step.sql)
-		} else {
-			err = tx.Exec(ctx, step.sql)
-		}
-		if err != nil {
-			return fmt.Errorf("applying the step %q to the key table: %w", step.name, err)
-		}
-	}
 	return nil
 }
 
@@ -215,8 +104,6 @@ func createTable(ctx context.Context, tx Conn) error {
 	if err != nil {
 		return err
 	}
-	// Kept, with a default, by a compatible step (see compatibleSteps).
-	delete(found, "fingerprint_version")
 	switch {
 	case len(found) == 0:
 		if err := tx.Exec(ctx, keysSQL); err != nil {

@@ -31,10 +31,7 @@ const (
 // CreateOpenKeysIndex holds while it builds the index; the second is a
 // hash of the schema's name, as for Migrate's lock. It is not Migrate's: a
 // Migrate waiting for it inside its transaction would keep the concurrent
-// build waiting for that transaction's end. Releases before this one held
-// it at the session level, on the build's own session; the key is the
-// same, so that a build of theirs and one of ours exclude each other
-// during a rolling upgrade.
+// build waiting for that transaction's end.
 const openIndexLockClass = migrateLockClass + 1
 
 // openIndexPoll is how often CreateOpenKeysIndex tries the lock again

@@ -42,7 +42,9 @@ CREATE TABLE idempotency_keys (
 -- 40 µs of PostgreSQL's CPU per first execution, a tenth of it (see
 -- BENCHMARKS.md). The stores are the table's only writers and check the
 -- same rules before they write (a key of 1 to 255 bytes, a status of 100
--- to 599) and when they read a row (drop_checks.sql).
+-- to 599) and when they read a row: a row that breaks one (an unknown
+-- status, a completed key without a response) is an error, never a
+-- replay.
 
 -- The purge walks this index, from the lowest bound, in bounded batches;
 -- keys that never expire (NULL) are not in it.

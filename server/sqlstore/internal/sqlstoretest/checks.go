@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -15,8 +14,8 @@ import (
 )
 
 // corruptRowsSQL inserts rows that no store writes, which the key table's
-// CHECK constraints refused before they were dropped (see keysql's
-// schema/drop_checks.sql), one per key corrupt-N: an unknown status, a
+// CHECK constraints would refuse (it has none: see keysql's
+// schema/keys.sql), one per key corrupt-N: an unknown status, a
 // completed key without a response status, one with a status outside 100
 // to 599, a started key with a response status.
 const corruptRowsSQL = `
@@ -55,42 +54,4 @@ func testCorruptRows(t *testing.T, driver string) {
 	var n int
 	require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM idempotency_keys`).Scan(&n))
 	require.Equal(t, 4, n, "rows after the claims")
-}
-
-// previousChecksSQL are the CHECK constraints of the key table as the
-// previous release created it.
-const previousChecksSQL = `ALTER TABLE idempotency_keys
-	ADD CONSTRAINT idempotency_keys_key_check CHECK (octet_length(idempotency_key) BETWEEN 1 AND 255),
-	ADD CONSTRAINT idempotency_keys_status_check CHECK (status IN ('started', 'completed', 'released')),
-	ADD CONSTRAINT idempotency_keys_response_check CHECK ((status = 'completed') = (response_status IS NOT NULL)),
-	ADD CONSTRAINT idempotency_keys_response_status_check CHECK (response_status BETWEEN 100 AND 599),
-	ADD CONSTRAINT idempotency_keys_lease_check CHECK (lease_us >= 0 AND retention_us >= 0)`
-
-// testMigrateDropsChecksWhenFree: Migrate drops the previous release's
-// CHECK constraints, but only when it gets the table's lock at once: while
-// a transaction uses the table (a request's, in one transaction), it gives
-// the lock up and succeeds without dropping them (lock_not_available, as
-// this driver reports it), and a later Migrate drops them.
-func testMigrateDropsChecksWhenFree(t *testing.T, driver string) {
-	db := Open(t, driver)
-	ctx := context.Background()
-	checks := func() (n int) {
-		t.Helper()
-		require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM pg_constraint
-			WHERE conrelid = 'idempotency_keys'::regclass AND contype = 'c'`).Scan(&n))
-		return n
-	}
-	_, err := db.ExecContext(ctx, previousChecksSQL)
-	require.NoError(t, err)
-	busy, err := db.BeginTx(ctx, nil)
-	require.NoError(t, err)
-	_, err = busy.ExecContext(ctx, `LOCK TABLE idempotency_keys IN ROW EXCLUSIVE MODE`)
-	require.NoError(t, err)
-	mctx, cancel := context.WithTimeout(ctx, time.Minute)
-	defer cancel()
-	require.NoError(t, sqlstore.Migrate(mctx, db), "Migrate while the table is in use")
-	require.Equal(t, 5, checks(), "CHECK constraints after a Migrate that could not lock the table")
-	require.NoError(t, busy.Rollback())
-	require.NoError(t, sqlstore.Migrate(ctx, db))
-	require.Equal(t, 0, checks(), "CHECK constraints after a Migrate with the table free")
 }

@@ -44,7 +44,6 @@ func Run(t *testing.T, driver string) {
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
 		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
-		{"MigrateDropsChecksWhenFree", testMigrateDropsChecksWhenFree},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
