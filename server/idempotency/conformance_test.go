@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/storetest"
@@ -30,7 +31,8 @@ func memoryBackend(t *testing.T) storetest.Backend {
 		written: make(map[string]bool),
 		pending: make(map[idempotency.Tx][]string),
 	}
-	return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written}
+	return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written,
+		Elapse: func(_ context.Context, d time.Duration) error { w.store.Elapse(d); return nil }}
 }
 
 var errNoUnitOfWork = errors.New("no unit of work of this MemoryStore in the context")

@@ -42,6 +42,7 @@ func TestConformance(t *testing.T) {
 					Written: func(ctx context.Context, name string) (bool, error) {
 						return written(ctx, pool, name)
 					},
+					Elapse: elapseAll(pool),
 				}
 			})
 		})

@@ -46,6 +46,7 @@ func TestPgBouncerConformance(t *testing.T) {
 						Written: func(ctx context.Context, name string) (bool, error) {
 							return written(ctx, pool, name)
 						},
+						Elapse: elapseAll(pool),
 					}
 				}
 			}

@@ -52,6 +52,17 @@ func makeOld(t *testing.T, pool *pgxpool.Pool, key string) {
 	}
 }
 
+// elapseAll is the storetest.Backend.Elapse of a store on pool: it moves
+// every time of every key d back, as if d had passed for them all.
+func elapseAll(pool *pgxpool.Pool) func(context.Context, time.Duration) error {
+	return func(ctx context.Context, d time.Duration) error {
+		_, err := pool.Exec(ctx, `UPDATE idempotency_keys SET created_at = created_at - $1::bigint * interval '1 microsecond',
+			locked_at = locked_at - $1::bigint * interval '1 microsecond',
+			expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+		return err
+	}
+}
+
 // elapse moves every time of cli_a's key d back, as if d had passed for
 // it: its creation, its last lock or finish, and its expiry bound.
 func elapse(t *testing.T, pool *pgxpool.Pool, key string, d time.Duration) {

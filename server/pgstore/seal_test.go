@@ -32,6 +32,7 @@ func TestConformanceSealed(t *testing.T) {
 			Written: func(ctx context.Context, name string) (bool, error) {
 				return written(ctx, pool, name)
 			},
+			Elapse: elapseAll(pool),
 		}
 	})
 }

@@ -28,6 +28,7 @@ func backend(t *testing.T) storetest.Backend {
 		Written: func(ctx context.Context, name string) (bool, error) {
 			return written(ctx, pool, name)
 		},
+		Elapse: elapseAll(pool),
 	}
 }
 

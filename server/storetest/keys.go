@@ -162,19 +162,17 @@ func testKeysScopedByClient(t *testing.T, b Backend) {
 	}
 }
 
-// stale claims req and waits until the claim's lock is older than the
-// suite's lock timeout.
+// stale claims req and ages its key past the suite's lock timeout.
 func stale(t *testing.T, b Backend, req idempotency.ClaimRequest) idempotency.Claim {
 	t.Helper()
 	c := claim(t, b.Store, req, idempotency.Claimed).Claim
-	time.Sleep(pause)
+	elapse(t, b, pause)
 	return c
 }
 
 func testTakeover(t *testing.T, b Backend) {
 	req := withLockTimeout(request("cli_a", "key-1", "a"))
 	first := stale(t, b, req)
-	start := time.Now()
 	second := claim(t, b.Store, req, idempotency.TookOver).Claim
 	if second.Token == first.Token {
 		t.Errorf("takeover kept token %d, want a new one", first.Token)
@@ -185,49 +183,27 @@ func testTakeover(t *testing.T, b Backend) {
 	if !second.Resumed {
 		t.Errorf("takeover does not read as resumed, want it: the first owner may have done work")
 	}
-	// The lock is fresh again: the next request waits, unless the machine
-	// stalled past the new lease, when a second takeover is right.
-	res := try(t, b.Store, req)
-	if !before(start, lockTimeout) {
-		t.Logf("stalled past the lock timeout after the takeover: the fresh lock cannot be judged")
-		return
-	}
-	if res.Outcome != idempotency.Exists || res.Record.Status != idempotency.StatusStarted {
-		t.Errorf("after takeover: %s (record %+v), want Exists, started", res.Outcome, res.Record)
+	// The lock is fresh again: the next request waits.
+	if rec := claim(t, b.Store, req, idempotency.Exists).Record; rec.Status != idempotency.StatusStarted {
+		t.Errorf("after takeover: status %q, want started", rec.Status)
 	}
 }
 
+// testTakeoverRace: one stale key, n takers at once: one takes it over,
+// the others find it started.
 func testTakeoverRace(t *testing.T, b Backend) {
-	// One stale key, n takers at once: one takes it over. Two takeovers
-	// are right only when the second came a lock timeout after the first,
-	// which a race that ends within the lock timeout rules out. A race the
-	// machine stretched past it (a -race build among other tests on two
-	// cores) proves nothing when it shows two, and runs again on a new key.
-	const n, attempts = 10, 5
-	for attempt := 1; ; attempt++ {
-		req := withLockTimeout(request("cli_a", fmt.Sprintf("key-%d", attempt), "a"))
-		first := stale(t, b, req)
-		start := time.Now()
-		counts, results := raceClaims(t, b.Store, n, req)
-		took := time.Since(start)
-		if counts[idempotency.TookOver] > 1 && took >= lockTimeout {
-			if attempt < attempts {
-				t.Logf("attempt %d: %d takeovers in a race that lasted %v, longer than the lock timeout (%v); running it again",
-					attempt, counts[idempotency.TookOver], took, lockTimeout)
-				continue
-			}
-			t.Fatalf("%d attempts, each lasting longer than the lock timeout (%v): the race cannot be judged on this machine", attempts, lockTimeout)
+	const n = 10
+	req := withLockTimeout(request("cli_a", "key-1", "a"))
+	first := stale(t, b, req)
+	counts, results := raceClaims(t, b.Store, n, req)
+	if counts[idempotency.TookOver] != 1 || counts[idempotency.Exists] != n-1 {
+		t.Fatalf("%d racing takers: %d TookOver, %d Exists, %d Claimed; want 1, %d, 0",
+			n, counts[idempotency.TookOver], counts[idempotency.Exists], counts[idempotency.Claimed], n-1)
+	}
+	for _, r := range results {
+		if r.Outcome == idempotency.TookOver && r.Claim.OperationID != first.OperationID {
+			t.Errorf("winner's operation %q, want the first claim's %q", r.Claim.OperationID, first.OperationID)
 		}
-		if counts[idempotency.TookOver] != 1 || counts[idempotency.Exists] != n-1 {
-			t.Fatalf("%d racing takers in %v: %d TookOver, %d Exists, %d Claimed; want 1, %d, 0",
-				n, took, counts[idempotency.TookOver], counts[idempotency.Exists], counts[idempotency.Claimed], n-1)
-		}
-		for _, r := range results {
-			if r.Outcome == idempotency.TookOver && r.Claim.OperationID != first.OperationID {
-				t.Errorf("winner's operation %q, want the first claim's %q", r.Claim.OperationID, first.OperationID)
-			}
-		}
-		return
 	}
 }
 
@@ -490,7 +466,7 @@ func testOperationIDDerived(t *testing.T, b Backend) {
 	if err := complete(t, b, c, created("o1"), "w1"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(pause)
+	elapse(t, b, pause)
 	if n, err := b.Store.Purge(context.Background(), 10); n != 1 || err != nil {
 		t.Fatalf("Purge of the expired key: %d, %v; want 1", n, err)
 	}

@@ -3,7 +3,6 @@ package storetest
 import (
 	"context"
 	"testing"
-	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 )
@@ -60,7 +59,7 @@ func testLeaseStoredWithKey(t *testing.T, b Backend) {
 	claim(t, b.Store, longReq, idempotency.Claimed)
 	short := claim(t, b.Store, shortReq, idempotency.Claimed).Claim
 	claim(t, b.Store, neverReq, idempotency.Claimed)
-	time.Sleep(pause)
+	elapse(t, b, pause)
 
 	// A replica with a short lock timeout takes over neither the key
 	// claimed with a long lease nor the one claimed with none.
@@ -78,59 +77,44 @@ func testLeaseStoredWithKey(t *testing.T, b Backend) {
 	}
 	// And the taker's long lease is now the key's: it outlives the short
 	// lock timeout.
-	time.Sleep(pause)
+	elapse(t, b, pause)
 	claim(t, b.Store, withLockTimeout(request("cli_a", "short", "a")), idempotency.Exists)
 	if err := complete(t, b, took, created("ord_1")); err != nil {
 		t.Errorf("Complete of the taker with the long lease: %v", err)
 	}
 }
 
-// testRenewExtendsLease renews one of two keys claimed together past their
-// lock timeout: the renewed key is not taken over, the other one is. The
-// renewed key's record shows the renewal, and its owner still completes.
+// testRenewExtendsLease renews one of two keys claimed together, again
+// and again, until both are older than their lock timeout: the renewed key
+// is not taken over, the other one is. The renewed key's record shows the
+// renewal, and its owner still completes.
 func testRenewExtendsLease(t *testing.T, b Backend) {
 	ctx := context.Background()
-	judged(t, func(key string) bool {
-		renewedReq := withLockTimeout(request("cli_a", key+"-renewed", "a"))
-		idleReq := withLockTimeout(request("cli_a", key+"-idle", "a"))
-		last := time.Now() // before the claim: bounds the store's lock time
-		renewed := claim(t, b.Store, renewedReq, idempotency.Claimed).Claim
-		idle := claim(t, b.Store, idleReq, idempotency.Claimed).Claim
-		onTime := true
-		for end := time.Now().Add(pause); time.Now().Before(end); {
-			time.Sleep(lockTimeout / 4)
-			start := time.Now()
-			if err := b.Store.Renew(ctx, renewed); err != nil {
-				t.Fatalf("Renew of the live claim: %v", err)
-			}
-			// The store saw less than the time from before the previous
-			// lock to after this renewal.
-			onTime = onTime && before(last, lockTimeout)
-			last = start
+	renewedReq := withLockTimeout(request("cli_a", "key-renewed", "a"))
+	idleReq := withLockTimeout(request("cli_a", "key-idle", "a"))
+	renewed := claim(t, b.Store, renewedReq, idempotency.Claimed).Claim
+	idle := claim(t, b.Store, idleReq, idempotency.Claimed).Claim
+	for range 4 {
+		elapse(t, b, lockTimeout/2)
+		if err := b.Store.Renew(ctx, renewed); err != nil {
+			t.Fatalf("Renew of the live claim: %v", err)
 		}
-		res, err := b.Store.Claim(ctx, renewedReq)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if !onTime || !before(last, lockTimeout) {
-			return false // a renewal came late: the key may rightly be stale
-		}
-		if res.Outcome != idempotency.Exists || res.Record.Status != idempotency.StatusStarted {
-			t.Fatalf("renewed key claimed past its lock timeout: %s (record %+v), want Exists, started", res.Outcome, res.Record)
-		}
-		if rec := res.Record; !rec.LockedAt.After(rec.CreatedAt) {
-			t.Errorf("renewed key: locked at %v, created at %v; want the renewal after the creation", rec.LockedAt, rec.CreatedAt)
-		}
-		took := claim(t, b.Store, idleReq, idempotency.TookOver).Claim
-		if took.OperationID != idle.OperationID {
-			t.Errorf("takeover of the idle key: operation %q, want %q", took.OperationID, idle.OperationID)
-		}
-		if err := complete(t, b, renewed, created("ord_renewed"), key+"-w"); err != nil {
-			t.Errorf("Complete of the renewed claim: %v", err)
-		}
-		mustBeWritten(t, b, key+"-w", true)
-		return true
-	})
+	}
+	rec := claim(t, b.Store, renewedReq, idempotency.Exists).Record
+	if rec.Status != idempotency.StatusStarted {
+		t.Fatalf("renewed key claimed past its lock timeout: status %q, want started", rec.Status)
+	}
+	if !rec.LockedAt.After(rec.CreatedAt) {
+		t.Errorf("renewed key: locked at %v, created at %v; want the renewal after the creation", rec.LockedAt, rec.CreatedAt)
+	}
+	took := claim(t, b.Store, idleReq, idempotency.TookOver).Claim
+	if took.OperationID != idle.OperationID {
+		t.Errorf("takeover of the idle key: operation %q, want %q", took.OperationID, idle.OperationID)
+	}
+	if err := complete(t, b, renewed, created("ord_renewed"), "w"); err != nil {
+		t.Errorf("Complete of the renewed claim: %v", err)
+	}
+	mustBeWritten(t, b, "w", true)
 }
 
 // testRenewFenced renews claims that no longer own their key: taken over,

@@ -70,7 +70,7 @@ func exerciseOneTransaction(t *testing.T, newBackend func(t *testing.T) Backend,
 		for _, tt := range oneTransactionTests {
 			t.Run(tt.name, func(t *testing.T) {
 				t.Parallel()
-				tt.run(t, newBackend(t))
+				tt.run(t, backendOf(t, newBackend))
 			})
 		}
 		for _, tt := range tests {
@@ -80,7 +80,7 @@ func exerciseOneTransaction(t *testing.T, newBackend func(t *testing.T) Backend,
 				}
 				t.Run(tt.name, func(t *testing.T) {
 					t.Parallel()
-					b := newBackend(t)
+					b := backendOf(t, newBackend)
 					b.Store = inTx(b.Store)
 					tt.run(t, b)
 				})
@@ -433,7 +433,7 @@ func testOneTxKeyWithRow(t *testing.T, b Backend) {
 	if err := complete(t, b, c, created("o3")); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(pause)
+	elapse(t, b, pause)
 	again := claimAtOnce(t, inTx(b.Store), expiring, idempotency.Claimed).Claim
 	if again.OneTransaction {
 		t.Errorf("expired key claimed in one transaction: %+v, want a new operation in a commit of its own", again)

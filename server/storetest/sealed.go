@@ -7,7 +7,6 @@ import (
 	"maps"
 	"mime"
 	"testing"
-	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 )
@@ -38,7 +37,7 @@ func ExerciseSealed(t *testing.T, newBackend func(t *testing.T) Backend) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			tt.run(t, newBackend(t))
+			tt.run(t, backendOf(t, newBackend))
 		})
 	}
 }
@@ -249,35 +248,28 @@ func testUnsealedReplays(t *testing.T, b Backend) {
 func testSealedReusedKey(t *testing.T, b Backend) {
 	keys := SealKeys(t, "k1")
 	sb := sealedBackend(b, keys)
-	judged(t, func(key string) bool {
-		old := with(request("cli_a", key, "amount 1"), 0, retention)
-		start := time.Now()
-		if err := complete(t, sb, claim(t, sb.Store, old, idempotency.Claimed).Claim, secretResponse("ord_old")); err != nil {
-			t.Fatal(err)
-		}
-		res := try(t, b.Store, old)
-		if !before(start, retention) {
-			return false
-		}
-		if res.Outcome != idempotency.Exists || res.Record.Response == nil {
-			t.Fatalf("the old operation's key right after it completed: %s (record %+v)", res.Outcome, res.Record)
-		}
-		copied := *res.Record.Response
-		time.Sleep(pause) // expired
-		reused := request("cli_a", key, "amount 2")
-		c := claim(t, b.Store, reused, idempotency.Claimed).Claim
-		if err := complete(t, b, c, copied); err != nil {
-			t.Fatalf("storing the old ciphertext under the new operation: %v", err)
-		}
-		rec := claim(t, sb.Store, reused, idempotency.Exists).Record
-		if _, sealed := sealedWith(*rec.Response); !sealed {
-			t.Errorf("the old operation's answer opened for the new one: %+v", rec.Response)
-		}
-		if _, err := keys.Open(rec.ClientID, rec.Key, rec.OperationID, *rec.Response); !errors.Is(err, idempotency.ErrCannotOpen) {
-			t.Errorf("Open under the new operation: %v, want ErrCannotOpen", err)
-		}
-		return true
-	})
+	old := with(request("cli_a", "key-1", "amount 1"), 0, retention)
+	if err := complete(t, sb, claim(t, sb.Store, old, idempotency.Claimed).Claim, secretResponse("ord_old")); err != nil {
+		t.Fatal(err)
+	}
+	rec := claim(t, b.Store, old, idempotency.Exists).Record
+	if rec.Response == nil {
+		t.Fatalf("the old operation's key right after it completed: %+v", rec)
+	}
+	copied := *rec.Response
+	elapse(t, b, pause) // expired
+	reused := request("cli_a", "key-1", "amount 2")
+	c := claim(t, b.Store, reused, idempotency.Claimed).Claim
+	if err := complete(t, b, c, copied); err != nil {
+		t.Fatalf("storing the old ciphertext under the new operation: %v", err)
+	}
+	rec = claim(t, sb.Store, reused, idempotency.Exists).Record
+	if _, sealed := sealedWith(*rec.Response); !sealed {
+		t.Errorf("the old operation's answer opened for the new one: %+v", rec.Response)
+	}
+	if _, err := keys.Open(rec.ClientID, rec.Key, rec.OperationID, *rec.Response); !errors.Is(err, idempotency.ErrCannotOpen) {
+		t.Errorf("Open under the new operation: %v, want ErrCannotOpen", err)
+	}
 }
 
 // sealedWith reports whether resp is sealed and, if so, the id of the key

@@ -11,6 +11,7 @@
 //				Store:   s,
 //				Write:   func(ctx context.Context, name string) error { ... },
 //				Written: func(ctx context.Context, name string) (bool, error) { ... },
+//				Elapse:  func(ctx context.Context, d time.Duration) error { ... },
 //			}
 //		})
 //	}
@@ -19,20 +20,16 @@
 // store sealed ([idempotency.Sealed]), and the tests of sealing at rest: a
 // store passes both.
 //
-// The suite waits past short lock timeouts and retention periods with
-// time.Sleep, asserting only the order of events, never how long anything
-// took. A check that needs an event to come before a timeout (a key still
-// live, a lease renewed in time) measures, on the test's clock, an upper
-// bound of the time the store saw; when the machine stalled past the
-// timeout, the check cannot be judged and runs again on a new key. Run it
-// with -race.
+// The suite never waits for a lease or a retention to run out: it asks the
+// backend to age the store's keys ([Backend.Elapse]), so its leases and
+// retentions are minutes long and no stall of a busy machine decides a
+// check. Run it with -race.
 package storetest
 
 import (
 	"context"
 	"crypto/sha256"
 	"errors"
-	"fmt"
 	"testing"
 	"time"
 
@@ -57,6 +54,11 @@ type Backend struct {
 	// Written reports whether the write named name is committed, as seen
 	// from outside any unit of work.
 	Written func(ctx context.Context, name string) (bool, error)
+	// Elapse makes every time the store has stamped on its keys (when
+	// each operation began, its last lock or finish, its expiry) d
+	// earlier, as if d had passed; the suite calls it with no unit of
+	// work open on a key. Required.
+	Elapse func(ctx context.Context, d time.Duration) error
 }
 
 // Exercise runs the conformance suite. newBackend is called once per
@@ -130,22 +132,41 @@ func Exercise(t *testing.T, newBackend func(t *testing.T) Backend) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
-			tt.run(t, newBackend(t))
+			tt.run(t, backendOf(t, newBackend))
 		})
 	}
 	exerciseOneTransaction(t, newBackend, tests)
 }
 
-// Timing of the suite: lockTimeout and retention are short, and the tests
-// sleep for pause, comfortably longer, to make a key stale or expired. Keys
-// claimed after the pause must be used well within lockTimeout. long is a
-// lease or retention no test outlives.
+// backendOf returns a new backend, checked complete.
+func backendOf(t *testing.T, newBackend func(t *testing.T) Backend) Backend {
+	t.Helper()
+	b := newBackend(t)
+	if b.Store == nil || b.Write == nil || b.Written == nil || b.Elapse == nil {
+		t.Fatal("storetest.Backend needs its Store, Write, Written and Elapse")
+	}
+	return b
+}
+
+// Timing of the suite: the tests elapse pause (see [Backend.Elapse]) to
+// make a key claimed with lockTimeout stale, or one finished with
+// retention expired; lockTimeout and retention are far longer than any
+// stall of the machine, so a key is live until the suite ages it. long is
+// a lease or retention no test outlives, whatever it elapses.
 const (
-	lockTimeout = 200 * time.Millisecond
-	retention   = 200 * time.Millisecond
-	pause       = 300 * time.Millisecond
+	lockTimeout = time.Minute
+	retention   = time.Minute
+	pause       = 90 * time.Second
 	long        = time.Hour
 )
+
+// elapse ages b's keys by d (see [Backend.Elapse]).
+func elapse(t *testing.T, b Backend, d time.Duration) {
+	t.Helper()
+	if err := b.Elapse(context.Background(), d); err != nil {
+		t.Fatalf("Elapse(%v): %v", d, err)
+	}
+}
 
 // fingerprint returns a distinct fingerprint for each body.
 func fingerprint(body string) []byte {
@@ -291,34 +312,6 @@ func mustFence(t *testing.T, what string, err error) {
 	if !errors.Is(err, idempotency.ErrFenced) {
 		t.Errorf("%s: %v, want ErrFenced", what, err)
 	}
-}
-
-// attempts is how many keys a check that cannot be judged on a stalled
-// machine tries before it gives up.
-const attempts = 5
-
-// judged runs check on a new key each time until it returns true: check
-// returns false when the machine stalled past one of the suite's timeouts,
-// so that its result proves nothing either way (see [before]).
-func judged(t *testing.T, check func(key string) bool) {
-	t.Helper()
-	for attempt := 1; ; attempt++ {
-		if check(fmt.Sprintf("key-%d", attempt)) {
-			return
-		}
-		if attempt == attempts {
-			t.Fatalf("%d attempts, each stalled past the suite's timeouts: the check cannot be judged on this machine", attempts)
-		}
-		t.Logf("attempt %d stalled past the suite's timeouts; running it again on a new key", attempt)
-	}
-}
-
-// before reports whether less than d passed since start. Taken before a
-// store call that stamps a time and after a later check, it bounds from
-// above the time the store saw between the two: when it reports true, the
-// store saw less than d.
-func before(start time.Time, d time.Duration) bool {
-	return time.Since(start) < d
 }
 
 // begun returns when the operation on client's key began, as a request

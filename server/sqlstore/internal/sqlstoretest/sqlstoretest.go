@@ -9,6 +9,7 @@ import (
 	"database/sql"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
@@ -197,6 +198,12 @@ func backendOn(db *sql.DB) storetest.Backend {
 		Write: write,
 		Written: func(ctx context.Context, name string) (bool, error) {
 			return written(ctx, db, name)
+		},
+		Elapse: func(ctx context.Context, d time.Duration) error {
+			_, err := db.ExecContext(ctx, `UPDATE idempotency_keys SET created_at = created_at - $1::bigint * interval '1 microsecond',
+				locked_at = locked_at - $1::bigint * interval '1 microsecond',
+				expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+			return err
 		},
 	}
 }
