@@ -496,7 +496,7 @@ func (c *crashOnce) afterCharge(ctx context.Context) error {
 // commit: the key stays started (409), then after the lock timeout a retry
 // takes it over and reuses the charge: exactly one charge downstream.
 func testTakeoverAfterCrash(t *testing.T, newStorage newStorageFunc) {
-	const lock = time.Second // the retry must come within it, on a busy machine too
+	const lock = time.Minute // the retry comes within it; the test ages the key past it
 	crash := &crashOnce{n: 1}
 	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge})
 	r := ts.send(t, keyed("k-crash", payment))
@@ -510,7 +510,7 @@ func testTakeoverAfterCrash(t *testing.T, newStorage newStorageFunc) {
 	if r.status != http.StatusConflict {
 		t.Errorf("retry right after the crash: %d, want 409 (the key stays started)", r.status)
 	}
-	time.Sleep(lock + 100*time.Millisecond)
+	ts.elapse(t, lock+time.Second)
 	r = ts.mustSend(t, keyed("k-crash", payment))
 	if r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("retry after the lock timeout: %d replayed=%v %s", r.status, r.replayed(), r.body)
@@ -569,13 +569,13 @@ func testTakeoverThroughSDK(t *testing.T, newStorage newStorageFunc) {
 // testRacingTakers lets ten retries race for one stale key: one takes it
 // over, the others see it started or completed.
 func testRacingTakers(t *testing.T, newStorage newStorageFunc) {
-	const lock = time.Second // the winner renews or completes within it while nine others queue for connections
+	const lock = time.Minute // the winner completes within it while nine others queue for connections
 	crash := &crashOnce{n: 1}
 	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: crash.afterCharge, ProcessorDelay: 20 * time.Millisecond})
 	if r := ts.send(t, keyed("k-race", payment)); r.err == nil {
 		t.Fatalf("crashed request answered %d", r.status)
 	}
-	time.Sleep(lock + 100*time.Millisecond)
+	ts.elapse(t, lock+time.Second)
 	replies := make([]reply, 10)
 	var wg sync.WaitGroup
 	for i := range replies {
@@ -624,7 +624,10 @@ func (s *cutOffRenewals) Renew(ctx context.Context, c idempotency.Claim) error {
 // writing its payment and answers 409 (its completion would be fenced):
 // one payment, one charge.
 func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
-	const lock = time.Second // the taker, whose renewals are cut off too, completes within it
+	// The taker, whose renewals are cut off too, completes within the
+	// lock timeout; the original's renewals, on the middleware's real
+	// timer, come a third of it apart.
+	const lock = time.Second
 	block := newBlocker(1)
 	storage := newStorage(t)
 	keys := &cutOffRenewals{Store: storage.Keys}
@@ -634,7 +637,7 @@ func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
 	original := make(chan reply)
 	go func() { original <- ts.send(t, keyed("k-slow", payment)) }()
 	<-block.reached
-	time.Sleep(lock + 100*time.Millisecond)
+	ts.elapse(t, lock+time.Second) // its lease ran out, unrenewed
 	taker := ts.mustSend(t, keyed("k-slow", payment))
 	if taker.status != http.StatusCreated || taker.replayed() {
 		t.Fatalf("takeover: %d %s", taker.status, taker.body)
@@ -726,53 +729,51 @@ func testLeaseRenewedWhileSlow(t *testing.T, newStorage newStorageFunc) {
 }
 
 // testTakeoverAfterSlowCrash crashes a request that ran past the lock
-// timeout (a slow processor, its lease renewed) after its charge: its key
-// stays started, the retries get 409 until its lease runs out, about one
-// lock timeout after the crash, and then one of them takes it over and
-// finds the charge: one payment, one charge.
+// timeout (held after its charge, its lease renewed) after its charge: its
+// key stays started, the retries get 409 while the renewed lease is live,
+// and once it ran out one of them takes the key over and finds the
+// charge: one payment, one charge.
 func testTakeoverAfterSlowCrash(t *testing.T, newStorage newStorageFunc) {
-	// Longer than elsewhere: the first retry, sent as soon as the crash
-	// cuts the connection, must arrive within the lease, which was last
-	// renewed up to a third of it before the crash.
+	// Renewals come on the middleware's real timer, a third of the lock
+	// timeout apart; the first retry, sent as soon as the crash cuts the
+	// connection, arrives within the lease renewed just before.
 	const lock = 1500 * time.Millisecond
-	var crashedAt atomic.Int64
+	block := newBlocker(1)
 	crash := &crashOnce{n: 1}
-	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, ProcessorDelay: 3 * lock,
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock,
 		AfterCharge: func(ctx context.Context) error {
-			err := crash.afterCharge(ctx)
-			if err != nil {
-				crashedAt.Store(time.Now().UnixNano())
+			if err := block.afterCharge(ctx); err != nil {
+				return err
 			}
-			return err
+			return crash.afterCharge(ctx)
 		}})
-	if r := ts.send(t, keyed("k-slow-crash", payment)); r.err == nil {
+	first := make(chan reply)
+	go func() { first <- ts.send(t, keyed("k-slow-crash", payment)) }()
+	<-block.reached
+	// The request runs past the lock timeout, and its lease is renewed:
+	// twice, so that one renewal surely came after the keys were aged.
+	ts.elapse(t, 2*lock)
+	renewed := ts.counter(t, "idem_leases_renewed_total")
+	for deadline := time.Now().Add(10 * time.Second); ts.counter(t, "idem_leases_renewed_total") < renewed+2; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the running request's lease was not renewed")
+		}
+	}
+	close(block.release)
+	if r := <-first; r.err == nil {
 		t.Fatalf("crashed request answered %d %s", r.status, r.body)
 	}
 	if n := ts.charges.created.Load(); n != 1 {
 		t.Fatalf("%d charges before the crash, want 1", n)
 	}
-	// The retry of a client waiting out the 409s.
-	var r reply
-	var sent time.Time // of the last retry
-	conflicts := 0
-	for deadline := time.Now().Add(20 * lock); ; time.Sleep(lock / 10) {
-		sent = time.Now()
-		if r = ts.mustSend(t, keyed("k-slow-crash", payment)); r.status != http.StatusConflict {
-			break
-		}
-		conflicts++
-		if time.Now().After(deadline) {
-			t.Fatalf("still 409 %v after the crash, with a lock timeout of %v", 20*lock, lock)
-		}
+	if r := ts.mustSend(t, keyed("k-slow-crash", payment)); r.status != http.StatusConflict {
+		t.Errorf("the first retry after the crash: %d, want 409 while the crashed request's renewed lease is live", r.status)
 	}
-	took := sent.Sub(time.Unix(0, crashedAt.Load())) // the takeover then asks the slow processor again
+	ts.elapse(t, lock+time.Second)
+	r := ts.mustSend(t, keyed("k-slow-crash", payment))
 	if r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("retry after the lease ran out: %d replayed=%v %s, want a fresh 201", r.status, r.replayed(), r.body)
 	}
-	if conflicts == 0 {
-		t.Error("the first retry after the crash took the key over, want 409 while the crashed request's lease is live")
-	}
-	t.Logf("taken over %v after the crash (lock timeout %v), after %d 409s", took.Round(time.Millisecond), lock, conflicts)
 	if n := ts.charges.created.Load(); n != 1 {
 		t.Errorf("%d charges, want 1", n)
 	}
@@ -976,13 +977,13 @@ func testWaitForCompletion(t *testing.T, newStorage newStorageFunc) {
 // testRetention checks that retention is exact at lookup: an expired key is
 // a new operation before any purge.
 func testRetention(t *testing.T, newStorage newStorageFunc) {
-	const retention = 2 * time.Second // the replay must come within it, on a busy machine too
+	const retention = time.Minute // the replay comes within it; the test ages the key past it
 	ts := newTestServer(t, newStorage(t), Config{Retention: retention, PurgeInterval: time.Hour})
 	first := ts.mustSend(t, keyed("k-ret", payment))
 	if r := ts.mustSend(t, keyed("k-ret", payment)); !r.replayed() {
 		t.Fatalf("within retention: %d replayed=%v", r.status, r.replayed())
 	}
-	time.Sleep(retention + 200*time.Millisecond)
+	ts.elapse(t, retention+time.Second)
 	// Another body would be a 422 within retention; now it is new.
 	r := ts.mustSend(t, keyed("k-ret", `{"amount": 99, "currency": "eur", "customer": "cus_9"}`))
 	if r.status != http.StatusCreated || r.replayed() {
@@ -999,7 +1000,7 @@ func testRetention(t *testing.T, newStorage newStorageFunc) {
 // testPurgeThenReuse purges expired keys in bounded batches, then reuses a
 // purged key as a new operation.
 func testPurgeThenReuse(t *testing.T, newStorage newStorageFunc) {
-	const retention = 2 * time.Second // five payments and a purge within it, on a busy machine too
+	const retention = time.Minute // five payments and a purge within it; the test ages the keys past it
 	ts := newTestServer(t, newStorage(t), Config{Retention: retention, PurgeBatch: 2})
 	for i := range 5 {
 		if r := ts.mustSend(t, keyed(fmt.Sprintf("k-purge-%d", i), payment)); r.status != http.StatusCreated {
@@ -1009,7 +1010,7 @@ func testPurgeThenReuse(t *testing.T, newStorage newStorageFunc) {
 	if n, err := ts.Purge(context.Background()); err != nil || n != 0 {
 		t.Fatalf("Purge within retention = %d, %v; want 0", n, err)
 	}
-	time.Sleep(retention + 200*time.Millisecond)
+	ts.elapse(t, retention+time.Second)
 	n, err := ts.Purge(context.Background())
 	if err != nil || n != 5 {
 		t.Fatalf("Purge = %d, %v; want 5", n, err)

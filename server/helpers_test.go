@@ -11,10 +11,12 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/internal/testhooks"
 )
 
 // Test tokens and the clients they map to.
@@ -136,6 +138,25 @@ func committedPayments(t *testing.T, ps PaymentStore) int {
 	}
 	t.Fatalf("cannot count the payments of %T", ps)
 	return 0
+}
+
+// elapse ages the keys of ts's storage by d, as if d had passed for them:
+// their creation, last lock or finish, and expiry move d back.
+func (ts *testServer) elapse(t *testing.T, d time.Duration) {
+	t.Helper()
+	switch s := ts.storage.Payments.(type) {
+	case *MemoryStorage:
+		testhooks.ElapseMemoryStore(s.keys, d)
+	case *PostgresStorage:
+		if _, err := s.pool.Exec(context.Background(), `UPDATE idempotency_keys SET
+			created_at = created_at - $1::bigint * interval '1 microsecond',
+			locked_at = locked_at - $1::bigint * interval '1 microsecond',
+			expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds()); err != nil {
+			t.Fatal(err)
+		}
+	default:
+		t.Fatalf("cannot age the keys of %T", ts.storage.Payments)
+	}
 }
 
 // call is one raw request; the zero fields mean: POST /v1/payments by

@@ -37,11 +37,12 @@ func testSweep(t *testing.T, newStorage newStorageFunc) {
 	}
 }
 
-// Timing of these tests: a short lease, and a grace (and so processor
-// timeout) long enough for a loaded machine's charge, short enough to wait.
+// Timing of these tests: a lease and a grace (and so processor timeout)
+// far longer than any charge on a loaded machine; a test ages the keys
+// past them (testServer.elapse) rather than waiting.
 const (
-	sweepLock  = 300 * time.Millisecond
-	sweepGrace = time.Second
+	sweepLock  = time.Minute
+	sweepGrace = time.Minute
 )
 
 // sweepConfig returns a config whose payments crash after their charge
@@ -75,7 +76,7 @@ func testSweepCrashedPayment(t *testing.T, newStorage newStorageFunc) {
 		t.Fatalf("crashed request answered %d %s", r.status, r.body)
 	}
 	sweepNow(t, ts, idempotency.SweepResult{}) // the lease is live
-	time.Sleep(sweepLock + sweepGrace + 100*time.Millisecond)
+	ts.elapse(t, sweepLock+sweepGrace+time.Second)
 	sweepNow(t, ts, idempotency.SweepResult{Found: 1, Completed: 1})
 	if n, p := ts.charges.created.Load(), ts.payments(t); n != 1 || p != 1 {
 		t.Fatalf("%d charges and %d payments after the sweep, want 1 and 1", n, p)
@@ -106,12 +107,12 @@ func testSweepUncharged(t *testing.T, newStorage newStorageFunc) {
 		t.Fatalf("payment with the processor down: %d %s, want 502", r.status, r.body)
 	}
 	ts.Processor().FailNext(0)
-	time.Sleep(sweepGrace + 100*time.Millisecond)
+	ts.elapse(t, sweepGrace+time.Second)
 	sweepNow(t, ts, idempotency.SweepResult{Found: 1, Released: 1})
 	if n, p := ts.charges.created.Load(), ts.payments(t); n != 0 || p != 0 {
 		t.Fatalf("%d charges and %d payments after the sweep, want none", n, p)
 	}
-	time.Sleep(100 * time.Millisecond)
+	ts.elapse(t, sweepGrace+time.Second) // released as rejected: never swept
 	sweepNow(t, ts, idempotency.SweepResult{})
 	r := ts.mustSend(t, keyed("k-down", payment))
 	if r.status != http.StatusCreated || r.replayed() {
@@ -135,7 +136,7 @@ func testSweepFailedWithCharge(t *testing.T, newStorage newStorageFunc) {
 	if p := ts.payments(t); p != 0 {
 		t.Fatalf("%d payments after the 500, want none", p)
 	}
-	time.Sleep(sweepGrace + 100*time.Millisecond)
+	ts.elapse(t, sweepGrace+time.Second)
 	sweepNow(t, ts, idempotency.SweepResult{Found: 1, Completed: 1})
 	if n, p := ts.charges.created.Load(), ts.payments(t); n != 1 || p != 1 {
 		t.Fatalf("%d charges and %d payments after the sweep, want 1 and 1", n, p)
@@ -160,7 +161,7 @@ func testSweepLateRetry(t *testing.T, newStorage newStorageFunc) {
 			t.Fatalf("crashed request answered %d", r.status)
 		}
 	}
-	time.Sleep(sweepLock + sweepGrace + 100*time.Millisecond)
+	ts.elapse(t, sweepLock+sweepGrace+time.Second)
 	var wg sync.WaitGroup
 	for range 2 {
 		wg.Go(func() {
@@ -214,7 +215,7 @@ func testSweepGraceRespected(t *testing.T, newStorage newStorageFunc) {
 	if r := ts.send(t, keyed("k-crash", payment)); r.err == nil {
 		t.Fatalf("crashed request answered %d", r.status)
 	}
-	time.Sleep(sweepLock + 100*time.Millisecond)
+	ts.elapse(t, sweepLock+time.Second)
 	sweepNow(t, ts, idempotency.SweepResult{})
 	r := ts.mustSend(t, keyed("k-crash", payment))
 	if r.status != http.StatusCreated || r.replayed() {

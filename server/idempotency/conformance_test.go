@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/testhooks"
 	"github.com/idemkit/idem/server/storetest"
 )
 
@@ -32,7 +33,7 @@ func memoryBackend(t *testing.T) storetest.Backend {
 		pending: make(map[idempotency.Tx][]string),
 	}
 	return storetest.Backend{Store: w.store, Write: w.Write, Written: w.Written,
-		Elapse: func(_ context.Context, d time.Duration) error { w.store.Elapse(d); return nil }}
+		Elapse: func(_ context.Context, d time.Duration) error { testhooks.ElapseMemoryStore(w.store, d); return nil }}
 }
 
 var errNoUnitOfWork = errors.New("no unit of work of this MemoryStore in the context")

@@ -9,6 +9,8 @@ import (
 	"slices"
 	"sync"
 	"time"
+
+	"github.com/idemkit/idem/server/internal/testhooks"
 )
 
 // errTxDone is returned when a finished unit of work is used again.
@@ -57,6 +59,26 @@ type memKey struct {
 // NewMemoryStore returns an empty store.
 func NewMemoryStore() *MemoryStore {
 	return &MemoryStore{now: time.Now, keys: make(map[keyRef]*memKey), pending: make(map[keyRef]*memKey)}
+}
+
+func init() {
+	testhooks.ElapseMemoryStore = func(s any, d time.Duration) { s.(*MemoryStore).elapse(d) }
+}
+
+// elapse makes every time s has stamped on its keys d earlier, as if d
+// had passed for them: a test seam (see testhooks.ElapseMemoryStore).
+func (s *MemoryStore) elapse(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, keys := range []map[keyRef]*memKey{s.keys, s.pending} {
+		for _, k := range keys {
+			k.rec.CreatedAt = k.rec.CreatedAt.Add(-d)
+			k.rec.LockedAt = k.rec.LockedAt.Add(-d)
+			if !k.expiresAt.IsZero() {
+				k.expiresAt = k.expiresAt.Add(-d)
+			}
+		}
+	}
 }
 
 // expired reports whether k counts as absent.
