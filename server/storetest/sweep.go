@@ -230,7 +230,8 @@ func testSweepGrace(t *testing.T, b Backend) {
 	claim(t, b.Store, with(request("c", "live", "a"), long, long), idempotency.Claimed)
 	claim(t, b.Store, with(request("c", "forever", "a"), 0, long), idempotency.Claimed)
 	lapsed(t, b, with(request("c", "lapsed", "a"), 0, long))
-	s.Grace = pause // more than pause - lockTimeout
+	// Lapsed pause - lockTimeout ago, claimed pause ago: a grace between.
+	s.Grace = pause - lockTimeout/2
 	sweep(t, s, idempotency.SweepResult{})
 	s.Grace = long
 	sweep(t, s, idempotency.SweepResult{})
