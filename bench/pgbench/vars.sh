@@ -1,7 +1,7 @@
 # The pgbench variables of the generated scripts (first.sql,
 # unkeyed.sql): the values the server sends for a demo payment (see
 # server/postgres.go); fp is a SHA-256, as bytea hex input. Sourced by
-# pgbench/run.sh and pgcost/run.sh, which pass "${pgbench_vars[@]}".
+# pgbench/run.sh, which passes "${pgbench_vars[@]}".
 pgbench_vars=(
 	-D client=pgbench -D method=POST -D path=/v1/payments
 	-D 'fp=\x9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08'

@@ -141,15 +141,16 @@ UNION ALL
 ` + busyAbsentRow
 
 // ClaimInsertSQL is the claim that Claim runs first (for a request whose
-// first-sent check is not stale, which must not insert the key), sent
-// after ClaimPeekSQL in the same round trip: a plain insert of the key's
-// row, started, which inserts nothing when the key has a row. A new key,
-// the common case, costs PostgreSQL the insert and the peek's index probe
-// that finds nothing: no subquery, no CTE around the insert (a sixth less
-// CPU than a statement that reads the row and inserts it when it is
-// absent; see bench/pgcost). It returns the new token and operation ID,
-// or no row, and then the peek's row answers (or ClaimReadSQL, when the
-// peek found none). It inserts nothing either while a claim in one transaction
+// first-sent check is not stale, which must not insert the key): a plain
+// insert of the key's row, started, which inserts nothing when the key has
+// a row. A new key, the common case, costs PostgreSQL the insert alone: no
+// subquery, no CTE around it (a sixth less CPU than a statement that reads
+// the row and inserts it when it is absent; see bench/NOTES.md). A retry
+// (Resent) sends ClaimPeekSQL before it in the same round trip, whose row
+// then answers when the key has one. It returns the new token and
+// operation ID, or no row, and then the peek's row answers (or
+// ClaimReadSQL, without a peek or when the peek found none). It inserts
+// nothing either while a claim in one transaction
 // holds the key (its advisory lock, keyLockExpr, taken exclusive; the
 // insert tries it shared, so that claims in commits of their own do not
 // hold one another off, and holds it only to its own commit): a route

@@ -86,7 +86,7 @@ func CheckText(fields ...string) error {
 // CheckClaim refuses, before it reaches PostgreSQL, a claim whose text a
 // text column would refuse or whose key is not 1 to 255 bytes, so the
 // stores answer as the memory store (the key table has no CHECK
-// constraints: see schema/drop_checks.sql).
+// constraints: see schema/keys.sql).
 func CheckClaim(req idempotency.ClaimRequest) error {
 	if err := CheckText(req.ClientID, req.Key, req.Method, req.Path); err != nil {
 		return err
@@ -147,7 +147,7 @@ func (r *ClaimRow) Outcome() idempotency.Outcome { return idempotency.Outcome(r.
 // Result is the outcome of a claim of req that returned r, which is not
 // lost. A row that no store writes (an unknown status, a completed key
 // without a response status or with one outside 100 to 599: the key table
-// has no CHECK constraints to refuse them, see schema/drop_checks.sql) is
+// has no CHECK constraints to refuse them, see schema/keys.sql) is
 // an error, never a replay or a 409.
 func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	switch r.Outcome() {

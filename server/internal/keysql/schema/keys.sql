@@ -40,7 +40,7 @@ CREATE TABLE idempotency_keys (
 -- table had (the key's length, the status, a response exactly when
 -- completed, the response's status, the lease and retention) cost about
 -- 40 µs of PostgreSQL's CPU per first execution, a tenth of it (see
--- BENCHMARKS.md). The stores are the table's only writers and check the
+-- bench/NOTES.md). The stores are the table's only writers and check the
 -- same rules before they write (a key of 1 to 255 bytes, a status of 100
 -- to 599) and when they read a row: a row that breaks one (an unknown
 -- status, a completed key without a response) is an error, never a

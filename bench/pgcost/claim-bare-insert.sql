@@ -1,2 +1,0 @@
-\set k random(1, 1000000000000)
-INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash, fingerprint_version, status, operation_id, lock_token, created_at, locked_at, lease_us, retention_us, expires_at) VALUES ('zz', 'k'||:k, 'POST', '/v1/payments', '\x0001020304050607080900010203040506070809000102030405060708090001'::bytea, 1, 'started', gen_random_uuid(), nextval('idempotency_lock_tokens'), now(), now(), 10000000, 86400000000, now() + interval '1 day') ON CONFLICT (client_id, idempotency_key) DO NOTHING RETURNING lock_token
