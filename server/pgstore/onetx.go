@@ -36,11 +36,26 @@ var _ idempotency.TxClaimer = (*Store)(nil)
 
 // ClaimInTx implements [idempotency.TxClaimer.ClaimInTx] with
 // keysql.ClaimTxSQL, sent with the BEGIN of the request's transaction, and
-// keysql.ClaimSQL for a key that has a row to renew. When the connection
-// broke under a claim, it runs it once more as Claim does.
+// keysql.ClaimSQL for a key that has a row to renew. A retry
+// (keysql.Resent) reads its key's row first (keysql.ClaimPeekSQL), outside
+// any transaction, and a replay or a duplicate ends there. When the
+// connection broke under a claim, it runs it once more as Claim does.
 func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
+	}
+	if keysql.Resent(req, time.Now()) {
+		// A retry: its key most likely has a row. Read it first, on its
+		// own, so that a replay or a duplicate is answered in one round
+		// trip and no transaction; a key with no row to answer goes on to
+		// the claim.
+		row, found, err := s.claimOnce(ctx, s.pool, keysql.ClaimPeekSQL, req)
+		if err == nil && found && !row.Lost {
+			return row.Result(req)
+		}
+		if err != nil && ctx.Err() != nil {
+			return idempotency.ClaimResult{}, interpretError(err)
+		}
 	}
 	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
 		return res, err

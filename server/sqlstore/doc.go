@@ -59,7 +59,9 @@
 // costs six round trips where pgstore's costs five: the claim, the BEGIN,
 // the read of the transaction's ID, the handler's statements, the
 // completion and the COMMIT (pgstore sends the ID with the BEGIN and the
-// completion with the COMMIT). Claims in one transaction
+// completion with the COMMIT). A retry's replay or duplicate (its
+// first-sent time a second old or more) is one statement, a read of the
+// key's row sent before the claim, in either mode. Claims in one transaction
 // ([idempotency.Options.OneTransaction]) are pgstore's (an advisory lock
 // taken without waiting, the key inserted, completed, by the completion
 // in the handler's commit; see pgstore's package documentation), but for

@@ -33,6 +33,9 @@ func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (id
 	if err := s.prepareAll(ctx); err != nil {
 		return idempotency.ClaimResult{}, interpretError(err)
 	}
+	if res, ok, err := s.peek(ctx, req); err != nil || ok {
+		return res, err
+	}
 	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
 		return res, err
 	}

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -196,6 +197,9 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if err := s.prepareAll(ctx); err != nil {
 		return idempotency.ClaimResult{}, interpretError(err)
 	}
+	if res, ok, err := s.peek(ctx, req); err != nil || ok {
+		return res, err
+	}
 	if !req.FirstSent.Stale { // a stale request must not insert the key
 		c, claimed, err := s.insertClaim(ctx, req)
 		switch {
@@ -206,6 +210,28 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 		}
 	}
 	return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
+}
+
+// peek answers a retry (keysql.Resent) whose key has a row to answer, a
+// replay or a duplicate, in one round trip, with keysql.ClaimPeekSQL; ok
+// is false for any other request, or a key with no such row, whose claim
+// goes on. database/sql cannot send the read with the claim, so a first
+// attempt does not pay for it.
+func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res idempotency.ClaimResult, ok bool, err error) {
+	if !keysql.Resent(req, time.Now()) {
+		return res, false, nil
+	}
+	var row keysql.ClaimRow
+	found := false
+	err = s.run(ctx, func(q querier) (err error) {
+		row, found, err = claimOnce(ctx, q, keysql.ClaimPeekSQL, req)
+		return err
+	})
+	if err != nil || !found || row.Lost {
+		return res, false, err
+	}
+	res, err = row.Result(req)
+	return res, true, err
 }
 
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is
