@@ -44,18 +44,8 @@ func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (id
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
-	if keysql.Resent(req, time.Now()) {
-		// A retry: its key most likely has a row. Read it first, on its
-		// own, so that a replay or a duplicate is answered in one round
-		// trip and no transaction; a key with no row to answer goes on to
-		// the claim.
-		row, found, err := s.claimOnce(ctx, s.pool, keysql.ClaimPeekSQL, req)
-		if err == nil && found && !row.Lost {
-			return row.Result(req)
-		}
-		if err != nil && ctx.Err() != nil {
-			return idempotency.ClaimResult{}, interpretError(err)
-		}
+	if res, ok, err := s.peek(ctx, req); err != nil || ok {
+		return res, err // a retry's replay or duplicate: one round trip
 	}
 	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
 		return res, err

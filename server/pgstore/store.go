@@ -29,8 +29,8 @@ import (
 // Each operation on a key is one round trip, but for the claims of keys
 // that have a row: a claim inserts a new key in one
 // (keysql.ClaimInsertSQL); a retry (a request whose first-sent time is a
-// second old) reads the key's row in the same round trip, so a replay or a
-// duplicate of it costs one, and a first attempt reads it in a second; a
+// second old) reads the key's row first, so a replay or a duplicate of it
+// costs one, and a first attempt reads it after the insert, in a second; a
 // claim that resumes, replaces or takes over a key costs one more
 // (keysql.ClaimSQL), or more in the rare case it lost a race to another
 // writer of the key; a renewal, a release and a completion
@@ -86,8 +86,8 @@ func New(pool *pgxpool.Pool) *Store {
 
 // Claim implements [idempotency.Store.Claim] in one round trip for a new
 // key (keysql.ClaimInsertSQL) and, for a retry, a replay and a duplicate
-// (the insert after keysql.ClaimPeekSQL, see insertClaim); in a second
-// for a first attempt whose key has a row (keysql.ClaimReadSQL), and
+// (keysql.ClaimPeekSQL, see peek); in a second for a first attempt whose
+// key has a row, or a retry's new key (keysql.ClaimReadSQL, or the insert), and
 // with keysql.ClaimSQL after it for a key to resume, replace or take
 // over; keysql.ClaimSQL is re-run when it lost a race to a concurrent
 // writer of the same key.
@@ -105,37 +105,54 @@ func (s *Store) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempo
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
 	}
+	if res, ok, err := s.peek(ctx, req); err != nil || ok {
+		return res, err // a retry's replay or duplicate: one round trip
+	}
 	if req.FirstSent.Stale { // a stale request must not insert the key
 		return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 	}
-	c, claimed, row, found, err := s.insertClaim(ctx, req)
+	c, claimed, err := s.insertClaim(ctx, req)
 	switch {
 	case err != nil:
 		return idempotency.ClaimResult{}, err
 	case claimed:
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: c}, nil
-	case found && !row.Lost:
-		return row.Result(req) // a replay, a duplicate of a retry: one round trip
-	case found:
-		return s.claimLoop(ctx, keysql.ClaimSQL, req)
 	}
 	return s.claimLoop(ctx, keysql.ClaimReadSQL, req)
 }
 
-// insertClaim claims req's key with keysql.ClaimInsertSQL. For a retry
-// (keysql.Resent) it sends keysql.ClaimPeekSQL before it in the same round
-// trip, which reads the row the key has before the insert: a replay or a
-// duplicate is then answered without a second round trip, and a new key
-// costs the read an index probe that finds nothing, which a first attempt
-// does not pay. claimed is false when the insert inserted nothing; found
-// then tells whether the peek found a row. When the connection broke
-// under them, it runs them once more on a connection that answers (see
-// Claim).
-func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, row keysql.ClaimRow, found bool, err error) {
+// peek answers a retry (keysql.Resent) whose key has a row to answer, a
+// replay or a duplicate, in one round trip and no transaction, with
+// keysql.ClaimPeekSQL; ok is false for any other request, or a key with
+// no such row, whose claim goes on. A first attempt does not pay for the
+// read: its key seldom has a row.
+func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res idempotency.ClaimResult, ok bool, err error) {
+	if !keysql.Resent(req, time.Now()) {
+		return res, false, nil
+	}
+	row, found, err := s.claimOnce(ctx, s.pool, keysql.ClaimPeekSQL, req)
+	if err != nil {
+		if err = interpretError(err); ctx.Err() == nil && (errors.Is(err, errConnLost) || serializationFailure(err)) {
+			err = nil // a read: the claim that follows runs on a live connection
+		}
+		return res, false, err
+	}
+	if !found || row.Lost {
+		return res, false, nil
+	}
+	res, err = row.Result(req)
+	return res, true, err
+}
+
+// insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is
+// false when the insert inserted nothing (the key has a row). When the
+// connection broke under it, it runs it once more on a connection that
+// answers (see Claim).
+func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
 	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
-	args := keysql.ClaimArgs(req)
-	peek := keysql.Resent(req, time.Now())
-	readInsert := func(rows pgx.Rows, err error) error {
+	args := keysql.ClaimArgs(req)[:8]
+	insert := func(q querier) error {
+		rows, err := q.Query(ctx, keysql.ClaimInsertSQL, args...)
 		if err != nil {
 			return err
 		}
@@ -147,23 +164,8 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 		rows.Close()
 		return cmp.Or(err, rows.Err())
 	}
-	insert := func(q querier) error {
-		if !peek {
-			rows, err := q.Query(ctx, keysql.ClaimInsertSQL, args[:8]...)
-			return readInsert(rows, err)
-		}
-		b := &pgx.Batch{}
-		b.Queue(keysql.ClaimPeekSQL, args...)
-		b.Queue(keysql.ClaimInsertSQL, args[:8]...)
-		br := q.SendBatch(ctx, b)
-		var err error
-		if row, found, err = scanClaim(br.Query()); err == nil {
-			err = readInsert(br.Query())
-		}
-		return cmp.Or(err, br.Close())
-	}
 	for range keysql.MaxRaces {
-		claimed, found = false, false
+		claimed = false
 		err = interpretError(insert(s.pool))
 		if errors.Is(err, errConnLost) && ctx.Err() == nil {
 			err = interpretError(s.onLiveConn(ctx, insert))
@@ -172,7 +174,7 @@ func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (
 			break // else it lost a race under REPEATABLE READ or SERIALIZABLE, and did nothing
 		}
 	}
-	return c, claimed, row, found, err
+	return c, claimed, err
 }
 
 // claimLoop runs sql (keysql.ClaimReadSQL or keysql.ClaimSQL), then keysql.ClaimSQL while the

@@ -146,10 +146,9 @@ UNION ALL
 // a row. A new key, the common case, costs PostgreSQL the insert alone: no
 // subquery, no CTE around it (a sixth less CPU than a statement that reads
 // the row and inserts it when it is absent; see bench/NOTES.md). A retry
-// (Resent) sends ClaimPeekSQL before it in the same round trip, whose row
-// then answers when the key has one. It returns the new token and
-// operation ID, or no row, and then the peek's row answers (or
-// ClaimReadSQL, without a peek or when the peek found none). It inserts
+// (Resent) runs ClaimPeekSQL before it, and runs it only when the key has
+// no row to answer. It returns the new token and operation ID, or no row,
+// and then ClaimReadSQL reads the row. It inserts
 // nothing either while a claim in one transaction
 // holds the key (its advisory lock, keyLockExpr, taken exclusive; the
 // insert tries it shared, so that claims in commits of their own do not
@@ -185,13 +184,12 @@ UNION ALL
 UNION ALL
 ` + busyAbsentRow
 
-// ClaimPeekSQL reads the row of a key as ClaimReadSQL does, for a claim
-// that inserts the key in the same round trip (ClaimInsertSQL, sent after
-// it): outcome 3, flagged when ClaimSQL would renew it, or 4; no row for
-// a key that has none, which the insert claims. Its snapshot is taken
-// before the insert, so it costs a new key an index probe that finds
-// nothing, and answers a replay or a duplicate without a second round
-// trip. Same parameters and rows as ClaimSQL.
+// ClaimPeekSQL reads the row of a key as ClaimReadSQL does, for a retry
+// (Resent), before any claim and outside any transaction: outcome 3,
+// flagged when ClaimSQL would renew it, or 4; no row for a key that has
+// none, which the claim that follows claims. A retry's replay or duplicate
+// is answered in one round trip, by a read alone. Same parameters and rows
+// as ClaimSQL.
 const ClaimPeekSQL = `
 WITH ` + existingCTE + `, typed AS (
     SELECT $3::text, $4::text, $6::bigint, $7::bigint, $8::uuid -- unused: typed for the prepared statement
