@@ -5,24 +5,28 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test quick poolers failover check fmt vet staticcheck bench scenarios fuzz
+.PHONY: test test-chaos quick poolers failover check fmt vet staticcheck bench scenarios fuzz
 
 # bench/, otel/, examples/router, examples/outbox,
 # server/sqlstore/internal/pqtest and server/sqlstore/internal/gormtest are
 # modules of their own (the peer libraries, OpenTelemetry, failsafe-go,
-# River, lib/pq and GORM stay out of ours);
-# their tests run too. The chaos test runs last and verbose, so that
-# its timeline shows while it runs. The failover test is not part of it:
-# make failover runs it (CI runs both).
+# River, lib/pq and GORM stay out of ours); their tests run too, after the
+# module's, beside the chaos test (verbose, so that its timeline shows
+# while it runs), three at a time: the chaos test waits on its replicas
+# more than it computes. The failover test is not part of it: make
+# failover runs it (CI runs both).
+MODULES := bench otel examples/router examples/outbox \
+	server/sqlstore/internal/pqtest server/sqlstore/internal/gormtest
+
 test:
 	$(GO) test -race -count=1 $$($(GO) list $(PKGS) | grep -v '/examples/chaos$$')
-	cd bench && $(GO) test -race -count=1 ./...
-	cd otel && $(GO) test -race -count=1 ./...
-	cd examples/router && $(GO) test -race -count=1 ./...
-	cd examples/outbox && $(GO) test -race -count=1 ./...
-	cd server/sqlstore/internal/pqtest && $(GO) test -race -count=1 ./...
-	cd server/sqlstore/internal/gormtest && $(GO) test -race -count=1 ./...
-	@echo "examples/chaos: the chaos test (replicas of idem-server killed and restarted; about two minutes):"
+	@echo "the other modules' tests, beside the chaos test (replicas of idem-server killed and restarted):"
+	@$(MAKE) --no-print-directory -j3 test-chaos $(addprefix test-module/,$(MODULES))
+
+test-module/%:
+	cd $* && $(GO) test -race -count=1 ./...
+
+test-chaos:
 	$(GO) test -race -count=1 -v -skip '^TestFailover$$' ./examples/chaos
 
 # failover: the failover test (docs/chaos.md, "The failover test"): a
