@@ -498,3 +498,29 @@ func BenchmarkRequest(b *testing.B) {
 		}
 	})
 }
+
+// BenchmarkReplay measures a retry's claim of a completed key: one read of
+// its row (keysql.ClaimPeekSQL), the whole of a replay's database work.
+func BenchmarkReplay(b *testing.B) {
+	ctx := context.Background()
+	s, _ := newStore(b, nil)
+	r := req("replayed", "a")
+	res, err := s.Claim(ctx, r)
+	if err != nil {
+		b.Fatal(err)
+	}
+	tx, err := s.Begin(ctx, res.Claim)
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := tx.Complete(ctx, created("ord_1")); err != nil {
+		b.Fatal(err)
+	}
+	r.FirstSent.Sent = time.Now().Add(-time.Minute) // a retry
+	b.ReportAllocs()
+	for b.Loop() {
+		if res, err := s.Claim(ctx, r); err != nil || res.Outcome != idempotency.Exists {
+			b.Fatal(res.Outcome, err)
+		}
+	}
+}

@@ -221,7 +221,7 @@ const (
     ON CONFLICT (client_id, idempotency_key) DO NOTHING
     RETURNING lock_token, operation_id
 )`
-	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL, operation_id::text,
+	existingRow = `SELECT CASE WHEN refused THEN 4 ELSE 3 END, NULL::bigint, operation_id::text,
     request_method, request_path, request_hash, status,
     response_status, response_content_type, response_headers, response_body, created_at, locked_at, retention_us,
     (expired OR stale OR free) AND NOT refused, false
