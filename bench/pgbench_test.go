@@ -143,7 +143,7 @@ func pgbenchScript(src map[string]string) (string, error) {
 	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
 	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
-	b.WriteString("\nBEGIN;\n-- txIDSQL (pgstore reads the transaction's ID with the BEGIN)\n" + strings.TrimSpace(txid) + " AS xid\n\\gset\n")
+	b.WriteString("\nBEGIN;\n-- txIDSQL (pgstore reads the transaction's ID and level with the BEGIN)\n" + strings.TrimSpace(txid) + "\n\\gset\n")
 	b.WriteString("-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")
 	b.WriteString("-- completeInTxSQL (the key's completion, checked to run in the transaction begun)\n" + strings.TrimSpace(complete) + ";\nCOMMIT;\n")
 	return b.String(), nil

@@ -49,8 +49,9 @@ WHERE idempotency_key = :key AND NOT EXISTS (SELECT FROM inserted)
 \gset ch_
 
 BEGIN;
--- txIDSQL (pgstore reads the transaction's ID with the BEGIN)
-SELECT pg_current_xact_id()::text AS xid
+-- txIDSQL (pgstore reads the transaction's ID and level with the BEGIN)
+SELECT pg_current_xact_id()::text AS xid,
+    current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot
 \gset
 -- insertPaymentSQL (the handler's write)
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,

@@ -27,10 +27,13 @@
 // handler's SQL: at the end it checks that the transaction is still the one
 // it began and still open, and when the handler ended it (see [Tx]) it
 // completes the key with a 500 that says so and never runs the request
-// again: it fails closed. A key's times are the database's clock when each
-// event happens (statement_timestamp()), so a key completed by a
-// transaction that stayed open for a long time is kept its whole retention
-// after the completion.
+// again: it fails closed. It begins at the session's
+// default_transaction_isolation, which the service sets on the pool's
+// connections, the role or the database, and the store reads the level the
+// transaction has from PostgreSQL (docs/server.md, "Isolation"). A key's
+// times are the database's clock when each event happens
+// (statement_timestamp()), so a key completed by a transaction that stayed
+// open for a long time is kept its whole retention after the completion.
 //
 // Round trips: a first execution costs the claim (one INSERT, committed on
 // its own so that a duplicate sees the key at once), then the handler's own

@@ -1,6 +1,7 @@
 package pgstore_test
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"testing"
@@ -132,4 +133,45 @@ func TestFencedAfterTakeover(t *testing.T) {
 	mustComplete(t, s, taker, "w_taker")
 	mustBeWritten(t, pool, "w_taker", true)
 	mustBeWritten(t, pool, "w_old", false)
+}
+
+// TestRenewFollowsTransactionLevel: a renewal while the handler's
+// transaction is open moves the lease under READ COMMITTED; under the
+// session's default_transaction_isolation serializable, which the store
+// reads from the transaction itself, it only checks the claim, so that
+// the completion, which updates the key row, still commits.
+func TestRenewFollowsTransactionLevel(t *testing.T) {
+	for _, tt := range []struct {
+		level string // default_transaction_isolation; "": the server's
+		moved bool   // the renewal moves locked_at
+	}{
+		{"", true},
+		{"serializable", false},
+	} {
+		t.Run(cmp.Or(tt.level, "default"), func(t *testing.T) {
+			ctx := context.Background()
+			s, pool := newStore(t, withIsolation(tt.level))
+			c := mustClaim(t, s, leased(req("key-1", "a"), time.Minute, time.Hour), idempotency.Claimed).Claim
+			elapse(t, pool, "key-1", time.Second) // before the snapshot: an update after it would fail the completion
+			before, _ := readKey(t, pool, "key-1")
+			tx, hctx := unitOf(t, s, c)
+			if err := write(hctx, "key-1/1"); err != nil { // the transaction begins, its snapshot taken
+				t.Fatal(err)
+			}
+			if err := s.Renew(ctx, c); err != nil {
+				t.Fatalf("Renew with the transaction open: %v", err)
+			}
+			after, _ := readKey(t, pool, "key-1")
+			if moved := after.lockedAt.After(before.lockedAt); moved != tt.moved {
+				t.Errorf("the renewal moved locked_at: %v, want %v", moved, tt.moved)
+			}
+			if err := tx.Complete(ctx, created("1")); err != nil {
+				t.Fatalf("Complete after the renewal: %v", err)
+			}
+			mustBeWritten(t, pool, "key-1/1", true)
+			if row, _ := readKey(t, pool, "key-1"); row.status != "completed" {
+				t.Errorf("key status %q, want completed", row.status)
+			}
+		})
+	}
 }

@@ -23,17 +23,17 @@ import (
 // connection while it calls a slow downstream system after its insert,
 // with a lock timeout shorter than that call, so that renewals wait for
 // connections too: every request is answered (at worst with an error),
-// none hangs, and the pool is whole afterwards. Under REPEATABLE READ the
-// renewals and the transactions' begins share a lock, which must never be
-// held while waiting for a connection.
+// none hangs, and the pool is whole afterwards. The renewals and the
+// transactions' begins share a lock, which must never be held while
+// waiting for a connection; under REPEATABLE READ, renewals then only check.
 func TestSmallPoolAnswersEveryRequest(t *testing.T) {
-	for _, level := range []pgx.TxIsoLevel{"", pgx.RepeatableRead} {
+	for _, level := range []string{"", "repeatable read"} {
 		t.Run(fmt.Sprintf("isolation %q", level), func(t *testing.T) {
 			const conns, requests = 4, 8
 			release := make(chan struct{})
 			held := make(chan struct{}, requests)
 			s := newService(t, idempotency.Options{LockTimeout: 150 * time.Millisecond},
-				func(cfg *pgxpool.Config) { cfg.MaxConns = conns },
+				func(cfg *pgxpool.Config) { cfg.MaxConns = conns; withIsolation(level)(cfg) },
 				func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
 					if err := insert(r.Context(), tx, s2row(r)); err != nil {
 						http.Error(w, err.Error(), http.StatusServiceUnavailable)
@@ -46,7 +46,6 @@ func TestSmallPoolAnswersEveryRequest(t *testing.T) {
 					}
 					w.WriteHeader(http.StatusCreated)
 				})
-			s.store.Isolation = level
 			var wg sync.WaitGroup
 			statuses := make([]int, requests)
 			for i := range requests {
@@ -94,15 +93,15 @@ func TestSmallPoolAnswersEveryRequest(t *testing.T) {
 // across a downstream call that does not answer: the graceful stop runs
 // out its timeout, the forced close cancels the requests, and the pool
 // then closes, every connection back: the stop ends, whatever the renewals
-// were waiting for. Under REPEATABLE READ the renewals and the begins share
-// a lock that a request waiting on it must never hold a connection for.
+// were waiting for. The renewals and the begins share a lock that a
+// request waiting on it must never hold a connection for, at either level.
 func TestSmallPoolStopsGracefully(t *testing.T) {
-	for _, level := range []pgx.TxIsoLevel{"", pgx.RepeatableRead} {
+	for _, level := range []string{"", "repeatable read"} {
 		t.Run(fmt.Sprintf("isolation %q", level), func(t *testing.T) {
 			const conns, requests = 4, 8
 			held := make(chan struct{}, requests)
 			s := newService(t, idempotency.Options{LockTimeout: 150 * time.Millisecond},
-				func(cfg *pgxpool.Config) { cfg.MaxConns = conns },
+				func(cfg *pgxpool.Config) { cfg.MaxConns = conns; withIsolation(level)(cfg) },
 				func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
 					if err := insert(r.Context(), tx, s2row(r)); err != nil {
 						http.Error(w, err.Error(), http.StatusServiceUnavailable)
@@ -112,7 +111,6 @@ func TestSmallPoolStopsGracefully(t *testing.T) {
 					<-r.Context().Done() // the downstream call, which never answers
 					w.WriteHeader(http.StatusServiceUnavailable)
 				})
-			s.store.Isolation = level
 			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 				s.h.ServeHTTP(w, r.WithContext(idempotency.WithClientID(r.Context(), "cli_a")))
 			}))

@@ -84,7 +84,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	}
 	var row keysql.ClaimRow
 	found := false
-	tx, _, err := beginOn(ctx, conn, s.Isolation, keysql.ClaimTxSQL, keysql.ClaimArgs(req), func(br pgx.BatchResults) (err error) {
+	tx, err := beginOn(ctx, conn, keysql.ClaimTxSQL, keysql.ClaimArgs(req), func(br pgx.BatchResults) (err error) {
 		row, found, err = scanClaim(br.Query())
 		return err
 	})
@@ -92,7 +92,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 		err = errors.New("the claim returned no row")
 	}
 	if err == nil && row.Outcome() == idempotency.Claimed {
-		u := &unit{store: s, conn: conn, tx: tx, xid: row.TxID(), snap: snapshotLevel(s.Isolation),
+		u := &unit{store: s, conn: conn, tx: tx, xid: row.TxID(),
 			inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}

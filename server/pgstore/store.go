@@ -53,27 +53,20 @@ import (
 // that got no connection (the pool failed to connect). Other statements
 // return the error.
 //
-// The store's statements run in the database's default isolation level.
-// Under REPEATABLE READ or SERIALIZABLE, one that loses a race for a key's
+// The store's statements and the handlers' transactions ([Tx]) run at the
+// session's default_transaction_isolation, which the service sets on the
+// pool's connections (docs/server.md, "Isolation"). Under REPEATABLE READ
+// or SERIALIZABLE, a statement of the store that loses a race for a key's
 // row fails with a serialization failure where READ COMMITTED would wait
 // and read the row again: it did nothing, and the store runs it again, as
 // it runs again a claim that lost a race under READ COMMITTED. See
-// [Tx] for the lease of a handler transaction under those
-// levels.
+// [Store.Renew] for the lease of a handler transaction under those levels.
 //
 // The zero value is not usable; call [New]. A Store is safe for concurrent
 // use by many goroutines and many processes.
 type Store struct {
 	pool      *pgxpool.Pool
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index
-
-	// Isolation is the level of the handlers' transactions ([Tx]).
-	// Defaults to "" (pgx sends none), which is READ COMMITTED unless the
-	// database's default_transaction_isolation says otherwise: set it to
-	// pgx.ReadCommitted to be sure. Under pgx.RepeatableRead or
-	// pgx.Serializable the lease is not renewed while a transaction is
-	// open (see [Tx]'s package doc). Set it before first use.
-	Isolation pgx.TxIsoLevel
 
 	units keysql.Units[*unit] // the units of work of this process (see Renew)
 }
@@ -261,7 +254,8 @@ func (s *Store) Begin(ctx context.Context, c idempotency.Claim) (idempotency.Tx,
 // renewal done twice is one renewal.
 //
 // While the claim's handler transaction ([Tx]) is open under
-// REPEATABLE READ or SERIALIZABLE, Renew only checks that c still owns the
+// REPEATABLE READ or SERIALIZABLE, as the database reports its level when
+// it begins, Renew only checks that c still owns the
 // key, and returns ErrFenced if it does not: the transaction's completion
 // updates the key row, which PostgreSQL refuses (a serialization failure)
 // once another transaction has updated the row since the transaction's

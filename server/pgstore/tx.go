@@ -27,8 +27,9 @@ var errTxDone = errors.New("pgstore: the request's transaction is over (complete
 // Tx returns the transaction of the request in ctx, beginning it on the
 // first call, for a handler behind [idempotency.Middleware] on a [Store]
 // serving a request that owns its key. It is pgx's own pgx.Tx, begun on a
-// connection of the store's pool at the store's [Store.Isolation], and
-// its writes commit in the same commit as the key's stored outcome; they
+// connection of the store's pool at the session's
+// default_transaction_isolation (docs/server.md, "Isolation"), and its
+// writes commit in the same commit as the key's stored outcome; they
 // roll back whenever the outcome is not stored: a released 4xx, a 5xx
 // (unless stored), a panic, a fenced completion. It returns [ErrNoTx]
 // anywhere else, and the error of the BEGIN if it failed (every later
@@ -82,15 +83,27 @@ type unit struct {
 	xid  string        // the transaction's ID (pg_current_xact_id()), recorded when it began
 	err  error         // the transaction failed to begin: returned by every later Tx
 
-	// snap is set once the transaction begins at REPEATABLE READ or
-	// SERIALIZABLE: renewals must not update the key row (see renew).
-	snapshot sync.Mutex // guards snap; held by a renewal while it runs
+	// snap: the transaction keeps one snapshot to its end (REPEATABLE
+	// READ or SERIALIZABLE, as keysql.TxIDSQL read it), so renewals must
+	// not update the key row (see renew). A claim in one transaction has
+	// no lease, hence no renewals, and leaves it false.
+	snapshot sync.Mutex // guards snap; held by a renewal while it runs, and by begin
 	snap     bool
 }
 
 // begin returns the unit's transaction, beginning it on first use: BEGIN
-// at the store's isolation level and keysql.TxIDSQL in one round trip
-// (see beginOn).
+// and keysql.TxIDSQL in one round trip (see beginOn), which reads the
+// transaction's ID and its level.
+//
+// The level is known only from that answer, and the transaction's snapshot
+// is taken before it, so renewals are held off from before the BEGIN is
+// sent until the level is known: one that updates the key row finishes
+// first, before the snapshot, and the next knows whether it may. The lock
+// is taken before a connection is acquired, never while one is held, since
+// a renewal holding it may itself be waiting for a connection of the pool
+// (a pool full of begins waiting for renewals, and renewals waiting for
+// connections, never moves: issue 30). The renewals of this claim wait
+// while the begin waits for a connection, which they would need too.
 func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
@@ -100,42 +113,34 @@ func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 	if u.tx != nil || u.err != nil {
 		return u.tx, u.err
 	}
-	if snapshotLevel(u.store.Isolation) {
-		// From now on renewals only check the claim (see renew); one
-		// that updates the key row finishes first, before the snapshot.
-		// No connection is held meanwhile: a renewal may be waiting for
-		// one.
-		u.snapshot.Lock()
-		u.snap = true
-		u.snapshot.Unlock()
-	}
+	u.snapshot.Lock()
+	defer u.snapshot.Unlock()
 	conn, err := u.store.pool.Acquire(ctx)
 	if err != nil {
 		u.err = interpretError(err)
 		return nil, u.err
 	}
-	tx, xid, err := beginOn(ctx, conn, u.store.Isolation, "", nil, nil)
+	var xid string
+	var snap bool
+	tx, err := beginOn(ctx, conn, keysql.TxIDSQL, nil, func(br pgx.BatchResults) error {
+		return br.QueryRow().Scan(&xid, &snap)
+	})
 	if err != nil {
 		conn.Release() // the pool drops it unless it is idle and outside a transaction
 		u.err = interpretError(err)
 		return nil, u.err
 	}
-	u.conn, u.tx, u.xid = conn, tx, xid
+	u.conn, u.tx, u.xid, u.snap = conn, tx, xid, snap
 	return tx, nil
 }
 
-// beginOn begins a transaction on conn at level and runs one statement
-// in it, in one round trip: sql with args, whose result read reads (a
-// claim in one transaction, which reads the transaction's ID itself), or,
-// when read is nil, keysql.TxIDSQL, whose ID it returns.
-func beginOn(ctx context.Context, conn *pgxpool.Conn, level pgx.TxIsoLevel, sql string, args []any, read func(pgx.BatchResults) error) (pgx.Tx, string, error) {
-	var xid string
-	if read == nil {
-		sql, args = keysql.TxIDSQL, nil
-		read = func(br pgx.BatchResults) error { return br.QueryRow().Scan(&xid) }
-	}
+// beginOn begins a transaction on conn, at the session's default level,
+// and runs one statement in it, in one round trip: sql with args, whose
+// result read reads (keysql.TxIDSQL, or a claim in one transaction, which
+// reads the transaction's ID itself).
+func beginOn(ctx context.Context, conn *pgxpool.Conn, sql string, args []any, read func(pgx.BatchResults) error) (pgx.Tx, error) {
 	b := &pgx.Batch{}
-	b.BeginTx(pgx.TxOptions{IsoLevel: level})
+	b.BeginTx(pgx.TxOptions{})
 	b.Queue(sql, args...)
 	br := conn.SendBatch(ctx, b)
 	_, err := br.Exec()
@@ -145,21 +150,14 @@ func beginOn(ctx context.Context, conn *pgxpool.Conn, level pgx.TxIsoLevel, sql 
 	if cerr := br.Close(); err == nil {
 		err = cerr
 	}
-	return br.Tx(), xid, err
-}
-
-// snapshotLevel reports whether level keeps one snapshot for the whole
-// transaction. The empty level is READ COMMITTED: pgx sends no level, and
-// Store.Isolation documents it as READ COMMITTED.
-func snapshotLevel(level pgx.TxIsoLevel) bool {
-	return level == pgx.RepeatableRead || level == pgx.Serializable
+	return br.Tx(), err
 }
 
 // renew renews the claim's lease (see [Store.Renew]). While the
-// transaction is open at REPEATABLE READ or SERIALIZABLE it only checks
-// that the claim still owns the key: an update of the key row committed
-// after the transaction's snapshot would make its completion fail with a
-// serialization failure.
+// transaction is being begun it waits (see begin); while it is open at
+// REPEATABLE READ or SERIALIZABLE it only checks that the claim still owns
+// the key: an update of the key row committed after the transaction's
+// snapshot would make its completion fail with a serialization failure.
 func (u *unit) renew(ctx context.Context) error {
 	u.snapshot.Lock()
 	defer u.snapshot.Unlock()

@@ -29,7 +29,9 @@
 // transaction begins when the handler asks for it, so a handler that
 // calls a slow downstream system first holds no connection meanwhile. The
 // one rule is pgstore's: never end the transaction; the store checks at
-// the end, and fails closed (see [Tx]).
+// the end, and fails closed (see [Tx]). It begins at the session's
+// default_transaction_isolation (default_transaction_isolation=serializable
+// in the DSN, on either driver), as in pgstore.
 //
 // # One table, two stores
 //

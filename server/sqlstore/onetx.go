@@ -63,7 +63,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	var none idempotency.ClaimResult
 	u := &unit{store: s}
 	var row keysql.ClaimRow
-	if err := u.beginLocked(ctx, false); err != nil {
+	if err := u.beginLocked(ctx); err != nil {
 		return none, false, err
 	}
 	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)

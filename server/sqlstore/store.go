@@ -53,13 +53,6 @@ type Store struct {
 	prepare bool        // the driver does not cache statements: prepare those of a first execution
 	ready   atomic.Bool // all of prepared are in stmts (see prepareAll)
 
-	// Isolation is the level of the handlers' transactions ([Tx]).
-	// Defaults to sql.LevelDefault, the database's
-	// default_transaction_isolation (READ COMMITTED unless set). Under
-	// REPEATABLE READ or SERIALIZABLE the lease is not renewed while a
-	// transaction is open, as with pgstore. Set it before first use.
-	Isolation sql.IsolationLevel
-
 	units keysql.Units[*unit] // the units of work of this process (see Renew)
 
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index

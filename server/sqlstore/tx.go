@@ -24,7 +24,8 @@ var errTxDone = errors.New("sqlstore: the request's transaction is over (complet
 // Tx returns the transaction of the request in ctx, beginning it on the
 // first call, for a handler behind [idempotency.Middleware] on a [Store]
 // serving a request that owns its key. It is database/sql's own *sql.Tx,
-// begun at the store's [Store.Isolation]: sqlc's DBTX, GORM's ConnPool
+// begun at the session's default_transaction_isolation (docs/server.md,
+// "Isolation"): sqlc's DBTX, GORM's ConnPool
 // (db.Transaction nests as savepoints), River's riverdatabasesql InsertTx
 // take it as it is. Its writes commit in the same commit as the key's
 // stored outcome, and roll back whenever the outcome is not stored. It
@@ -71,51 +72,56 @@ type unit struct {
 	xid  string    // the transaction's ID, read when it began (keysql.TxIDSQL, or the claim in one transaction)
 	err  error     // the transaction failed to begin: returned by every later Tx
 
-	snapshot sync.Mutex // guards snap; held by a renewal while it runs
-	snap     bool       // the transaction began at REPEATABLE READ or SERIALIZABLE: renewals only check
+	// snap: the transaction keeps one snapshot to its end (REPEATABLE
+	// READ or SERIALIZABLE, as keysql.TxIDSQL read it): renewals only
+	// check. A claim in one transaction has no lease and leaves it false.
+	snapshot sync.Mutex // guards snap; held by a renewal while it runs, and by begin
+	snap     bool
 }
 
-// begin returns the unit's transaction, beginning it on first use.
+// begin returns the unit's transaction, beginning it on first use, and
+// reads its ID and its level (keysql.TxIDSQL).
+//
+// The level is known only from that answer, and the transaction's
+// snapshot is taken before it, so renewals are held off from before the
+// BEGIN until the level is known, as in pgstore: one that updates the key
+// row finishes first, before the snapshot, and the next knows whether it
+// may. The lock is taken before a connection is acquired, never while one
+// is held: a renewal holding it may be waiting for a connection (issue
+// 30's deadlock).
 func (u *unit) begin(ctx context.Context) (*sql.Tx, error) {
 	u.mu.Lock()
 	defer u.mu.Unlock()
 	if u.done {
 		return nil, errTxDone
 	}
-	if u.tx == nil && u.err == nil {
-		u.err = u.beginLocked(ctx, true)
+	if u.tx != nil || u.err != nil {
+		return u.tx, u.err
 	}
-	return u.tx, u.err
+	u.snapshot.Lock()
+	defer u.snapshot.Unlock()
+	if u.err = u.beginLocked(ctx); u.err != nil {
+		return nil, u.err
+	}
+	if err := u.tx.QueryRowContext(ctx, keysql.TxIDSQL).Scan(&u.xid, &u.snap); err != nil {
+		u.rollbackLocked()
+		u.err = interpretError(err)
+		return nil, u.err
+	}
+	return u.tx, nil
 }
 
-// beginLocked begins the transaction on a connection of the pool,
-// acquired under ctx, and reads its ID unless readID is false (a claim in
-// one transaction reads it with the claim); the transaction itself
+// beginLocked begins the transaction, at the session's default level, on
+// a connection of the pool acquired under ctx; the transaction itself
 // outlives ctx (database/sql would roll it back when the context of its
 // BeginTx ends): the middleware ends it. The caller holds u.mu.
-func (u *unit) beginLocked(ctx context.Context, readID bool) error {
-	if snapshotLevel(u.store.Isolation) {
-		// From now on renewals only check the claim; one that updates
-		// the key row finishes first. No connection is held meanwhile.
-		u.snapshot.Lock()
-		u.snap = true
-		u.snapshot.Unlock()
-	}
+func (u *unit) beginLocked(ctx context.Context) error {
 	conn, err := u.store.db.Conn(ctx)
 	if err != nil {
 		return interpretError(err)
 	}
-	tx, err := conn.BeginTx(context.WithoutCancel(ctx), &sql.TxOptions{Isolation: u.store.Isolation})
+	tx, err := conn.BeginTx(context.WithoutCancel(ctx), nil)
 	if err != nil {
-		conn.Close()
-		return interpretError(err)
-	}
-	if !readID {
-		u.conn, u.tx = conn, tx
-		return nil
-	}
-	if err := tx.QueryRowContext(ctx, keysql.TxIDSQL).Scan(&u.xid); err != nil {
-		_ = tx.Rollback()
 		conn.Close()
 		return interpretError(err)
 	}
@@ -123,16 +129,11 @@ func (u *unit) beginLocked(ctx context.Context, readID bool) error {
 	return nil
 }
 
-// snapshotLevel reports whether level keeps one snapshot for the whole
-// transaction.
-func snapshotLevel(level sql.IsolationLevel) bool {
-	return level == sql.LevelRepeatableRead || level == sql.LevelSnapshot || level == sql.LevelSerializable
-}
-
-// renew renews the claim's lease. While the transaction is open at
-// REPEATABLE READ or SERIALIZABLE it only checks that the claim still owns
-// the key: an update of the key row committed after the transaction's
-// snapshot would make its completion fail with a serialization failure.
+// renew renews the claim's lease. While the transaction is being begun it
+// waits (see begin); while it is open at REPEATABLE READ or SERIALIZABLE
+// it only checks that the claim still owns the key: an update of the key
+// row committed after the transaction's snapshot would make its
+// completion fail with a serialization failure.
 func (u *unit) renew(ctx context.Context) error {
 	u.snapshot.Lock()
 	defer u.snapshot.Unlock()

@@ -20,7 +20,14 @@ func CompleteNewArgs(req idempotency.ClaimRequest, created time.Time, opID strin
 // that one (the completion's own check, TxGuardSQL, TxStatusSQL). It
 // assigns the ID at once, which the completion's write would do anyway. A
 // claim in one transaction reads it with the claim instead (ClaimTxSQL).
-const TxIDSQL = `SELECT pg_current_xact_id()::text`
+//
+// Its second column tells whether the transaction keeps one snapshot to
+// its end (REPEATABLE READ or SERIALIZABLE), as the database began it: at
+// the session's default_transaction_isolation, which the stores leave to
+// the service. As the transaction's first statement it takes that
+// snapshot, after which its level can no longer change.
+const TxIDSQL = `SELECT pg_current_xact_id()::text AS xid,
+    current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot`
 
 // TxGuardSQL fails with TxChangedCode unless it runs in the transaction
 // whose ID is $1 (TxIDSQL): sent before a ROLLBACK, it tells a transaction

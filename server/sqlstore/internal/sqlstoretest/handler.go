@@ -341,15 +341,14 @@ func testConnLost(t *testing.T, driver string) {
 	assert.Equal(t, "released", keyStatus(t, db, "key-2"))
 }
 
-// testSerializableRenewal: with Store.Isolation SERIALIZABLE, a lease
-// renewal while the handler's transaction is open (after its snapshot)
-// only checks that the claim owns the key, so the completion commits; a
-// renewal that updated the key row would make it fail with a
-// serialization failure.
+// testSerializableRenewal: on a database whose
+// default_transaction_isolation is serializable, a lease renewal while
+// the handler's transaction is open (after its snapshot) only checks that
+// the claim owns the key, so the completion commits; a renewal that
+// updated the key row would make it fail with a serialization failure.
 func testSerializableRenewal(t *testing.T, driver string) {
-	db := Open(t, driver)
+	db := openAt(t, driver, "serializable")
 	s := sqlstore.New(db)
-	s.Isolation = sql.LevelSerializable
 	ctx := context.Background()
 	u, hctx := unit(t, s, "key-1")
 	require.NoError(t, write(hctx, "key-1/1")) // the snapshot is taken

@@ -1,6 +1,7 @@
 package sqlstoretest
 
 import (
+	"cmp"
 	"context"
 	"database/sql"
 	"errors"
@@ -70,22 +71,26 @@ func testPoolAsSmallAsRequests(t *testing.T, driver string) {
 	}
 }
 
+// isolations are the default_transaction_isolation settings the small
+// pool tests run under: the server's (READ COMMITTED), and REPEATABLE
+// READ, where renewals only check once a transaction has begun.
+var isolations = []string{"", "repeatable read"}
+
 // testSmallPoolAnswersEveryRequest is pgstore's test of the same name on
 // sqlstore: twice as many concurrent requests as the pool has
 // connections, each holding its transaction's connection across a slow
 // downstream call after its insert, with a lease shorter than that call,
-// so that renewals wait for connections too, at READ COMMITTED and at
-// REPEATABLE READ (where the renewals and the transactions' begins share
-// a lock): every request is answered, none hangs, and the pool is whole
-// afterwards.
+// so that renewals wait for connections too (and for the transactions'
+// begins, which share a lock with them), at READ COMMITTED and at
+// REPEATABLE READ: every request is answered, none hangs, and the pool is
+// whole afterwards.
 func testSmallPoolAnswersEveryRequest(t *testing.T, driver string) {
-	for _, level := range []sql.IsolationLevel{sql.LevelDefault, sql.LevelRepeatableRead} {
-		t.Run(level.String(), func(t *testing.T) {
+	for _, level := range isolations {
+		t.Run(cmp.Or(level, "default"), func(t *testing.T) {
 			const conns, requests = 4, 8
-			db := Open(t, driver)
+			db := openAt(t, driver, level)
 			db.SetMaxOpenConns(conns)
 			store := sqlstore.New(db)
-			store.Isolation = level
 			held := make(chan struct{}, requests)
 			release := make(chan struct{})
 			svc := newService(db, store, idempotency.Options{LockTimeout: 150 * time.Millisecond},
@@ -148,13 +153,12 @@ func testSmallPoolAnswersEveryRequest(t *testing.T, driver string) {
 // forced close cancels the requests, and every connection comes back, at
 // READ COMMITTED and at REPEATABLE READ.
 func testSmallPoolStopsGracefully(t *testing.T, driver string) {
-	for _, level := range []sql.IsolationLevel{sql.LevelDefault, sql.LevelRepeatableRead} {
-		t.Run(level.String(), func(t *testing.T) {
+	for _, level := range isolations {
+		t.Run(cmp.Or(level, "default"), func(t *testing.T) {
 			const conns, requests = 4, 8
-			db := Open(t, driver)
+			db := openAt(t, driver, level)
 			db.SetMaxOpenConns(conns)
 			store := sqlstore.New(db)
-			store.Isolation = level
 			held := make(chan struct{}, requests)
 			svc := newService(db, store, idempotency.Options{LockTimeout: 150 * time.Millisecond},
 				func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {

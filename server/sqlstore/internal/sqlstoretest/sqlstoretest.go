@@ -8,6 +8,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"net/url"
 	"testing"
 	"time"
 
@@ -155,13 +156,29 @@ func testConformance(t *testing.T, driver string) {
 // default_transaction_isolation is serializable, where the store's own
 // statements and the handlers' transactions run under SERIALIZABLE.
 func testSerializable(t *testing.T, driver string) {
-	const params = "default_transaction_isolation=serializable"
-	db, _ := openURL(t, driver, params)
-	var level string
-	if err := db.QueryRowContext(context.Background(), `SHOW transaction_isolation`).Scan(&level); err != nil || level != "serializable" {
-		t.Fatalf("transaction_isolation %q (%v) with %s, want serializable", level, err, params)
+	openAt(t, driver, "serializable")
+	storetest.Exercise(t, backendWith(driver, isolationParam("serializable")))
+}
+
+// openAt is Open on a pool whose sessions' default_transaction_isolation
+// is level ("": the server's), which it checks.
+func openAt(t testing.TB, driver, level string) *sql.DB {
+	t.Helper()
+	db, _ := openURL(t, driver, isolationParam(level))
+	var got string
+	if err := db.QueryRowContext(context.Background(), `SHOW transaction_isolation`).Scan(&got); err != nil || level != "" && got != level {
+		t.Fatalf("transaction_isolation %q (%v), want %q", got, err, level)
 	}
-	storetest.Exercise(t, backendWith(driver, params))
+	return db
+}
+
+// isolationParam is the connection parameter that sets the sessions'
+// default_transaction_isolation to level; "" for "".
+func isolationParam(level string) string {
+	if level == "" {
+		return ""
+	}
+	return "default_transaction_isolation=" + url.PathEscape(level)
 }
 
 // backend returns the storetest backend of a store on driver, on a fresh
