@@ -93,6 +93,24 @@ func testHandlerEndsTransaction(t *testing.T, oneTx bool) {
 			_ = err // the division fails, leaving the handler's own transaction aborted
 			return nil
 		}, 201, true},
+		{"rows left open, the transaction not ended", func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Query(ctx, "SELECT 1")
+			return err
+		}, 201, false},
+		{"COMMIT, then rows left open", func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "COMMIT"); err != nil {
+				return err
+			}
+			_, err := tx.Query(ctx, "SELECT 1") // never closed: the connection stays busy
+			return err
+		}, 201, true},
+		{"COMMIT AND CHAIN, then rows left open and a 500", func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, "COMMIT AND CHAIN"); err != nil {
+				return err
+			}
+			_, err := tx.Query(ctx, "SELECT 1")
+			return err
+		}, 500, true},
 		{"PREPARE TRANSACTION", endWith("PREPARE TRANSACTION 'idem_ended_test'"), 201, false},
 		{"a DO block that commits", endWith("DO $$ BEGIN COMMIT; END $$"), 201, false},
 	} {

@@ -267,7 +267,8 @@ var errBusy = errors.New("pgstore: the handler left rows or a batch of its trans
 // (keysql.CompleteInTxSQL's check, or keysql.TxGuardSQL) with its next
 // statement. Otherwise the connection is
 // given back and nothing of the transaction is left: it was aborted by a
-// failed statement, or its connection closed, and nothing of it committed
+// failed statement, or its connection closed, or the handler left it busy
+// (errBusy; the pool drops it), and nothing of it committed
 // unless the transaction Tx began committed, which keysql.TxStatusSQL tells
 // (the handler committed it, then began another that failed); or the
 // connection is outside any transaction, which only the handler can have
@@ -277,10 +278,9 @@ var errBusy = errors.New("pgstore: the handler left rows or a batch of its trans
 func (u *unit) settle(ctx context.Context) (open bool, err error) {
 	conn := u.conn
 	pc := conn.Conn().PgConn()
+	busy := pc.IsBusy()
 	switch {
-	case pc.IsBusy():
-		_ = u.rollbackLocked(ctx) // the pool drops a busy connection
-		return false, errBusy
+	case busy: // the pool drops a busy connection (below)
 	case !pc.IsClosed() && pc.TxStatus() == 'T':
 		return true, nil
 	case !pc.IsClosed() && pc.TxStatus() == 'I':
@@ -288,7 +288,7 @@ func (u *unit) settle(ctx context.Context) (open bool, err error) {
 		conn.Release()
 		return false, u.failClosed(ctx, "the handler ended the transaction")
 	}
-	// Aborted, or the connection closed.
+	// Busy, aborted, or the connection closed.
 	_ = u.rollbackLocked(ctx)
 	var status *string
 	if err := u.store.pool.QueryRow(context.WithoutCancel(ctx), keysql.TxStatusSQL, u.xid).Scan(&status); err != nil {
@@ -296,6 +296,9 @@ func (u *unit) settle(ctx context.Context) (open bool, err error) {
 	}
 	if status != nil && *status == "committed" {
 		return false, u.failClosed(ctx, "the handler committed the transaction, then began another")
+	}
+	if busy {
+		return false, errBusy
 	}
 	return false, nil
 }
