@@ -214,7 +214,13 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		u.rollbackLocked()
 		return idempotency.ErrFenced
 	default:
+		// Nothing of the transaction commits now, but an error no check
+		// above reads (a driver out of step with the server, say, under
+		// rows the handler left open) may follow the handler's own COMMIT.
 		u.rollbackLocked()
+		if ended, err := u.committed(ctx); err != nil || ended {
+			return err
+		}
 		return interpretError(err)
 	}
 }

@@ -53,6 +53,13 @@ func testHandlerEndsTransaction(t *testing.T, driver string) {
 				_, _ = tx.ExecContext(ctx, "SELECT 1/0")
 				return nil
 			}, 201, true},
+			{"COMMIT, then rows left open", func(ctx context.Context, tx *sql.Tx) error {
+				if _, err := tx.ExecContext(ctx, "COMMIT"); err != nil {
+					return err
+				}
+				_, err := tx.QueryContext(ctx, "SELECT 1") // never closed
+				return err
+			}, 201, true},
 			{"PREPARE TRANSACTION", execSQL("PREPARE TRANSACTION 'idem_sqlstore_ended'"), 201, false},
 			{"a DO block that commits", execSQL("DO $$ BEGIN COMMIT; END $$"), 201, false},
 		} {
