@@ -66,3 +66,23 @@ func TestBodyOverTheLimitIsRefusedWhateverItDeclares(t *testing.T) {
 		}
 	}
 }
+
+// TestBodyDeclaredHugeWithoutLimitIsReadAsSent checks that, with no limit
+// (a negative MaxBodyBytes), a Content-Length far larger than the body sent
+// costs no more memory than the body: net/http's server accepts any
+// Content-Length, and a buffer of a declared 1 TiB ends the process with a
+// fatal out-of-memory error (1<<62 here: a panic, which a test survives).
+func TestBodyDeclaredHugeWithoutLimitIsReadAsSent(t *testing.T) {
+	body := `{"amount":4200}`
+	var got string
+	h := testHandler(t, NewMemoryStore(), Options{MaxBodyBytes: -1}, func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(r.Body)
+		got = string(b)
+		w.WriteHeader(http.StatusCreated)
+	})
+	req := keyed("k", body).request(t, "")
+	req.ContentLength = 1 << 62
+	if r := serveRequest(t, h, req); r.status != http.StatusCreated || got != body {
+		t.Fatalf("status %d, handler read %q; want 201, %q", r.status, got, body)
+	}
+}

@@ -749,12 +749,14 @@ func refuseUnread(w http.ResponseWriter, r *http.Request) {
 	_ = http.NewResponseController(w).SetReadDeadline(time.Now())
 }
 
-// readBody reads the whole body under the size limit.
+// readBody reads the whole body under the size limit. Only a limit bounds
+// the buffer of a declared length: without one, a client could declare
+// any (net/http's server takes it as it comes) and send nothing.
 func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	if r.Body == nil || r.Body == http.NoBody {
 		return nil, nil
 	}
-	if n := r.ContentLength; n > 0 && (m.maxBody <= 0 || n <= m.maxBody) {
+	if n := r.ContentLength; n > 0 && m.maxBody > 0 && n <= m.maxBody {
 		return readAll(r.Body, n, m.maxBody)
 	}
 	body := r.Body
