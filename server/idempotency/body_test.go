@@ -4,6 +4,7 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -84,5 +85,37 @@ func TestBodyDeclaredHugeWithoutLimitIsReadAsSent(t *testing.T) {
 	req.ContentLength = 1 << 62
 	if r := serveRequest(t, h, req); r.status != http.StatusCreated || got != body {
 		t.Fatalf("status %d, handler read %q; want 201, %q", r.status, got, body)
+	}
+}
+
+// stalled is a body that sends a few bytes, then fails as a client's
+// that stalled until the server's read timeout.
+type stalled struct{ r io.Reader }
+
+func (s *stalled) Read(p []byte) (int, error) {
+	n, err := s.r.Read(p)
+	if err == io.EOF {
+		return n, io.ErrUnexpectedEOF
+	}
+	return n, err
+}
+
+// TestBodyThatStallsCostsWhatItSent: a request that declares a body of
+// MaxBodyBytes and sends a few bytes of it costs the server about what it
+// sent, not what it declared (many such connections, each held until the
+// read timeout, would otherwise hold MaxBodyBytes each).
+func TestBodyThatStallsCostsWhatItSent(t *testing.T) {
+	h := testHandler(t, NewMemoryStore(), Options{}, func(w http.ResponseWriter, r *http.Request) {
+		t.Error("the handler ran")
+	})
+	var before, after runtime.MemStats
+	req := keyed("k", "").request(t, "")
+	req.Body = io.NopCloser(&stalled{strings.NewReader(`{"amount":`)})
+	req.ContentLength = DefaultMaxBodyBytes
+	runtime.ReadMemStats(&before)
+	serveRequest(t, h, req)
+	runtime.ReadMemStats(&after)
+	if got := after.TotalAlloc - before.TotalAlloc; got > 64<<10 {
+		t.Errorf("a request that sent 10 bytes of a declared %d allocated %d bytes", DefaultMaxBodyBytes, got)
 	}
 }

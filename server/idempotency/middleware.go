@@ -766,13 +766,18 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) ([]byte, e
 	return io.ReadAll(body)
 }
 
+// preallocated bounds the buffer readAll allocates for a declared length.
+const preallocated = 32 << 10
+
 // readAll reads body, whose length is declared as n, in one allocation of
-// n bytes and one more, so that the read of its end needs no other. It
-// reads no more than limit bytes when limit is positive: a body longer
+// n bytes and one more, so that the read of its end needs no other, for a
+// body of up to preallocated bytes; a longer one grows as it arrives, so
+// that a client that declares much and sends little costs what it sent.
+// It reads no more than limit bytes when limit is positive: a body longer
 // than it is said to be (which net/http's server never hands over) gets
 // the error of [http.MaxBytesReader].
 func readAll(body io.Reader, n, limit int64) ([]byte, error) {
-	b := make([]byte, 0, n+1)
+	b := make([]byte, 0, min(n, preallocated)+1)
 	for {
 		k, err := body.Read(b[len(b):cap(b)])
 		b = b[:len(b)+k]
