@@ -16,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/internal/testhooks"
 )
 
@@ -148,10 +149,7 @@ func (ts *testServer) elapse(t *testing.T, d time.Duration) {
 	case *MemoryStorage:
 		testhooks.ElapseMemoryStore(s.keys, d)
 	case *PostgresStorage:
-		if _, err := s.pool.Exec(context.Background(), `UPDATE idempotency_keys SET
-			created_at = created_at - $1::bigint * interval '1 microsecond',
-			locked_at = locked_at - $1::bigint * interval '1 microsecond',
-			expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds()); err != nil {
+		if _, err := s.pool.Exec(context.Background(), keysql.ElapseSQL, d.Microseconds()); err != nil {
 			t.Fatal(err)
 		}
 	default:

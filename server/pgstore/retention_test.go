@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -56,9 +57,7 @@ func makeOld(t *testing.T, pool *pgxpool.Pool, key string) {
 // every time of every key d back, as if d had passed for them all.
 func elapseAll(pool *pgxpool.Pool) func(context.Context, time.Duration) error {
 	return func(ctx context.Context, d time.Duration) error {
-		_, err := pool.Exec(ctx, `UPDATE idempotency_keys SET created_at = created_at - $1::bigint * interval '1 microsecond',
-			locked_at = locked_at - $1::bigint * interval '1 microsecond',
-			expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+		_, err := pool.Exec(ctx, keysql.ElapseSQL, d.Microseconds())
 		return err
 	}
 }
@@ -67,9 +66,8 @@ func elapseAll(pool *pgxpool.Pool) func(context.Context, time.Duration) error {
 // it: its creation, its last lock or finish, and its expiry bound.
 func elapse(t *testing.T, pool *pgxpool.Pool, key string, d time.Duration) {
 	t.Helper()
-	if _, err := pool.Exec(context.Background(), `UPDATE idempotency_keys SET created_at = created_at - $2::interval,
-		locked_at = locked_at - $2::interval, expires_at = expires_at - $2::interval
-		WHERE client_id = 'cli_a' AND idempotency_key = $1`, key, d); err != nil {
+	if _, err := pool.Exec(context.Background(), keysql.ElapseSQL+` WHERE client_id = 'cli_a' AND idempotency_key = $2`,
+		d.Microseconds(), key); err != nil {
 		t.Fatal(err)
 	}
 }

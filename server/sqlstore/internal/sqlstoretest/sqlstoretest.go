@@ -14,6 +14,7 @@ import (
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/sqlstore"
 	"github.com/idemkit/idem/server/storetest"
 )
@@ -217,9 +218,7 @@ func backendOn(db *sql.DB) storetest.Backend {
 			return written(ctx, db, name)
 		},
 		Elapse: func(ctx context.Context, d time.Duration) error {
-			_, err := db.ExecContext(ctx, `UPDATE idempotency_keys SET created_at = created_at - $1::bigint * interval '1 microsecond',
-				locked_at = locked_at - $1::bigint * interval '1 microsecond',
-				expires_at = expires_at - $1::bigint * interval '1 microsecond'`, d.Microseconds())
+			_, err := db.ExecContext(ctx, keysql.ElapseSQL, d.Microseconds())
 			return err
 		},
 	}
