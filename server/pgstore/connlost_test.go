@@ -679,8 +679,8 @@ func TestCompleteInTxConnCut(t *testing.T) {
 func TestRenewConnCut(t *testing.T) {
 	ctx := context.Background()
 	eachCutOfClaimed(t, func(t *testing.T, w *proxied, res idempotency.ClaimResult, kind faultproxy.Kind, fin bool) {
+		elapse(t, w.pool, lostReq.Key, time.Second) // claimed a second ago
 		before, _ := readKey(t, w.pool, lostReq.Key)
-		time.Sleep(5 * time.Millisecond)
 		sprung := w.arm(t, kind, fin)
 		err := w.store.Renew(ctx, res.Claim)
 		sprung()

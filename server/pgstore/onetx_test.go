@@ -49,8 +49,9 @@ func (g *gate) Open() { g.once.Do(func() { close(g.open) }) }
 // another, get 409 at once, while it is held (no lock, no row to wait
 // on), and nothing of it is visible, key included. Once it is let go it
 // commits its row and its key in one commit; then the retry replays it
-// and another body gets 422. No lease is renewed: the lock timeout passes
-// many times while it is held.
+// and another body gets 422. Its claim is one with no lease (the
+// middleware's own tests hold such a claim for many lock timeouts, on a
+// fake clock, and see no renewal), and none is renewed while it is held.
 func TestOneTransactionDuplicateAtOnce(t *testing.T) {
 	g := newGate()
 	defer g.Open()
@@ -59,6 +60,8 @@ func TestOneTransactionDuplicateAtOnce(t *testing.T) {
 	s = newService(t, idempotency.Options{OneTransaction: true, LockTimeout: 30 * time.Millisecond,
 		OnEvent: func(e idempotency.Event) { renewed.Store(e, true) }}, nil,
 		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+			claim, _ := idempotency.ClaimFromContext(r.Context())
+			assert.True(t, claim.OneTransaction, "claim %+v, want one in one transaction", claim)
 			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
 				http.Error(w, err.Error(), http.StatusInternalServerError)
 				return
@@ -94,7 +97,6 @@ func TestOneTransactionDuplicateAtOnce(t *testing.T) {
 	}
 	assert.Empty(t, s.keyRows(t, "k1"), "key rows while the first request runs")
 	assert.Empty(t, s.committed(t, "k1"), "rows committed while the first request runs")
-	time.Sleep(100 * time.Millisecond) // several lock timeouts, held
 	g.Open()
 	require.Equal(t, http.StatusCreated, <-first, s.logs.String())
 	_, renewals := renewed.Load(idempotency.EventRenewed)

@@ -2,19 +2,14 @@ package pgstore_test
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
-	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/stretchr/testify/assert"
-	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -22,26 +17,9 @@ import (
 )
 
 // The tests below move time in SQL (see elapse) rather than sleep past
-// leases and retentions. The one that holds a handler's transaction on the
-// real clock measures an upper bound of the time the database saw; when the
-// machine stalled past its deadline the check proves nothing, and runs
-// again on a new key (see judged).
-
-// judged runs check on a new key each time until it returns true, which it
-// does unless the machine stalled past one of its deadlines.
-func judged(t *testing.T, check func(key string) bool) {
-	t.Helper()
-	const attempts = 5
-	for attempt := 1; ; attempt++ {
-		if check(fmt.Sprintf("key-%d", attempt)) {
-			return
-		}
-		if attempt == attempts {
-			t.Fatalf("%d attempts, each stalled past its deadlines: cannot be judged on this machine", attempts)
-		}
-		t.Logf("attempt %d stalled past its deadlines; again on a new key", attempt)
-	}
-}
+// leases and retentions. A handler's transaction held open past the
+// retention, which only real time can age, is the conformance suite's
+// (storetest's RetentionOfHeldUnitCountsFromCompletion).
 
 // makeOld moves the creation and the last lock of cli_a's key two days
 // back, as for a key whose operation began long ago.
@@ -134,46 +112,6 @@ func TestRetentionCountsFromCompletion(t *testing.T) {
 		t.Errorf("expired key not purged")
 	}
 }
-
-// TestRetentionOfHeldTransaction: a handler writes its order, then holds
-// its transaction for longer than the key's retention (a slow downstream
-// call) before it answers 201. The key is kept a retention from the
-// completion, as with the memory store: the immediate retry replays, and
-// the key leaves one order. Before, the completion ran inside the
-// handler's transaction and stamped the expiry with now(), the start of
-// that transaction: the key was committed already expired, and the retry
-// ran the operation again under a new operation id, leaving two orders.
-func TestRetentionOfHeldTransaction(t *testing.T) {
-	const keep = time.Second
-	var held atomic.Bool
-	var s *service
-	s = newService(t, idempotency.Options{Retention: keep}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
-		if err := insert(r.Context(), tx, s.row(r, "order")); err != nil {
-			http.Error(w, err.Error(), http.StatusInternalServerError)
-			return
-		}
-		if !held.Swap(true) {
-			time.Sleep(keep + keep/2) // the first attempt only
-		}
-		w.WriteHeader(http.StatusCreated)
-	})
-	judged(t, func(key string) bool {
-		held.Store(false)
-		status, _ := s.send(key)
-		require.Equal(t, http.StatusCreated, status, s.logs.String())
-		answered := time.Now() // after the completion
-		again, _ := s.send(key)
-		if !before(answered, keep) {
-			return false
-		}
-		assert.Equal(t, http.StatusCreated, again, "the retry right after the answer")
-		s.mustMatch(t, key, again, "order")
-		return true
-	})
-}
-
-// before reports whether less than d passed since start.
-func before(start time.Time, d time.Duration) bool { return time.Since(start) < d }
 
 // TestPurgeSparesLiveLease: a started key whose owner renews its lease is
 // never expired nor purged, however old it is and however long it runs

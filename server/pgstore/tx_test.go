@@ -129,13 +129,13 @@ func TestTxRollback(t *testing.T) {
 func TestTxFencedCompletion(t *testing.T) {
 	ctx := context.Background()
 	s, pool := newStore(t, nil)
-	r := leased(req("key-1", "a"), 100*time.Millisecond, time.Hour)
+	r := leased(req("key-1", "a"), time.Minute, time.Hour)
 	first := mustClaim(t, s, r, idempotency.Claimed).Claim
 	tx, hctx := unitOf(t, s, first)
 	if err := write(hctx, "w_first"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(300 * time.Millisecond) // the lease runs out
+	elapse(t, pool, "key-1", 2*time.Minute) // the lease runs out
 	taker := mustClaim(t, s, r, idempotency.TookOver).Claim
 	if taker.OperationID != first.OperationID {
 		t.Errorf("takeover under operation %s, want the first's %s", taker.OperationID, first.OperationID)

@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/pgstore"
 	"github.com/idemkit/idem/server/sqlstore"
 )
@@ -115,9 +116,10 @@ func testSideBySide(t *testing.T, driver string) {
 		key := fmt.Sprint("stale-", i)
 		var stores = []idempotency.Store{pgstore.New(pool), sqlstore.New(db)}
 		_, err := stores[i].Claim(ctx, idempotency.ClaimRequest{ClientID: "cli_a", Key: key, Method: "POST", Path: "/v1/orders",
-			Fingerprint: fingerprintOf(t, key), LockTimeout: time.Millisecond, Retention: time.Hour})
+			Fingerprint: fingerprintOf(t, key), LockTimeout: time.Minute, Retention: time.Hour})
 		require.NoError(t, err)
-		time.Sleep(20 * time.Millisecond)
+		_, err = db.ExecContext(ctx, keysql.ElapseSQL+` WHERE idempotency_key = $2`, (2 * time.Minute).Microseconds(), key)
+		require.NoError(t, err) // its lease ran out
 		rec, _ := send(taker, key)
 		assert.Equal(t, 201, rec.Code, "the takeover of %s", key)
 		assert.Equal(t, 1, rows(t, db, key))
