@@ -180,7 +180,8 @@ func TestMiddlewareShutdown(t *testing.T) {
 	defer shutdown()
 	started := make(chan struct{})
 	var calls atomic.Int32
-	h := testHandler(t, NewMemoryStore(), Options{WaitForCompletion: time.Hour}, func(w http.ResponseWriter, r *http.Request) {
+	store := &recordingStore{Store: NewMemoryStore()}
+	h := testHandler(t, store, Options{WaitForCompletion: time.Hour}, func(w http.ResponseWriter, r *http.Request) {
 		calls.Add(1)
 		close(started)
 		<-r.Context().Done()
@@ -197,9 +198,13 @@ func TestMiddlewareShutdown(t *testing.T) {
 	<-started
 	dup := make(chan reply)
 	go func() { dup <- ts.send(t, keyed("k", "{}")) }()
-	// The duplicate is waiting once it has claimed and found the key
-	// started; there is no event for it, so wait for its first poll.
-	time.Sleep(50 * time.Millisecond)
+	// The duplicate is waiting once it has claimed again after its first
+	// wait: the first request's claim, then two of the duplicate's.
+	for deadline := time.Now().Add(10 * time.Second); store.claimCount() < 3; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the duplicate did not wait for the first request")
+		}
+	}
 	shutdown()
 	mustNotRun(t, "in-flight request at shutdown", <-first)
 	if r := <-dup; r.status != http.StatusConflict && r.status != http.StatusServiceUnavailable {

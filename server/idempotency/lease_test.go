@@ -37,6 +37,13 @@ func (s *recordingStore) Claim(ctx context.Context, req ClaimRequest) (ClaimResu
 	return s.Store.Claim(ctx, req)
 }
 
+// claimCount returns the number of claims asked for.
+func (s *recordingStore) claimCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.claims)
+}
+
 func (s *recordingStore) Renew(ctx context.Context, c Claim) error {
 	s.mu.Lock()
 	s.renewed++

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -31,47 +32,48 @@ func holdFirst() (entered chan struct{}, release *latch) {
 // TestOneTransactionDuplicates holds the first request of a key claimed in
 // one transaction in its handler: its duplicates, same body or not, get 409
 // at once, before it is let go, and no lease is renewed meanwhile though
-// the lock timeout passes many times. Once it completed, the duplicate gets
-// the replay and another body 422.
+// the lock timeout passes many times (on the bubble's clock). Once it
+// completed, the duplicate gets the replay and another body 422.
 func TestOneTransactionDuplicates(t *testing.T) {
-	var ev events
-	entered, release := holdFirst()
-	defer release.Do()
-	var calls atomic.Int32
-	ts := mwServer(t, NewMemoryStore(), Options{OneTransaction: true, LockTimeout: 30 * time.Millisecond, OnEvent: ev.add},
-		func(w http.ResponseWriter, r *http.Request) {
-			claim, _ := ClaimFromContext(r.Context())
-			assert.True(t, claim.OneTransaction, "claim of the first request: %+v", claim)
-			if calls.Add(1) == 1 {
-				close(entered)
-				<-release.C
-			}
-			w.WriteHeader(http.StatusCreated)
-			fmt.Fprintf(w, "order %d", calls.Load())
-		})
-	first := make(chan reply, 1)
-	go func() { first <- ts.send(t, keyed("k", `{"a":1}`)) }()
-	<-entered
-	for _, body := range []string{`{"a":1}`, `{"a":2}`} {
-		r := ts.mustSend(t, keyed("k", body)) // answered while the first is held
-		require.Equal(t, http.StatusConflict, r.status, "duplicate %s while the first runs: %s", body, r.body)
-		assert.Equal(t, ProblemKeyInUse, r.problem(t).Type)
-		assert.Equal(t, "1", r.header.Get("Retry-After"))
-	}
-	time.Sleep(100 * time.Millisecond) // several lock timeouts, held
-	release.Do()
-	r := <-first
-	require.NoError(t, r.err)
-	require.Equal(t, http.StatusCreated, r.status)
-	assert.Zero(t, ev.count(EventRenewed), "renewals of a claim in one transaction")
-	assert.Equal(t, 2, ev.count(EventConflict))
+	synctest.Test(t, func(t *testing.T) {
+		var ev events
+		entered, release := holdFirst()
+		defer release.Do()
+		var calls atomic.Int32
+		h := testHandler(t, NewMemoryStore(), Options{OneTransaction: true, LockTimeout: testLease, OnEvent: ev.add},
+			func(w http.ResponseWriter, r *http.Request) {
+				claim, _ := ClaimFromContext(r.Context())
+				assert.True(t, claim.OneTransaction, "claim of the first request: %+v", claim)
+				if calls.Add(1) == 1 {
+					close(entered)
+					<-release.C
+				}
+				w.WriteHeader(http.StatusCreated)
+				fmt.Fprintf(w, "order %d", calls.Load())
+			})
+		first := make(chan reply, 1)
+		go func() { first <- serve(t, h, keyed("k", `{"a":1}`)) }()
+		<-entered
+		for _, body := range []string{`{"a":1}`, `{"a":2}`} {
+			r := serve(t, h, keyed("k", body)) // answered while the first is held
+			require.Equal(t, http.StatusConflict, r.status, "duplicate %s while the first runs: %s", body, r.body)
+			assert.Equal(t, ProblemKeyInUse, r.problem(t).Type)
+			assert.Equal(t, "1", r.header.Get("Retry-After"))
+		}
+		time.Sleep(10 * testLease) // held
+		release.Do()
+		r := <-first
+		require.Equal(t, http.StatusCreated, r.status)
+		assert.Zero(t, ev.count(EventRenewed), "renewals of a claim in one transaction")
+		assert.Equal(t, 2, ev.count(EventConflict))
 
-	again := ts.mustSend(t, keyed("k", `{"a":1}`))
-	assert.True(t, again.replayed())
-	assert.Equal(t, "order 1", string(again.body))
-	other := ts.mustSend(t, keyed("k", `{"a":2}`))
-	assert.Equal(t, http.StatusUnprocessableEntity, other.status)
-	assert.EqualValues(t, 1, calls.Load())
+		again := serve(t, h, keyed("k", `{"a":1}`))
+		assert.True(t, again.replayed())
+		assert.Equal(t, "order 1", string(again.body))
+		other := serve(t, h, keyed("k", `{"a":2}`))
+		assert.Equal(t, http.StatusUnprocessableEntity, other.status)
+		assert.EqualValues(t, 1, calls.Load())
+	})
 }
 
 // TestOneTransactionFailureLeavesNoKey fails the first request of a key
@@ -163,28 +165,29 @@ func TestOneTransactionRetryKeepsOperation(t *testing.T) {
 // claimed in one transaction: a duplicate with WaitForCompletion waits for
 // it, and gets its replay.
 func TestOneTransactionWaitForCompletion(t *testing.T) {
-	entered, release := holdFirst()
-	defer release.Do()
-	var calls atomic.Int32
-	ts := mwServer(t, NewMemoryStore(), Options{OneTransaction: true, WaitForCompletion: time.Minute},
-		func(w http.ResponseWriter, r *http.Request) {
-			if calls.Add(1) == 1 {
-				close(entered)
-				<-release.C
-			}
-			w.WriteHeader(http.StatusCreated)
-		})
-	first := make(chan reply, 1)
-	go func() { first <- ts.send(t, keyed("k", `{}`)) }()
-	<-entered
-	dup := make(chan reply, 1)
-	go func() { dup <- ts.send(t, keyed("k", `{}`)) }()
-	time.Sleep(50 * time.Millisecond) // the duplicate waits meanwhile
-	release.Do()
-	require.Equal(t, http.StatusCreated, (<-first).status)
-	r := <-dup
-	require.NoError(t, r.err)
-	assert.Equal(t, http.StatusCreated, r.status)
-	assert.True(t, r.replayed())
-	assert.EqualValues(t, 1, calls.Load())
+	synctest.Test(t, func(t *testing.T) {
+		entered, release := holdFirst()
+		defer release.Do()
+		var calls atomic.Int32
+		h := testHandler(t, NewMemoryStore(), Options{OneTransaction: true, WaitForCompletion: time.Minute},
+			func(w http.ResponseWriter, r *http.Request) {
+				if calls.Add(1) == 1 {
+					close(entered)
+					<-release.C
+				}
+				w.WriteHeader(http.StatusCreated)
+			})
+		first := make(chan reply, 1)
+		go func() { first <- serve(t, h, keyed("k", `{}`)) }()
+		<-entered
+		dup := make(chan reply, 1)
+		go func() { dup <- serve(t, h, keyed("k", `{}`)) }()
+		synctest.Wait() // the duplicate waits for the first
+		release.Do()
+		require.Equal(t, http.StatusCreated, (<-first).status)
+		r := <-dup
+		assert.Equal(t, http.StatusCreated, r.status)
+		assert.True(t, r.replayed())
+		assert.EqualValues(t, 1, calls.Load())
+	})
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/testhooks"
 )
 
 func leave(context.Context, idempotency.KeyInfo) (idempotency.Settlement, error) {
@@ -49,11 +50,11 @@ func TestSweeperRefuses(t *testing.T) {
 // events, and returns nil when its context ends.
 func TestSweeperRun(t *testing.T) {
 	store := idempotency.NewMemoryStore()
-	owner := claimKey(t, store, "k", time.Millisecond)
+	owner := claimKey(t, store, "k", time.Minute)
 	var ev events
 	s := &idempotency.Sweeper{
 		Store:    store,
-		Grace:    time.Millisecond,
+		Grace:    time.Minute,
 		Interval: 5 * time.Millisecond,
 		Logger:   slog.New(slog.DiscardHandler),
 		OnEvent:  ev.add,
@@ -64,6 +65,7 @@ func TestSweeperRun(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
 	go func() { done <- s.Run(ctx) }()
+	testhooks.ElapseMemoryStore(store, 3*time.Minute) // the lease and the grace run out
 	for {
 		k, err := store.Lookup(context.Background(), "c", "k", false)
 		if err != nil {
@@ -103,11 +105,11 @@ func TestSweeperThroughSealed(t *testing.T) {
 	if _, ok := sealed.(idempotency.Inspector); !ok {
 		t.Fatal("Sealed(MemoryStore) is not an Inspector")
 	}
-	claimKey(t, store, "k", time.Millisecond)
-	time.Sleep(5 * time.Millisecond) // the lease runs out
+	claimKey(t, store, "k", time.Minute)
+	testhooks.ElapseMemoryStore(store, 3*time.Minute) // the lease and the grace ran out
 	s := &idempotency.Sweeper{
 		Store:  sealed,
-		Grace:  time.Millisecond,
+		Grace:  time.Minute,
 		Logger: slog.New(slog.DiscardHandler),
 		Settle: func(ctx context.Context, k idempotency.KeyInfo) (idempotency.Settlement, error) {
 			return idempotency.Settlement{Response: &idempotency.StoredResponse{Status: 201, ContentType: "application/json", Body: []byte(`{"id":"pay_1"}`)}}, nil
