@@ -47,7 +47,7 @@ func TestKeyRowLostChargesOnce(t *testing.T) {
 		<-block.reached // charged, the payment not yet written
 		lose("k-lost-running")
 		retry := ts.mustSend(t, keyed("k-lost-running", payment))
-		close(block.release)
+		block.open()
 		orig := <-first
 		if retry.status != http.StatusCreated {
 			t.Fatalf("retry after the row was lost: %d %s", retry.status, retry.body)

@@ -69,14 +69,21 @@ func testEndToEndResponses(t *testing.T, newStorage newStorageFunc) {
 	}
 }
 
-// blocker holds the first n calls of AfterCharge until released.
+// blocker holds the first n calls of AfterCharge until opened. A test that
+// may fail while one is held defers open, so that the server's cleanup,
+// which waits for its handlers, does not wait for ever.
 type blocker struct {
 	mu      sync.Mutex
 	n       int
 	reached chan struct{} // closed when the first call arrives
 	release chan struct{}
 	once    sync.Once
+	opened  sync.Once
 }
+
+// open lets the held calls go, and every later one; it may be called
+// more than once.
+func (b *blocker) open() { b.opened.Do(func() { close(b.release) }) }
 
 func newBlocker(n int) *blocker {
 	return &blocker{n: n, reached: make(chan struct{}), release: make(chan struct{})}
@@ -117,7 +124,7 @@ func testServerTable(t *testing.T, newStorage newStorageFunc) {
 	if r.status != http.StatusUnprocessableEntity || r.problem(t).Type != idempotency.ProblemKeyMismatch {
 		t.Errorf("other payload: %d %s, want 422 mismatch", r.status, r.body)
 	}
-	close(block.release)
+	block.open()
 	r = <-first
 	if r.err != nil || r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("first request: %d %v replayed=%v %s", r.status, r.err, r.replayed(), r.body)
@@ -650,7 +657,7 @@ func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
 			t.Fatal("the original's renewals never noticed the takeover")
 		}
 	}
-	close(block.release)
+	block.open()
 	r := <-original
 	if r.err != nil || r.status != http.StatusConflict || r.problem(t).Type != idempotency.ProblemKeyInUse {
 		t.Fatalf("fenced original: %d %v %s, want 409", r.status, r.err, r.body)
@@ -678,30 +685,30 @@ func testFencedSlowOriginal(t *testing.T, newStorage newStorageFunc) {
 	}
 }
 
-// testLeaseRenewedWhileSlow runs a request three lock timeouts long (a slow
-// processor), and longer still (held after the charge): its lease is
-// renewed meanwhile, so every duplicate sent past the lock timeout gets 409,
-// never a takeover, and there is one payment and one charge.
+// testLeaseRenewedWhileSlow holds a request after its charge for several
+// lock timeouts (the test ages its key past one, again and again): its
+// lease is renewed meanwhile, so every duplicate sent past the lock
+// timeout gets 409, never a takeover, and there is one payment and one
+// charge.
 func testLeaseRenewedWhileSlow(t *testing.T, newStorage newStorageFunc) {
-	const lock = time.Second // a renewal delayed by a busy machine stays within it
+	// Renewals come on the middleware's real timer, a third of the lock
+	// timeout apart: a renewal delayed by a busy machine stays within it.
+	const lock = time.Second
 	block := newBlocker(1)
-	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, ProcessorDelay: 3 * lock, AfterCharge: block.afterCharge})
-	first := make(chan reply)
+	ts := newTestServer(t, newStorage(t), Config{LockTimeout: lock, AfterCharge: block.afterCharge})
+	defer block.open()
+	first := make(chan reply, 1)
 	go func() { first <- ts.send(t, keyed("k-live", payment)) }()
-	conflict := func(when string) {
-		t.Helper()
+	<-block.reached
+	for i := range 3 {
+		ts.elapse(t, lock+lock/2)
+		ts.awaitRenewal(t, "k-live")
 		r := ts.mustSend(t, keyed("k-live", payment))
 		if r.status != http.StatusConflict || r.problem(t).Type != idempotency.ProblemKeyInUse {
-			t.Errorf("duplicate %s: %d %s, want 409 (the first request is alive)", when, r.status, r.body)
+			t.Errorf("duplicate %d lock timeouts and a half in: %d %s, want 409 (the first request is alive)", i+1, r.status, r.body)
 		}
 	}
-	time.Sleep(lock + lock/2)
-	conflict("during the processor call, past the lock timeout")
-	<-block.reached // three lock timeouts after the claim at least
-	conflict("after the processor call")
-	time.Sleep(lock + lock/2)
-	conflict("another lock timeout later")
-	close(block.release)
+	block.open()
 	r := <-first
 	if r.err != nil || r.status != http.StatusCreated || r.replayed() {
 		t.Fatalf("slow request: %d %v %s, want a fresh 201", r.status, r.err, r.body)
@@ -724,7 +731,7 @@ func testLeaseRenewedWhileSlow(t *testing.T, newStorage newStorageFunc) {
 		}
 	}
 	if got := ts.counter(t, "idem_leases_renewed_total"); got < 3 {
-		t.Errorf("%v renewals, want at least 3 over four lock timeouts", got)
+		t.Errorf("%v renewals, want at least 3, one after each aging", got)
 	}
 }
 
@@ -747,19 +754,14 @@ func testTakeoverAfterSlowCrash(t *testing.T, newStorage newStorageFunc) {
 			}
 			return crash.afterCharge(ctx)
 		}})
-	first := make(chan reply)
+	defer block.open()
+	first := make(chan reply, 1)
 	go func() { first <- ts.send(t, keyed("k-slow-crash", payment)) }()
 	<-block.reached
-	// The request runs past the lock timeout, and its lease is renewed:
-	// twice, so that one renewal surely came after the keys were aged.
+	// The request runs past the lock timeout, and its lease is renewed.
 	ts.elapse(t, 2*lock)
-	renewed := ts.counter(t, "idem_leases_renewed_total")
-	for deadline := time.Now().Add(10 * time.Second); ts.counter(t, "idem_leases_renewed_total") < renewed+2; time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatal("the running request's lease was not renewed")
-		}
-	}
-	close(block.release)
+	ts.awaitRenewal(t, "k-slow-crash")
+	block.open()
 	if r := <-first; r.err == nil {
 		t.Fatalf("crashed request answered %d %s", r.status, r.body)
 	}
@@ -936,36 +938,61 @@ func testRetryAfterChargedFailure(t *testing.T, newStorage newStorageFunc) {
 	}
 }
 
+// countedClaims is a key store that counts the claims asked of it.
+type countedClaims struct {
+	idempotency.Store
+	n atomic.Int64
+}
+
+func (s *countedClaims) Claim(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
+	s.n.Add(1)
+	return s.Store.Claim(ctx, req)
+}
+
 // testWaitForCompletion checks the option that holds a duplicate until the
-// first request finishes.
+// first request finishes: the first request, held, is let go once the
+// duplicate waits for it, and the duplicate gets its outcome; held until
+// the duplicate's wait ran out, the duplicate gets 409.
 func testWaitForCompletion(t *testing.T, newStorage newStorageFunc) {
 	for _, tt := range []struct {
-		name       string
-		wait, hold time.Duration
-		want       int
+		name string
+		wait time.Duration
+		want int
 	}{
-		{"replay", 10 * time.Second, 200 * time.Millisecond, http.StatusCreated},
-		{"timeout", 100 * time.Millisecond, 0, http.StatusConflict}, // held until the duplicate has its answer
+		{"replay", 10 * time.Second, http.StatusCreated},
+		{"timeout", 100 * time.Millisecond, http.StatusConflict},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			block := newBlocker(1)
-			ts := newTestServer(t, newStorage(t), Config{WaitForCompletion: tt.wait, AfterCharge: block.afterCharge})
-			first := make(chan reply)
+			storage := newStorage(t)
+			keys := &countedClaims{Store: storage.Keys}
+			storage.Keys = keys
+			ts := newTestServer(t, storage, Config{WaitForCompletion: tt.wait, AfterCharge: block.afterCharge})
+			defer block.open()
+			first := make(chan reply, 1)
 			go func() { first <- ts.send(t, keyed("k-wait", payment)) }()
 			<-block.reached
-			if tt.hold > 0 {
-				go func() {
-					time.Sleep(tt.hold)
-					close(block.release)
-				}()
-			}
-			dup := ts.mustSend(t, keyed("k-wait", payment))
-			if tt.hold == 0 {
-				close(block.release)
+			dups := make(chan reply, 1)
+			go func() { dups <- ts.send(t, keyed("k-wait", payment)) }()
+			var dup reply
+			if tt.want == http.StatusCreated {
+				// The duplicate waits once it claimed again after its
+				// first wait: the first request's claim, then two of its.
+				for deadline := time.Now().Add(10 * time.Second); keys.n.Load() < 3; time.Sleep(time.Millisecond) {
+					if time.Now().After(deadline) {
+						t.Error("the duplicate did not wait for the first request")
+						break
+					}
+				}
+				block.open()
+				dup = <-dups
+			} else {
+				dup = <-dups
+				block.open()
 			}
 			f := <-first
-			if dup.status != tt.want {
-				t.Fatalf("duplicate: %d, want %d", dup.status, tt.want)
+			if dup.err != nil || dup.status != tt.want {
+				t.Fatalf("duplicate: %d %v, want %d", dup.status, dup.err, tt.want)
 			}
 			if tt.want == http.StatusCreated && (!dup.replayed() || !bytes.Equal(dup.body, f.body)) {
 				t.Errorf("duplicate: replayed=%v %s, want the first's outcome %s", dup.replayed(), dup.body, f.body)

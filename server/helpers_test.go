@@ -157,6 +157,25 @@ func (ts *testServer) elapse(t *testing.T, d time.Duration) {
 	}
 }
 
+// awaitRenewal waits until the lease of client A's key is live: renewed
+// by the request still running it, after the test aged the key past its
+// lock timeout (see elapse).
+func (ts *testServer) awaitRenewal(t *testing.T, key string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		info, err := ts.Admin().Lookup(context.Background(), "client_a", key, false)
+		if err != nil {
+			t.Fatalf("Lookup(%s): %v", key, err)
+		}
+		if info.Running() {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the lease of %s was not renewed within 10s: %+v", key, info)
+		}
+	}
+}
+
 // call is one raw request; the zero fields mean: POST /v1/payments by
 // client A with no key and a JSON body.
 type call struct {

@@ -82,10 +82,11 @@ func TestServerPurge(t *testing.T) {
 // server's store, at start and on every tick, counts them, and stops with
 // its context.
 func TestServerRun(t *testing.T) {
-	const retention = 200 * time.Millisecond
+	const retention = time.Minute
 	ts := newTestServer(t, memoryStorage(t), Config{Retention: retention, PurgeInterval: 20 * time.Millisecond, PurgeBatch: 1})
 	ts.mustSend(t, keyed("k1", payment))
 	ts.mustSend(t, keyed("k2", payment))
+	ts.elapse(t, retention+time.Second)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error)
 	go func() { done <- ts.Run(ctx) }()

@@ -265,7 +265,7 @@ func TestSweepTimes(t *testing.T) {
 // only.
 func TestRunSweeps(t *testing.T) {
 	ts := newTestServer(t, memoryStorage(t), Config{
-		LockTimeout: 50 * time.Millisecond, SweepGrace: 100 * time.Millisecond, SweepInterval: 20 * time.Millisecond,
+		LockTimeout: time.Minute, SweepGrace: time.Minute, SweepInterval: 20 * time.Millisecond,
 		AfterCharge: (&crashOnce{n: 1}).afterCharge,
 	})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -274,8 +274,11 @@ func TestRunSweeps(t *testing.T) {
 	if r := ts.send(t, keyed("k", payment)); r.err == nil {
 		t.Fatalf("crashed request answered %d", r.status)
 	}
-	for ts.counter(t, "idem_keys_settled_total") == 0 {
-		time.Sleep(10 * time.Millisecond)
+	ts.elapse(t, 3*time.Minute) // the lease and the grace run out
+	for deadline := time.Now().Add(10 * time.Second); ts.counter(t, "idem_keys_settled_total") == 0; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the sweeper did not settle the crashed payment within 10s")
+		}
 	}
 	cancel()
 	if err := <-done; err != nil {
