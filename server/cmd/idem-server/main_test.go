@@ -24,6 +24,7 @@ import (
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server"
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -157,11 +158,35 @@ func TestRunInMemory(t *testing.T) {
 	}
 }
 
-// TestRunGracefulStop stops the server while a payment is in flight: the
-// payment finishes and is answered, and its key is completed, not left
-// started.
+// heldProcessor serves a fake card processor that holds its charges until
+// release is called: reached is closed when the first one arrives.
+// release is idempotent, and called when the test ends.
+func heldProcessor(t *testing.T) (url string, reached <-chan struct{}, release func()) {
+	t.Helper()
+	arrived, let := make(chan struct{}), make(chan struct{})
+	var first, once sync.Once
+	release = func() { once.Do(func() { close(let) }) }
+	proc := &server.Processor{Charges: server.NewMemoryStorage(), Logger: slog.New(slog.DiscardHandler)}
+	ps := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodPost {
+			first.Do(func() { close(arrived) })
+			<-let
+		}
+		proc.ServeHTTP(w, r)
+	}))
+	t.Cleanup(func() {
+		release()
+		ps.Close()
+	})
+	return ps.URL, arrived, release
+}
+
+// TestRunGracefulStop stops the server while a payment is in flight, at
+// the processor: the payment finishes and is answered, and its key is
+// completed, not left started.
 func TestRunGracefulStop(t *testing.T) {
-	url, _, stop := start(t, []string{"-processor-delay", "1s", "-api-keys", "tok_1:acme"}, nil)
+	procURL, reached, release := heldProcessor(t)
+	url, _, stop := start(t, []string{"-processor-url", procURL, "-api-keys", "tok_1:acme"}, nil)
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr}
@@ -170,7 +195,7 @@ func TestRunGracefulStop(t *testing.T) {
 		body   string
 		err    error
 	}
-	done := make(chan result)
+	done := make(chan result, 1)
 	go func() {
 		resp, b, err := tryPost(client, url, "tok_1", "k-inflight", `{"amount": 1, "currency": "usd", "customer": "c"}`)
 		if err != nil {
@@ -179,14 +204,23 @@ func TestRunGracefulStop(t *testing.T) {
 		}
 		done <- result{resp.StatusCode, b, nil}
 	}()
-	// Stop once the request is in (claimed, at the processor).
-	for deadline := time.Now().Add(10 * time.Second); metric(t, client, url, "idem_keys_claimed_total") < 1; time.Sleep(5 * time.Millisecond) {
+	<-reached
+	stopped := make(chan error, 1)
+	go func() { stopped <- stop() }()
+	// The processor answers once the server has stopped listening: its
+	// graceful stop is under way.
+	addr := strings.TrimPrefix(url, "http://")
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		conn, err := net.Dial("tcp", addr)
+		if err != nil {
+			break
+		}
+		conn.Close()
 		if time.Now().After(deadline) {
-			t.Fatal("the payment was not claimed within 10s")
+			t.Fatal("the server still listens 10s after it was told to stop")
 		}
 	}
-	stopped := make(chan error)
-	go func() { stopped <- stop() }()
+	release()
 	r := <-done
 	if r.err != nil || r.status != http.StatusCreated {
 		t.Errorf("in-flight payment during shutdown: %d %s %v", r.status, r.body, r.err)
@@ -196,12 +230,17 @@ func TestRunGracefulStop(t *testing.T) {
 	}
 }
 
-// TestRunSlowProcessor starts the server with a processor slower than the
-// lock timeout, which the lease renewal allows: a duplicate sent past the
-// lock timeout, while the first request waits on the processor, gets 409,
-// not a takeover, and the first request completes.
+// TestRunSlowProcessor starts the server with a processor that answers
+// only after the key of the payment waiting on it was aged past the lock
+// timeout (in SQL), which the lease renewal allows: once the lease is
+// renewed, a duplicate gets 409, not a takeover, and the first request
+// completes.
 func TestRunSlowProcessor(t *testing.T) {
-	url, _, stop := start(t, []string{"-lock-timeout", "2s", "-processor-delay", "5s"}, nil)
+	ctx := context.Background()
+	const lock = time.Second // renewed every third of it, on the server's real clock
+	dsn := pgtest.SchemaURL(t)
+	procURL, reached, release := heldProcessor(t)
+	url, _, stop := start(t, []string{"-database-url", dsn, "-lock-timeout", lock.String(), "-processor-url", procURL}, nil)
 	tr := &http.Transport{}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr}
@@ -211,7 +250,7 @@ func TestRunSlowProcessor(t *testing.T) {
 		body   string
 		err    error
 	}
-	first := make(chan result)
+	first := make(chan result, 1)
 	go func() {
 		resp, b, err := tryPost(client, url, "sk_test_demo", "k-slow", body)
 		if err != nil {
@@ -220,16 +259,38 @@ func TestRunSlowProcessor(t *testing.T) {
 		}
 		first <- result{resp.StatusCode, b, nil}
 	}()
-	time.Sleep(3 * time.Second) // past the lock timeout, before the processor answers
+	<-reached
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var aged time.Time
+	if err := conn.QueryRow(ctx, keysql.ElapseSQL+` RETURNING locked_at`, (2 * lock).Microseconds()).Scan(&aged); err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		var locked time.Time
+		if err := conn.QueryRow(ctx, `SELECT locked_at FROM idempotency_keys`).Scan(&locked); err != nil {
+			t.Fatal(err)
+		}
+		if locked.After(aged) {
+			break // renewed since
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the lease of the payment waiting on the processor was not renewed within 10s")
+		}
+	}
 	resp, b := post(t, client, url, "sk_test_demo", "k-slow", body)
 	if resp.StatusCode != http.StatusConflict {
 		t.Errorf("duplicate past the lock timeout: %d %s, want 409", resp.StatusCode, b)
 	}
+	release()
 	r := <-first
 	if r.err != nil || r.status != http.StatusCreated {
 		t.Fatalf("slow request: %d %s %v, want 201", r.status, r.body, r.err)
 	}
-	resp, err := client.Get(url + "/metrics")
+	resp, err = client.Get(url + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -241,7 +302,7 @@ func TestRunSlowProcessor(t *testing.T) {
 		}
 	}
 	if regexp.MustCompile(`(?m)^idem_leases_renewed_total 0$`).Match(metrics) {
-		t.Error("no lease renewed while the request ran 5s with a lock timeout of 2s")
+		t.Error("no lease renewed while the request waited past the lock timeout")
 	}
 	if err := stop(); err != nil {
 		t.Fatalf("run: %v", err)
