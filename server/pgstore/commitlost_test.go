@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 )
 
@@ -91,13 +92,15 @@ func (c *cutConns) cutAll() {
 // but the client was told a falsehood about money.
 //
 // Sequence: the handler inserts its row and answers 201; a deferred
-// constraint trigger on writes makes the COMMIT take 3 s in the server
-// (any slow commit: synchronous replication, fsync); while the backend is in
-// it, the client socket is cut; commitLocked's check runs on a new
-// connection, found no key, and Complete failed; 3 s later the COMMIT
-// landed: the client got 500 and one row was committed. The check now
-// waits for the claim's advisory lock first (keysql.WaitKeyLockSQL), which
-// the committing transaction holds until it ends, and the client gets 201.
+// constraint trigger on writes holds the COMMIT in the server at a gate
+// (any slow commit: synchronous replication, fsync); while the backend is
+// in it, the client socket is cut; commitLocked's check runs on a new
+// connection, found no key, and Complete failed; once the gate opened the
+// COMMIT landed: the client got 500 and one row was committed. The check
+// now waits for the claim's advisory lock first (keysql.WaitKeyLockSQL),
+// which the committing transaction holds until it ends, and the client
+// gets 201. The gate opens once the check waits, or the client has its
+// answer.
 //
 // The subtest onetx=false is the control: the same cut in two-commit mode
 // passes (the check waits for the COMMIT under way, and the client gets
@@ -119,44 +122,21 @@ func lostCommit(t *testing.T, oneTx bool) {
 		w.WriteHeader(201)
 	})
 	ctx := context.Background()
+	g := pgtest.NewGate(t, s.pool.Config().ConnConfig.ConnString())
 	_, err := s.pool.Exec(ctx, `
 CREATE FUNCTION slow_write() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
+BEGIN `+g.Wait()+`; RETURN NULL; END $$;
 CREATE CONSTRAINT TRIGGER slow_write AFTER INSERT ON writes
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_write()`)
 	require.NoError(t, err)
 
-	side, err := pgx.Connect(ctx, s.pool.Config().ConnConfig.ConnString())
-	require.NoError(t, err)
-	defer side.Close(ctx)
-	go func() {
-		deadline := time.Now().Add(20 * time.Second)
-		for time.Now().Before(deadline) {
-			var n int
-			_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND application_name = current_setting('application_name')`).Scan(&n)
-			if n > 0 {
-				conns.cutAll()
-				return
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
-	}()
-
+	answered := make(chan struct{})
+	lost := g.LoseCommit(conns.cutAll, answered)
 	status, _ := s.send("k")
+	close(answered)
+	<-lost
 	t.Logf("client got %d; logs: %s", status, s.logs.String())
-	// Wait for the COMMIT under way to end (it sleeps 3 s).
-	waitCtx, cancel := context.WithTimeout(ctx, 20*time.Second)
-	defer cancel()
-	for waitCtx.Err() == nil {
-		var n int
-		require.NoError(t, s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE wait_event = 'PgSleep' AND application_name = current_setting('application_name')`).Scan(&n))
-		if n == 0 {
-			break
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
+	g.AwaitCommits(t)
 	t.Logf("key rows %v, rows %v", s.keyRows(t, "k"), s.committed(t, "k"))
 	s.mustMatch(t, "k", status, "a")
 	if status >= 500 && len(s.committed(t, "k")) > 0 {
@@ -168,17 +148,18 @@ CREATE CONSTRAINT TRIGGER slow_write AFTER INSERT ON writes
 // in one batch, and the connection may be lost while the batch has not
 // run yet: on its way, or, here, waiting on the server for a table lock
 // ("lock": a side transaction holds SHARE on the key table, as a CREATE
-// INDEX would) or in a trigger ("sleep"). A read of the key (FOR SHARE)
+// INDEX would) or in a trigger ("trigger", held at a gate until the
+// client has its answer). A read of the key (FOR SHARE)
 // does not wait for a completion that has not locked the row: it read
 // "started", the client got 500 "nothing of this request was committed",
 // and then the batch ran and committed the row and the 201. Complete now
 // releases the key under its token first: a completion that runs later is
-// fenced and commits nothing ("sleep": the release runs first); one that
+// fenced and commits nothing ("trigger": the release runs first); one that
 // ran first makes the release wait for its COMMIT, and the store reports
 // it committed ("lock"). The middleware's release of the key that
 // Complete released counts as one (EventReleased), as any release does.
 func TestLostBatchBeforeItRuns(t *testing.T) {
-	for _, delay := range []string{"lock", "sleep"} {
+	for _, delay := range []string{"lock", "trigger"} {
 		t.Run(delay, func(t *testing.T) { lostBatch(t, delay) })
 	}
 }
@@ -204,15 +185,16 @@ func lostBatch(t *testing.T, delay string) {
 		w.WriteHeader(201)
 	})
 	ctx := context.Background()
+	url := s.pool.Config().ConnConfig.ConnString()
+	g := pgtest.NewGate(t, url)
 	_, err := s.pool.Exec(ctx, `
 CREATE FUNCTION slow_write() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN IF current_setting('idem_test.slow', true) = 'on' THEN PERFORM pg_sleep(2); END IF; RETURN NULL; END $$;
+BEGIN IF current_setting('idem_test.slow', true) = 'on' THEN `+g.Wait()+`; END IF; RETURN NULL; END $$;
 CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT EXECUTE FUNCTION slow_write()`)
 	require.NoError(t, err)
 	status, _ := s.send("warm") // the one connection prepares the statements of a request
 	require.Equal(t, 201, status)
 
-	url := s.pool.Config().ConnConfig.ConnString()
 	side, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer side.Close(ctx)
@@ -226,7 +208,7 @@ CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT E
 			require.NoError(t, err)
 		}
 	} else {
-		wait = `wait_event = 'PgSleep'`
+		wait = `wait_event_type = 'Lock' AND wait_event = 'advisory'`
 		slow = func(ctx context.Context, tx pgx.Tx) {
 			_, err := tx.Exec(ctx, `SET LOCAL idem_test.slow = 'on'`)
 			require.NoError(t, err)
@@ -266,11 +248,13 @@ CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT E
 	}()
 	status, _ = s.send("k")
 	<-done
+	g.Open()
 	// Let the old backend finish what it received.
-	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		var n int
 		require.NoError(t, watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid() AND pid <> $1 AND state <> 'idle'`, side.PgConn().PID()).Scan(&n))
+			WHERE application_name = current_setting('application_name') AND pid <> pg_backend_pid() AND pid NOT IN ($1, $2) AND state <> 'idle'`,
+			side.PgConn().PID(), g.PID()).Scan(&n))
 		if n == 0 {
 			break
 		}

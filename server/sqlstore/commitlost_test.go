@@ -13,7 +13,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -50,7 +49,8 @@ func (c *cutConn) Read(b []byte) (int, error) {
 
 // TestLostCommitReadAfterItEnds is pgstore's test of the same name on
 // sqlstore (pgx's database/sql driver): a COMMIT under way (a deferred
-// trigger makes it take 3 s) when its client socket is cut and its
+// trigger holds it at a gate until the store's check waits for it, or the
+// client has its answer) when its client socket is cut and its
 // CancelRequest lost. The Commit's error comes back as "conn closed",
 // which does not read as a lost connection; any failed Commit is checked
 // against the key, after the claim's advisory lock in one transaction, so
@@ -62,9 +62,10 @@ func TestLostCommitReadAfterItEnds(t *testing.T) {
 			db, url := rdb.db, rdb.url
 			var logs syncBuf
 			ctx := context.Background()
+			g := pgtest.NewGate(t, url)
 			_, err := db.ExecContext(ctx, `
 CREATE FUNCTION slow_commit() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN PERFORM pg_sleep(3); RETURN NULL; END $$;
+BEGIN `+g.Wait()+`; RETURN NULL; END $$;
 CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON writes
     DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION slow_commit()`)
 			require.NoError(t, err)
@@ -82,41 +83,19 @@ CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON writes
 					w.WriteHeader(201)
 				}))
 
-			side, err := pgx.Connect(ctx, url)
-			require.NoError(t, err)
-			defer side.Close(ctx)
-			polled := make(chan struct{})
-			defer func() { <-polled }()
-			go func() {
-				defer close(polled)
-				for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-					var n int
-					_ = side.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-						WHERE wait_event = 'PgSleep' AND lower(query) = 'commit' AND application_name = current_setting('application_name')`).Scan(&n)
-					if n > 0 {
-						rdb.cut()
-						return
-					}
-				}
-			}()
-
+			answered := make(chan struct{})
+			lost := g.LoseCommit(rdb.cut, answered)
 			r := httptest.NewRequestWithContext(idempotency.WithClientID(ctx, "cli_a"),
 				"POST", "/v1/orders", strings.NewReader(`{"item":"book"}`))
 			r.Header.Set("Idempotency-Key", "k")
 			rec := httptest.NewRecorder()
 			h.ServeHTTP(rec, r)
-			// Wait for the COMMIT under way to end (it sleeps 3 s).
+			close(answered)
+			<-lost
+			g.AwaitCommits(t)
 			check, err := pgx.Connect(ctx, url)
 			require.NoError(t, err)
 			defer check.Close(ctx)
-			for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-				var n int
-				require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-					WHERE wait_event = 'PgSleep' AND application_name = current_setting('application_name')`).Scan(&n))
-				if n == 0 {
-					break
-				}
-			}
 			var rows int
 			require.NoError(t, check.QueryRow(ctx, `SELECT count(*) FROM writes WHERE name LIKE 'k/%'`).Scan(&rows))
 			t.Logf("client got %d (%s); rows committed %d", rec.Code, strings.TrimSpace(rec.Body.String()), rows)
