@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/drivertest"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -186,12 +187,7 @@ func TestCreateOpenKeysIndexAfterInterruptedBuild(t *testing.T) {
 func TestCreateOpenKeysIndexConcurrently(t *testing.T) {
 	ctx := context.Background()
 	pool := widePool(t, 8)
-	if _, err := pool.Exec(ctx, `
-		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			status, operation_id, lock_token, lease_us, retention_us)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), 1000000, 3600000000
-		FROM generate_series(1, 20000) g`); err != nil {
+	if _, err := pool.Exec(ctx, drivertest.StartedKeysSQL); err != nil {
 		t.Fatal(err)
 	}
 	var wg sync.WaitGroup

@@ -5,15 +5,14 @@ import (
 	"errors"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/idemkit/idem/internal/pgbouncer"
 	"github.com/idemkit/idem/internal/pgtest"
+	"github.com/idemkit/idem/server/internal/drivertest"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -63,80 +62,10 @@ func bouncerPoolWith(t *testing.T, bcfg pgbouncer.Config, conns int32, mode pgx.
 	return pool
 }
 
-// spread opens n server connections behind the bouncer of pool, n of its
-// clients each in a statement at once, so that the bouncer's round robin
-// has n sessions to hand out in turn.
-func spread(t *testing.T, pool *pgxpool.Pool, n int) {
-	t.Helper()
-	var wg sync.WaitGroup
-	errs := make([]error, n)
-	for i := range n {
-		wg.Go(func() { _, errs[i] = pool.Exec(context.Background(), `SELECT pg_sleep(0.1)`) })
-	}
-	wg.Wait()
-	if err := errors.Join(errs...); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// advisoryLocks returns the advisory locks that the test's sessions hold
-// or wait for (their application_name is the test's schema).
-func advisoryLocks(t *testing.T, pool *pgxpool.Pool) int {
-	t.Helper()
-	var n int
-	err := pool.QueryRow(context.Background(), `
-		SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
-		WHERE l.locktype = 'advisory' AND a.application_name = current_setting('application_name')`).Scan(&n)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// TestOpenKeysIndexThroughPgBouncer: behind a pooler in transaction mode,
-// where each statement outside a transaction may run on another session,
-// CreateOpenKeysIndex builds the index, again and again, and from many
-// callers at once, and leaves no lock held on any session: a lock taken
-// on one session and released on another would stay held on an idle
-// server connection of the pooler, where the next build waits for it
-// forever.
+// TestOpenKeysIndexThroughPgBouncer is drivertest's, which sqlstore runs
+// too, on pgx.
 func TestOpenKeysIndexThroughPgBouncer(t *testing.T) {
-	ctx := context.Background()
-	pool := bouncerPool(t, 8, pgx.QueryExecModeExec, false)
-	if _, err := pool.Exec(ctx, `
-		INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash,
-			status, operation_id, lock_token, lease_us, retention_us)
-		SELECT 'cli_a', 'key-' || g, 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
-			nextval('idempotency_lock_tokens'), 1000000, 3600000000
-		FROM generate_series(1, 20000) g`); err != nil {
-		t.Fatal(err)
-	}
-	spread(t, pool, 8)
-	for round := range 3 {
-		if _, err := pool.Exec(ctx, `DROP INDEX IF EXISTS idempotency_keys_open_idx`); err != nil {
-			t.Fatal(err)
-		}
-		callers := 1 + 2*round // one, then three and five at once
-		errs := make([]error, callers)
-		var wg sync.WaitGroup
-		for i := range errs {
-			wg.Go(func() {
-				cctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-				defer cancel()
-				errs[i] = pgstore.CreateOpenKeysIndex(cctx, pool)
-			})
-		}
-		wg.Wait()
-		if err := errors.Join(errs...); err != nil {
-			t.Fatalf("round %d, %d callers: %v", round, callers, err)
-		}
-		if _, err := pgstore.New(pool).Stats(ctx); err != nil {
-			t.Errorf("round %d: Stats after CreateOpenKeysIndex: %v", round, err)
-		}
-		if n := advisoryLocks(t, pool); n != 0 {
-			t.Fatalf("round %d: %d advisory locks held by the test's sessions after CreateOpenKeysIndex returned; want none", round, n)
-		}
-	}
+	drivertest.OpenKeysIndexThroughPgBouncer(t, driverPool{bouncerPool(t, 8, pgx.QueryExecModeExec, false)})
 }
 
 // TestCheckQueryMode: the query modes that need a session of their own
@@ -189,7 +118,7 @@ func TestCheckQueryMode(t *testing.T) {
 				}
 				defer pool.Close()
 				if tt.name == "transaction_round_robin" {
-					spread(t, pool, 4) // sessions to hand out in turn
+					drivertest.Spread(t, driverPool{pool}, 4) // sessions to hand out in turn
 				}
 				want := slices.Contains(tt.refused, mode)
 				err = pgstore.CheckQueryMode(ctx, pool)
