@@ -151,28 +151,28 @@ func (t *Transport) maxAnswer() int64 {
 // returns why.
 func readAnswer(resp *http.Response, into *answerBody) error {
 	a := getAnswerBuf(plusOne(resp.ContentLength)) // +1 to see the end
-	// io.ReadFull, with the first Read inlined: net/http's body returns
-	// the whole answer and io.EOF in one.
+	// io.ReadFull's loop, without its calls: net/http's body returns the
+	// whole answer and io.EOF in one Read.
 	n, err := resp.Body.Read(a.b)
-	switch {
-	case n == len(a.b):
-		err = nil // full, as io.ReadFull says it
-	case err == nil:
+	for n < len(a.b) && err == nil {
 		var more int
-		more, err = io.ReadFull(resp.Body, a.b[n:])
+		more, err = resp.Body.Read(a.b[n:])
 		n += more
 	}
 	switch {
-	case int64(n) == resp.ContentLength && (err == io.ErrUnexpectedEOF || err == io.EOF):
+	case int64(n) == resp.ContentLength && (err == io.EOF || err == io.ErrUnexpectedEOF):
 		// It ended where it said it would. (net/http's own short body
 		// ends with io.ErrUnexpectedEOF too, but before its length.)
-	case err == nil:
+	case n == len(a.b):
 		// Longer than it said (a Base, not net/http): handed over as it
 		// came, what was read first. The buffer is the caller's now, and
 		// never goes back to its pool.
 		resp.Body = &peekedBody{prefix: a.b, rest: resp.Body}
 		return nil
 	default:
+		if err == io.EOF {
+			err = io.ErrUnexpectedEOF // short of its length, as io.ReadFull says it
+		}
 		resp.Body.Close()
 		putAnswerBuf(a)
 		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)

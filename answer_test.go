@@ -280,8 +280,9 @@ func TestAnswerReadAfterClose(t *testing.T) {
 
 // TestReadAnswerWhateverTheReadsReturn: an answer of known length is read
 // whole however its body's reads split it, with io.EOF beside the last
-// bytes or after them; one that ends short is an error; one longer than
-// it said is handed over as it came, every byte.
+// bytes or after them; one that ends short is an error, an unexpected EOF
+// as net/http's own short bodies say; one longer than it said is handed
+// over as it came, every byte.
 func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 	const answer = `{"id":"pay_1"}`
 	for _, tt := range []struct {
@@ -296,6 +297,7 @@ func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 		{"one byte a read", func() io.Reader { return iotest.OneByteReader(strings.NewReader(answer)) }, int64(len(answer)), answer, false},
 		{"half a read", func() io.Reader { return iotest.HalfReader(strings.NewReader(answer)) }, int64(len(answer)), answer, false},
 		{"shorter", func() io.Reader { return strings.NewReader(answer[:5]) }, int64(len(answer)), "", true},
+		{"shorter, EOF beside the data", func() io.Reader { return iotest.DataErrReader(strings.NewReader(answer[:5])) }, int64(len(answer)), "", true},
 		{"empty", func() io.Reader { return strings.NewReader("") }, int64(len(answer)), "", true},
 		{"longer", func() io.Reader { return strings.NewReader(answer) }, 5, answer, false},
 		{"longer, EOF beside the data", func() io.Reader { return iotest.DataErrReader(strings.NewReader(answer)) }, 5, answer, false},
@@ -309,6 +311,9 @@ func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 			err := readAnswer(resp, &into)
 			if tt.wantErr {
 				assert.Error(t, err)
+				if !strings.HasPrefix(tt.name, "read error") {
+					assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
+				}
 				return
 			}
 			require.NoError(t, err)
