@@ -339,7 +339,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	// Field by field: a composite literal is built in a temporary and
 	// copied, 416 bytes more to move on every call.
 	var op operation
-	op.t, op.req, op.ctx, op.policy = t, req, req.Context(), t.Retry
+	op.t, op.req, op.ctx = t, req, req.Context()
 	return op.run()
 }
 
@@ -353,13 +353,13 @@ func (op *operation) elapsed() time.Duration {
 	return time.Since(epoch) - op.start
 }
 
-// retryPolicy returns the operation's policy with the defaults in its zero
+// retryPolicy returns the Transport's policy with the defaults in its zero
 // fields, filled in on first use. A first-try success needs none of them:
-// it reads only AttemptTimeout, which has no default, and MaxElapsedTime
-// only when set.
+// it reads only AttemptTimeout, which has no default (t.Retry's), and
+// MaxElapsedTime only when set.
 func (op *operation) retryPolicy() *RetryPolicy {
 	if !op.filled {
-		op.policy, op.filled = op.policy.withDefaults(), true
+		op.policy, op.filled = op.t.Retry.withDefaults(), true
 	}
 	return &op.policy
 }
@@ -369,8 +369,8 @@ type operation struct {
 	t      *Transport
 	req    *http.Request
 	ctx    context.Context
-	policy RetryPolicy // t.Retry, its defaults filled in by retryPolicy
-	filled bool        // whether they are
+	policy RetryPolicy // t.Retry with its defaults, once retryPolicy filled it
+	filled bool        // whether it did
 	// start is when the operation started, as time.Since(epoch): just
 	// before its first attempt is prepared.
 	start time.Duration
@@ -767,7 +767,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		if cause == errOperationTimedOut {
 			err = fmt.Errorf("%w (MaxElapsedTime %s) during attempt %d (%v)", errOperationTimedOut, op.retryPolicy().MaxElapsedTime, op.attempts, err)
 		} else {
-			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.policy.AttemptTimeout, err)
+			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.t.Retry.AttemptTimeout, err)
 		}
 	}
 	op.lastReq = areq
@@ -781,7 +781,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 // default MaxElapsedTime, which would cost a timer on every call; nor when
 // the context's deadline comes first, which net/http enforces.
 func (op *operation) attemptLimit() (time.Duration, error) {
-	d, cause := op.policy.AttemptTimeout, errAttemptTimedOut
+	d, cause := op.t.Retry.AttemptTimeout, errAttemptTimedOut
 	if op.attempts == 1 && op.t.Retry.MaxElapsedTime <= 0 {
 		return d, cause
 	}
@@ -1131,7 +1131,7 @@ func (op *operation) drain(resp *http.Response) {
 // operation's time ends sooner.
 func (op *operation) drainTime() time.Duration {
 	d := min(maxDrainTime, op.retryPolicy().MaxElapsedTime-op.elapsed())
-	if t := op.policy.AttemptTimeout; t > 0 {
+	if t := op.t.Retry.AttemptTimeout; t > 0 {
 		d = min(d, t)
 	}
 	return max(d, time.Nanosecond) // 0 would mean no bound
