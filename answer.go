@@ -13,10 +13,12 @@ import (
 // The buffers of answers read inside their attempts come from pools, one
 // per size class, so that a first-try success allocates none: 256 bytes,
 // and each power of two above it up to DefaultMaxBufferedResponse. (A
-// buffer holds the answer and one byte more, to see where it ends.) A
-// buffer goes back to its pool only when the caller closes the body and no
-// Read or WriteTo of it is running. A larger answer (MaxBufferedResponse
-// above the default) gets a buffer of its own.
+// buffer holds the answer and one byte more, to see where it ends.) An
+// attempt's kit (attempt.go) keeps the buffer of the last answer it held,
+// and takes one of another class from its pool, giving its own back, only
+// when an answer needs it; a kit goes back only when the caller closes the
+// body and no Read or WriteTo of it is running. A larger answer
+// (MaxBufferedResponse above the default) gets a buffer of its own.
 const (
 	minAnswerShift = 8 // 256 bytes
 	minAnswerClass = 1 << minAnswerShift
@@ -56,32 +58,54 @@ func getAnswerBuf(n int64) *answerBuf {
 // left to the garbage collector. Nothing may read or write a buffer once
 // it is given back.
 func putAnswerBuf(a *answerBuf) {
-	if c := answerClass(int64(cap(a.b))); c < len(answerPools) && cap(a.b) == minAnswerClass<<c {
-		answerPools[c].Put(a)
+	if pooledClass(a) {
+		answerPools[answerClass(int64(cap(a.b)))].Put(a)
 	}
 }
 
-// answerBody is the body of an answer read inside its attempt. Its buffer
-// is pooled: Close gives it back, once no Read or WriteTo is running (a
-// Close from another goroutine, as net/http allows, waits for nothing and
-// lets the last of them give it back), and a Read after Close returns an
-// error, never the bytes of the answer that took the buffer over. Three
-// words keep attemptRequest, with its wire trace, in the 576-byte size
-// class (544 bytes and the 8-byte header of a larger object with pointers).
+// pooledClass reports whether a is a buffer of one of the pools' classes,
+// not one of its own.
+func pooledClass(a *answerBuf) bool {
+	c := answerClass(int64(cap(a.b)))
+	return c < len(answerPools) && cap(a.b) == minAnswerClass<<c
+}
+
+// answerBuf returns a buffer of n bytes for the attempt's answer, which k
+// holds from then on: the one it holds if that is of n's class, else one
+// of that class (the one it held going back to its pool).
+func (k *kit) answerBuf(n int64) *answerBuf {
+	if a := k.buf; a != nil {
+		if c := answerClass(n); c < len(answerPools) && cap(a.b) == minAnswerClass<<c {
+			a.b = a.b[:n]
+			return a
+		}
+		putAnswerBuf(a)
+	}
+	k.buf = getAnswerBuf(n)
+	return k.buf
+}
+
+// answerBody is the body of an answer read inside its attempt, into the
+// buffer of the attempt's kit (attempt.go). Close gives the kit back, once
+// no Read or WriteTo is running (a Close from another goroutine, as
+// net/http allows, waits for nothing and lets the last of them give it
+// back), and a Read after Close returns an error, never the bytes of the
+// answer that took the kit over. It lives in the attempt's own object,
+// which is never used again.
 type answerBody struct {
-	buf *answerBuf // the answer, whole
-	off int        // how much of it has been read
+	kit *kit // its buf holds the answer, whole
+	off int  // how much of it has been read
 	// state is 1 while the body is open, plus 2 for each Read or WriteTo
-	// running; the buffer is given back when it falls to 0.
+	// running; the kit is given back when it falls to 0.
 	state atomic.Int32
 }
 
 // errAnswerClosed is the error of a Read after Close, as net/http's.
 var errAnswerClosed = errors.New("idem: read on closed response body")
 
-// open makes a the body of the answer in buf.
-func (a *answerBody) open(buf *answerBuf) {
-	a.buf, a.off = buf, 0
+// open makes a the body of the answer in k's buffer.
+func (a *answerBody) open(k *kit) {
+	a.kit, a.off = k, 0
 	a.state.Store(1)
 }
 
@@ -98,11 +122,11 @@ func (a *answerBody) hold() bool {
 	}
 }
 
-// release counts a Read or WriteTo out, and gives the buffer back if the
+// release counts a Read or WriteTo out, and gives the kit back if the
 // body was closed meanwhile.
 func (a *answerBody) release() {
 	if a.state.Add(-2) == 0 {
-		putAnswerBuf(a.buf)
+		a.kit.giveBack()
 	}
 }
 
@@ -110,7 +134,7 @@ func (a *answerBody) Read(p []byte) (int, error) {
 	if !a.hold() {
 		return 0, errAnswerClosed
 	}
-	n := copy(p, a.buf.b[a.off:])
+	n := copy(p, a.kit.buf.b[a.off:])
 	a.off += n
 	a.release()
 	if n == 0 && len(p) > 0 {
@@ -124,17 +148,17 @@ func (a *answerBody) WriteTo(w io.Writer) (int64, error) {
 	if !a.hold() {
 		return 0, errAnswerClosed
 	}
-	n, err := w.Write(a.buf.b[a.off:])
+	n, err := w.Write(a.kit.buf.b[a.off:])
 	a.off += n
 	a.release()
 	return int64(n), err
 }
 
-// Close gives the buffer back, or leaves that to the last Read or WriteTo
+// Close gives the kit back, or leaves that to the last Read or WriteTo
 // still running.
 func (a *answerBody) Close() error {
 	if a.state.And(^1) == 1 {
-		putAnswerBuf(a.buf)
+		a.kit.giveBack()
 	}
 	return nil
 }
@@ -146,11 +170,13 @@ func (t *Transport) maxAnswer() int64 {
 	return t.MaxBufferedResponse
 }
 
-// readAnswer reads the body of resp, of known length, whole, and makes
-// into, holding it, the body; or, if it cannot, closes the body and
-// returns why.
-func readAnswer(resp *http.Response, into *answerBody) error {
-	a := getAnswerBuf(plusOne(resp.ContentLength)) // +1 to see the end
+// readAnswer reads the body of resp, of known length, whole, into a buffer
+// that k holds, and makes into, holding k, the body; or, if it cannot,
+// closes the body and returns why. It reports whether it closed the body
+// it read: not when the body was longer than it said, then handed over
+// with what was read of it first, in a buffer of the caller's.
+func readAnswer(resp *http.Response, into *answerBody, k *kit) (closed bool, err error) {
+	a := k.answerBuf(plusOne(resp.ContentLength)) // +1 to see the end
 	// io.ReadFull's loop, without its calls: net/http's body returns the
 	// whole answer and io.EOF in one Read.
 	n, err := resp.Body.Read(a.b)
@@ -167,19 +193,19 @@ func readAnswer(resp *http.Response, into *answerBody) error {
 		// Longer than it said (a Base, not net/http): handed over as it
 		// came, what was read first. The buffer is the caller's now, and
 		// never goes back to its pool.
+		k.buf = nil
 		resp.Body = &peekedBody{prefix: a.b, rest: resp.Body}
-		return nil
+		return false, nil
 	default:
 		if err == io.EOF {
 			err = io.ErrUnexpectedEOF // short of its length, as io.ReadFull says it
 		}
 		resp.Body.Close()
-		putAnswerBuf(a)
-		return fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
+		return true, fmt.Errorf("idem: reading the %s answer: %w", resp.Status, err)
 	}
 	resp.Body.Close()
 	a.b = a.b[:n]
-	into.open(a)
+	into.open(k)
 	resp.Body = into
-	return nil
+	return true, nil
 }

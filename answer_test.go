@@ -308,8 +308,9 @@ func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			resp := &http.Response{Status: "201 Created", StatusCode: 201, ContentLength: tt.length, Body: io.NopCloser(tt.body())}
 			var into answerBody
-			err := readAnswer(resp, &into)
+			closed, err := readAnswer(resp, &into, newKit())
 			if tt.wantErr {
+				assert.True(t, closed, "the body is closed")
 				assert.Error(t, err)
 				if !strings.HasPrefix(tt.name, "read error") {
 					assert.ErrorIs(t, err, io.ErrUnexpectedEOF)
@@ -317,6 +318,7 @@ func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 				return
 			}
 			require.NoError(t, err)
+			assert.Equal(t, tt.length == int64(len(answer)), closed, "the body is closed unless it was longer than it said")
 			got, err := io.ReadAll(resp.Body)
 			require.NoError(t, err)
 			assert.Equal(t, tt.want, string(got))

@@ -5,19 +5,25 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"reflect"
+	"sync"
 	"sync/atomic"
 )
 
 // attemptContext is the context of one attempt's request: the operation's
 // context (or the attempt's own cancelable one), carrying the attempt's
-// number and key for AttemptFromContext. It also holds the slice element
-// that backs the key header's value in the attempt's header copy.
+// number and key for AttemptFromContext, and its wire trace for net/http.
+// It also holds the slice element that backs the key header's value in
+// the attempt's header copy.
 type attemptContext struct {
 	context.Context
 	number   int
 	key      string
 	keyValue [1]string
-	trace    *httptrace.ClientTrace // the attempt's wire trace, for net/http
+	// kit holds the attempt's wire trace, which the context hands to
+	// net/http until untraced says the attempt is done with it. (Set
+	// before the context is shared, kit needs no atomic of its own.)
+	kit      *kit
+	untraced atomic.Bool
 	// afterReached says an earlier attempt of the operation may have
 	// reached the server: this one's answer is no word on that one's.
 	afterReached bool
@@ -30,7 +36,6 @@ type attemptRequest struct {
 	req    http.Request
 	ctx    attemptContext
 	answer answerBody   // the body of a 2xx answer read inside the attempt
-	wire   wireTrace    // what net/http put on the wire for the attempt
 	body   *trackedBody // the request body, if it is not read from memory
 }
 
@@ -47,22 +52,97 @@ type wireTrace struct {
 	wrote atomic.Int32 // WroteHeaders calls
 }
 
-// traceWire sets up the attempt's wire trace, which its context hands to
-// net/http. The trace rides in the attempt's own allocation (which it
-// moves from the 384-byte size class to the 576-byte one); its two hooks
-// are the only allocations it adds. A trace the caller put on the
-// request's context (parent) is composed into it, so its hooks still run.
-func (ar *attemptRequest) traceWire(parent context.Context) {
-	w := &ar.wire
+// A kit is what an attempt borrows for as long as the Base may use its
+// request: its wire trace, whose hooks are two closures over it (two
+// allocations, made once per kit), and the buffer of its answer, if one is
+// read inside the attempt. An attempt gives its kit back once it has
+// closed its answer itself (read whole, or drained before a retry): by the
+// RoundTripper contract, the Base is then done with the request and with
+// its hooks. An answer read whole holds the kit until the caller closes
+// it. A kit goes back to its Transport's spare slot, where the next
+// attempt finds it (one kit, and a buffer of at most 64 KiB, for as long
+// as the Transport lives), or, if that is taken, to the kits pool.
+// (net/http's HTTP/1 writer may still report headers written after an
+// early answer: counted on another attempt, that can only make it "may
+// have reached", never "not sent".) Any other attempt (unkeyed, its answer
+// handed over unread, an error) leaves its kit to the garbage collector,
+// and a kit that carries the caller's hooks too is never used again.
+type kit struct {
+	wire     wireTrace
+	buf      *answerBuf           // kept from the last answer it held (answer.go)
+	spare    *atomic.Pointer[kit] // its Transport's spare, where it goes back first
+	composed bool                 // wire calls the caller's hooks too
+}
+
+// kits holds the kits that attempts gave back.
+var kits sync.Pool
+
+// newKit returns a kit with its wire trace's hooks.
+func newKit() *kit {
+	k := new(kit)
+	w := &k.wire
 	w.trace.GetConn = func(string) { w.conns.Add(1) }
 	w.trace.WroteHeaders = func() { w.wrote.Add(1) }
+	return k
+}
+
+// borrowKit gives the attempt a kit, whose wire trace its context hands
+// to net/http: one given back by an earlier attempt, if any. A trace the
+// caller put on the request's context (parent) is composed into a new
+// kit's, so its hooks still run.
+func (ar *attemptRequest) borrowKit(parent context.Context, spare *atomic.Pointer[kit]) *kit {
+	var k *kit
 	if httptrace.ContextClientTrace(parent) != nil {
-		// WithClientTrace composes the caller's hooks into w.trace; the
+		k = newKit()
+		k.composed = true
+		// WithClientTrace composes the caller's hooks into the trace; the
 		// context it returns is not needed, as the attempt's context
 		// answers for the trace itself.
-		_ = httptrace.WithClientTrace(parent, &w.trace)
+		_ = httptrace.WithClientTrace(parent, &k.wire.trace)
+	} else if k = spare.Swap(nil); k == nil {
+		if k, _ = kits.Get().(*kit); k == nil {
+			k = newKit()
+		}
 	}
-	ar.ctx.trace = &w.trace
+	k.wire.conns.Store(0)
+	k.wire.wrote.Store(0)
+	k.spare = spare
+	ar.ctx.kit = k
+	return k
+}
+
+// untrace takes the attempt's wire trace from its context, which then
+// hands net/http the caller's trace, if any, and returns its kit the first
+// time, nil after.
+func (ar *attemptRequest) untrace() *kit {
+	if ar.ctx.untraced.Swap(true) {
+		return nil
+	}
+	return ar.ctx.kit
+}
+
+// giveBack returns k for another attempt to borrow. Nothing may use it,
+// nor the buffer it holds, after that.
+func (k *kit) giveBack() {
+	if k.composed {
+		k.dropBuf()
+		return
+	}
+	if k.buf != nil && !pooledClass(k.buf) {
+		k.buf = nil // one of its own: left to the garbage collector
+	}
+	if k.spare == nil || !k.spare.CompareAndSwap(nil, k) {
+		kits.Put(k)
+	}
+}
+
+// dropBuf gives the buffer k holds back to its pool, for a kit that is
+// left to the garbage collector.
+func (k *kit) dropBuf() {
+	if k.buf != nil {
+		putAnswerBuf(k.buf)
+		k.buf = nil
+	}
 }
 
 // traceKey is the key under which httptrace looks a ClientTrace up in a
@@ -114,8 +194,10 @@ func (c *attemptContext) Value(key any) any {
 	if _, ok := key.(attemptContextKey); ok {
 		return c
 	}
-	if c.trace != nil && isTraceKey(key) {
-		return c.trace
+	if isTraceKey(key) {
+		if !c.untraced.Load() {
+			return &c.kit.wire.trace
+		}
 	}
 	return c.Context.Value(key)
 }

@@ -3,8 +3,10 @@ package idem
 import (
 	"context"
 	"net/http"
+	"net/http/httptrace"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -72,5 +74,64 @@ func TestAttemptFromContext(t *testing.T) {
 	}
 	if a, ok := AttemptFromContext(context.Background()); ok {
 		t.Errorf("AttemptFromContext(Background) = %+v, true; want false", a)
+	}
+}
+
+// TestKitLendsNoCounts: a kit an attempt gave back, after its headers went
+// out, lends the next attempt none of its counts: a POST to a closed port
+// after one that reached a server is not sent.
+func TestKitLendsNoCounts(t *testing.T) {
+	srv := newServer(t, &recorder{script: []int{201}})
+	tr := newTransport(t, RetryPolicy{MaxAttempts: 1})
+	resp, err := post(t, tr, context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp) // gives the kit back
+	resp, err = post(t, tr, context.Background(), closedURL(t), `{}`)
+	if got := OutcomeOf(resp, err); got != OutcomeNotSent {
+		t.Errorf("OutcomeOf = %v, want not sent (err: %v)", got, err)
+	}
+}
+
+// TestAnswerContextHandsOutNoTrace: once an attempt has read its answer,
+// its context (the response's request's) no longer hands net/http the
+// attempt's wire trace, whose kit other attempts borrow next.
+func TestAnswerContextHandsOutNoTrace(t *testing.T) {
+	srv := newServer(t, &recorder{script: []int{201}})
+	resp, err := post(t, newTransport(t, fastPolicy), context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if trace := httptrace.ContextClientTrace(resp.Request.Context()); trace != nil {
+		t.Errorf("the answer's request context still hands out a trace: %p", trace)
+	}
+}
+
+// TestCallerTraceStaysWithItsOperation: a trace the caller put on one
+// operation's context does not run for the next operation.
+func TestCallerTraceStaysWithItsOperation(t *testing.T) {
+	srv := newServer(t, &recorder{script: []int{201}})
+	tr := newTransport(t, fastPolicy)
+	var conns atomic.Int32
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		GetConn: func(string) { conns.Add(1) },
+	})
+	resp, err := post(t, tr, ctx, srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if conns.Load() != 1 {
+		t.Fatalf("the caller's GetConn ran %d times, want 1", conns.Load())
+	}
+	resp, err = post(t, tr, context.Background(), srv.URL, `{}`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	readAll(t, resp)
+	if conns.Load() != 1 {
+		t.Errorf("the caller's GetConn ran %d times after an operation of its own and one without it, want 1", conns.Load())
 	}
 }

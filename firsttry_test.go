@@ -58,13 +58,12 @@ func firstTryAllocs(t *testing.T, rt http.RoundTripper, setKey bool) float64 {
 // transport's, for a keyed POST whose body has GetBody: the attempt's
 // header, a copy of the caller's with the key and the first-sent time in
 // it (the map and its group), and the attempt's request with its context
-// (one object, its wire trace inside), less the one-string slice in which
-// the bare caller puts its key, plus the wire trace's two hooks (GetConn
-// and WroteHeaders, 16 bytes each), which tell "not sent" from "may have
-// reached the server" (outcome.go). Nothing else: no buffer for the answer
-// read inside the attempt (it is pooled), no body copy, timer, goroutine
-// or backoff.
-const firstTryExtraAllocs = 4
+// (one object), less the one-string slice in which the bare caller puts
+// its key. Nothing else: the wire trace, whose two hooks tell "not sent"
+// from "may have reached the server" (outcome.go), and the buffer of the
+// answer read inside the attempt come in a kit that the attempt before
+// gave back (attempt.go); no body copy, timer, goroutine or backoff.
+const firstTryExtraAllocs = 2
 
 // TestFirstTryAllocs checks that a keyed first try allocates exactly
 // firstTryExtraAllocs more than the same POST sent by the bare base with

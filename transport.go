@@ -243,6 +243,7 @@ type Transport struct {
 	budgetOnce sync.Once
 	budget     *RetryBudget
 	sentCache  atomic.Pointer[sentStamp] // the first-sent value of the current second
+	spareKit   atomic.Pointer[kit]       // the kit last given back, for the next attempt (attempt.go)
 	sent       sentMemory                // the first-sent time of each key sent (sentmemory.go)
 }
 
@@ -395,12 +396,12 @@ type operation struct {
 	sentAt     time.Time
 
 	body            body
-	problem         *Problem      // of the last 409
-	indefinite      bool          // the last outcome called for a retry the context stopped
-	ownCtx          bool          // the last attempt has a context of its own, released by cancel
-	lastReq         *http.Request // the last attempt sent
-	attempts        int           // attempts sent
-	conflicts       int           // of which answered 409
+	problem         *Problem        // of the last 409
+	indefinite      bool            // the last outcome called for a retry the context stopped
+	ownCtx          bool            // the last attempt has a context of its own, released by cancel
+	last            *attemptRequest // the last attempt sent
+	attempts        int             // attempts sent
+	conflicts       int             // of which answered 409
 	firstConflict   time.Time
 	backoff         *backoff.ExponentialBackOff
 	conflictBackoff *backoff.ExponentialBackOff
@@ -568,6 +569,9 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		if resp != nil {
 			last = errors.New(resp.Status)
 			op.drain(resp)
+			if k := op.last.untrace(); k != nil {
+				k.giveBack() // the Base is done with the request
+			}
 		}
 		cancel()
 		op.report(resp, err, true, wait, why)
@@ -696,7 +700,7 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
 	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key, afterReached: op.reached}}
-	ar.traceWire(op.ctx) // attempt.go
+	kit := ar.borrowKit(op.ctx, &op.t.spareKit) // attempt.go
 	actx := &ar.ctx
 	cancel = func() {}
 	var timer *time.Timer
@@ -744,18 +748,28 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			resp.Body = http.NoBody
 		}
 	}
-	if resp != nil || !notSent(areq, body, err, &ar.wire) { // outcome.go
+	if resp != nil || !notSent(areq, body, err, &kit.wire) { // outcome.go
 		op.reached = true
 	}
 	if resp != nil && op.key != "" && resp.StatusCode/100 == 2 && resp.ContentLength > 0 && resp.ContentLength <= op.t.maxAnswer() {
 		// Read inside the attempt, under its timer: a cut is retried.
 		code := resp.StatusCode
-		if err = readAnswer(resp, &ar.answer); err != nil {
+		var closed bool
+		closed, err = readAnswer(resp, &ar.answer, kit) // answer.go
+		if closed {
+			// The Base is done with the request: the kit goes back now,
+			// or, with an answer read whole, once the caller closes it.
+			ar.untrace()
+		}
+		if err != nil {
 			resp = nil
 			if op.lostCode == 0 {
 				op.lostCode, op.lostErr = code, err // the operation took effect
 			}
+			kit.giveBack()
 		}
+	} else {
+		kit.dropBuf() // the Base may still use the request, and the kit's hooks
 	}
 	if timer != nil && !timer.Stop() && op.ctx.Err() == nil {
 		// The attempt ran out of time: the headers came too late, or not
@@ -770,7 +784,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 			err = fmt.Errorf("%w after %s (%v)", ErrAttemptTimeout, op.t.Retry.AttemptTimeout, err)
 		}
 	}
-	op.lastReq = areq
+	op.last = ar
 	return resp, cancel, err
 }
 
@@ -901,8 +915,11 @@ func (op *operation) report(resp *http.Response, err error, retry bool, wait tim
 		return
 	}
 	a := Attempt{
-		Request: op.lastReq, Key: op.key, Number: op.attempts,
+		Key: op.key, Number: op.attempts,
 		Response: resp, Err: err, Retry: retry, Wait: wait, Reason: why,
+	}
+	if op.last != nil {
+		a.Request = &op.last.req
 	}
 	if t.OnAttempt != nil {
 		t.OnAttempt(a)
