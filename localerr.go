@@ -48,7 +48,14 @@ func (b *trackedBody) Read(p []byte) (int, error) {
 // made for it (an in-memory body, the usual one, costs nothing). mem says
 // body is known to be in memory (the first attempt's, checked once).
 func track(body io.ReadCloser, mem bool, t **trackedBody) io.ReadCloser {
-	if mem || body == nil || body == http.NoBody {
+	if mem {
+		return body // inlined: the first attempt's body, the usual one
+	}
+	return trackAny(body, t)
+}
+
+func trackAny(body io.ReadCloser, t **trackedBody) io.ReadCloser {
+	if body == nil || body == http.NoBody {
 		return body
 	}
 	if _, _, ok := inMemory(body, -1); ok {
@@ -63,8 +70,12 @@ func track(body io.ReadCloser, mem bool, t **trackedBody) io.ReadCloser {
 // ContentLength sent. b may be nil: no body was tracked.
 func (b *trackedBody) local(err error, length int64) error {
 	if b == nil || err == nil {
-		return err
+		return err // inlined
 	}
+	return b.judge(err, length)
+}
+
+func (b *trackedBody) judge(err error, length int64) error {
 	if e := b.err.Load(); e != nil && errors.Is(err, *e) {
 		return &localError{err}
 	}

@@ -102,9 +102,13 @@ var ErrKeyTooLong = errors.New("idem: idempotency key too long for the provider"
 // checkKeyLen refuses a key longer than the Provider takes.
 func (t *Transport) checkKeyLen(key string) error {
 	if n := t.Provider.MaxKeyLen; n > 0 && len(key) > n {
-		return fmt.Errorf("%w: %s takes keys of at most %d characters, and key %.20q… has %d", ErrKeyTooLong, t.Provider.name(), n, key, len(key))
+		return t.keyTooLong(key) // the check inlines
 	}
 	return nil
+}
+
+func (t *Transport) keyTooLong(key string) error {
+	return fmt.Errorf("%w: %s takes keys of at most %d characters, and key %.20q… has %d", ErrKeyTooLong, t.Provider.name(), t.Provider.MaxKeyLen, key, len(key))
 }
 
 // name returns the provider's name for Attempt.Reason.

@@ -93,8 +93,14 @@ func (t *Transport) firstSentMemory() time.Duration {
 // the operation is new: remembered only if the operation fails (see
 // rememberNewKey), when the caller may send it again.
 func (op *operation) recallFirstSent() {
+	if !op.newKey && op.sentHeader != "" && op.key != "" { // inlined for a new key
+		op.recall()
+	}
+}
+
+func (op *operation) recall() {
 	horizon := op.t.firstSentMemory()
-	if op.sentHeader == "" || op.key == "" || op.newKey || horizon == 0 {
+	if horizon == 0 {
 		return
 	}
 	at := op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
@@ -108,10 +114,14 @@ func (op *operation) recallFirstSent() {
 // was made for it, when it did not end in a 2xx: its caller may send the
 // key again, read from the error or the attempt's request.
 func (op *operation) rememberNewKey(failed bool) {
-	if failed && op.newKey && op.sentHeader != "" && op.attempts > 0 {
-		if horizon := op.t.firstSentMemory(); horizon > 0 {
-			op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
-		}
+	if failed && op.newKey && op.sentHeader != "" && op.attempts > 0 { // inlined
+		op.remember()
+	}
+}
+
+func (op *operation) remember() {
+	if horizon := op.t.firstSentMemory(); horizon > 0 {
+		op.t.sent.firstSent(op.memoryKey(), op.sentAt, horizon)
 	}
 }
 

@@ -291,18 +291,26 @@ func (t *Transport) base() http.RoundTripper {
 // Provider's) canonicalized.
 func (t *Transport) keyHeader() string {
 	if t.KeyHeader == "" && t.Provider.KeyHeader == "" {
-		return DefaultKeyHeader // the common case, without keyHeaderName's cmp.Or
+		return DefaultKeyHeader // the common case, inlined
 	}
+	return t.canonicalKeyHeader()
+}
+
+func (t *Transport) canonicalKeyHeader() string {
 	return textproto.CanonicalMIMEHeaderKey(t.keyHeaderName()) // provider.go
 }
 
 func (t *Transport) retryBudget() *RetryBudget {
-	if t.DisableBudget {
+	switch {
+	case t.DisableBudget:
 		return nil
-	}
-	if t.Budget != nil {
+	case t.Budget != nil:
 		return t.Budget
 	}
+	return t.ownBudget() // the checks above inline
+}
+
+func (t *Transport) ownBudget() *RetryBudget {
 	t.budgetOnce.Do(func() { t.budget = NewRetryBudget(0, 0) })
 	return t.budget
 }
@@ -909,11 +917,16 @@ func (op *operation) sleep(d time.Duration) error {
 	}
 }
 
+// report tells OnAttempt and the Logger, if either is set, about the last
+// attempt (notify). Small enough to inline: most Transports set neither.
 func (op *operation) report(resp *http.Response, err error, retry bool, wait time.Duration, why string) {
-	t := op.t
-	if t.OnAttempt == nil && t.Logger == nil {
-		return
+	if op.t.OnAttempt != nil || op.t.Logger != nil {
+		op.notify(resp, err, retry, wait, why)
 	}
+}
+
+func (op *operation) notify(resp *http.Response, err error, retry bool, wait time.Duration, why string) {
+	t := op.t
 	a := Attempt{
 		Key: op.key, Number: op.attempts,
 		Response: resp, Err: err, Retry: retry, Wait: wait, Reason: why,

@@ -98,9 +98,14 @@ func Validate(key string) error {
 // quote is always written as an sf-string, since its bare form would read as
 // one. key must pass [Validate].
 func Format(key string, sfString bool) string {
-	if !sfString && !strings.HasPrefix(key, `"`) {
-		return key
+	if !sfString && (key == "" || key[0] != '"') {
+		return key // inlined
 	}
+	return quote(key)
+}
+
+// quote returns key as an sf-string.
+func quote(key string) string {
 	var b strings.Builder
 	b.Grow(len(key) + 2)
 	b.WriteByte('"')
