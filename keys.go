@@ -107,7 +107,8 @@ func noteSentKey(ctx context.Context, key string) {
 // one, such as h["idempotency-key"], which http.Header's methods do not see
 // but net/http sends. respelt reports whether there is such a spelling.
 func headerValues(h http.Header, name string) (vs []string, respelt bool) {
-	s := scanHeader(h, name, "")
+	var s headerScan
+	s.scan(h, name, "")
 	return s.key, s.respelt
 }
 
@@ -120,10 +121,11 @@ type headerScan struct {
 	hasSent bool     // the first-sent header is there
 }
 
-// scanHeader walks h once, and looks nothing up, for the header name and
-// the header sentName (both canonical; "" for none). The order of the key
-// header's values matters only when there is a single one.
-func scanHeader(h http.Header, name, sentName string) (s headerScan) {
+// scan walks h once, and looks nothing up, for the header name and the
+// header sentName (both canonical; "" for none), and adds what it finds to
+// s. The order of the key header's values matters only when there is a
+// single one.
+func (s *headerScan) scan(h http.Header, name, sentName string) {
 	for k, more := range h {
 		// The lengths first: EqualFold of two names costs a call.
 		switch {
@@ -143,7 +145,6 @@ func scanHeader(h http.Header, name, sentName string) (s headerScan) {
 			s.hasSent = true
 		}
 	}
-	return s
 }
 
 // keyFor returns the key of the operation req starts and the header value

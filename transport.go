@@ -454,7 +454,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 	}
 	if op.keyed && !bodyKey {
 		op.header = op.t.keyHeader()
-		hs = scanHeader(req.Header, op.header, sentName)
+		hs.scan(req.Header, op.header, sentName)
 		vs := hs.key
 		op.respelt = hs.respelt
 		var err error
@@ -468,7 +468,7 @@ func (op *operation) attemptAll() (*http.Response, error) {
 		}
 	}
 	if bodyKey && sentName != "" {
-		hs = scanHeader(req.Header, "", sentName) // initBodyKey reads the key header
+		hs.scan(req.Header, "", sentName) // initBodyKey reads the key header
 	}
 	if !op.keyed || !op.initFirstSent(sentName, hs.sent, hs.hasSent) { // firstsent.go
 		op.start = time.Since(epoch)
@@ -1111,39 +1111,32 @@ func (c *cancelOnCloseRW) Close() error {
 	return err
 }
 
-// headerWith returns a copy of h with the header key (in canonical form)
-// set to the single value val, held in slot. respelt says that h also has
-// the key under another spelling, which the copy leaves out: the key is
-// sent once.
+// attemptHeader returns the header of an attempt: a copy of the request's
+// with the key header (op.header, in canonical form) set to the single
+// value op.val, held in slot, and the first-sent time. A key header the
+// request also has under another spelling (op.respelt) is left out of the
+// copy: the key is sent once.
 //
 // The copy is maps.Clone's, which copies the map's memory without walking
 // or hashing it, and its value slices are the caller's: no RoundTripper may
 // modify a request, and an unkeyed attempt sends the caller's header
 // itself.
-func headerWith(h http.Header, key, val string, respelt bool, slot *[1]string) http.Header {
-	out := maps.Clone(h)
+func (op *operation) attemptHeader(slot *[1]string) http.Header {
+	out := maps.Clone(op.req.Header)
 	if out == nil {
 		out = make(http.Header, 2)
 	}
-	if key == "" {
-		return out
-	}
-	if respelt {
-		for k := range out {
-			if k != key && strings.EqualFold(k, key) {
-				delete(out, k)
+	if key := op.header; key != "" {
+		if op.respelt {
+			for k := range out {
+				if k != key && strings.EqualFold(k, key) {
+					delete(out, k)
+				}
 			}
 		}
+		slot[0] = op.val
+		out[key] = slot[:]
 	}
-	slot[0] = val
-	out[key] = slot[:]
-	return out
-}
-
-// attemptHeader is the header of an attempt: the request's, with the key
-// (its value backed by slot) and the first-sent time.
-func (op *operation) attemptHeader(slot *[1]string) http.Header {
-	out := headerWith(op.req.Header, op.header, op.val, op.respelt, slot)
 	if op.sentHeader != "" {
 		out[op.sentHeader] = op.sentValue
 	}
