@@ -125,7 +125,10 @@ func (t *Transport) keyHeaderName() string {
 // keyBodyField returns the key's body field: the Transport's, else the
 // Provider's, else "".
 func (t *Transport) keyBodyField() string {
-	return cmp.Or(t.KeyBodyField, t.Provider.KeyBodyField)
+	if t.KeyBodyField != "" { // as cmp.Or, without its loop: every request asks
+		return t.KeyBodyField
+	}
+	return t.Provider.KeyBodyField
 }
 
 // keyFormat returns how keys are written: the Transport's KeyFormat if it

@@ -443,7 +443,10 @@ func (op *operation) answerLost(resp *http.Response, err error) (*http.Response,
 
 func (op *operation) attemptAll() (*http.Response, error) {
 	req := op.req
-	method := cmp.Or(req.Method, http.MethodGet)
+	method := req.Method // cmp.Or's loop costs a dozen instructions more
+	if method == "" {
+		method = http.MethodGet
+	}
 	op.keyed = method == http.MethodPost || method == http.MethodPatch
 	op.idempotent = op.keyed || isIdempotent(method)
 	bodyKey := op.keyed && op.t.keyBodyField() != ""
