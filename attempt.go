@@ -202,6 +202,13 @@ func (c *attemptContext) Value(key any) any {
 	return c.Context.Value(key)
 }
 
+// isAttempt reports whether ctx is c or carries it: the context of a
+// request a Base made of the attempt's (net/http makes one, its context
+// the attempt's, for every request with a body).
+func isAttempt(ctx context.Context, c *attemptContext) bool {
+	return ctx == context.Context(c) || ctx.Value(attemptContextKey{}) == c
+}
+
 // AttemptFromContext returns the attempt carried by a request's context
 // inside [Transport.Base]: the attempt's Number and the operation's Key ("" when
 // the method is not keyed). A base transport that traces, signs or logs

@@ -135,3 +135,43 @@ func TestCallerTraceStaysWithItsOperation(t *testing.T) {
 		t.Errorf("the caller's GetConn ran %d times after an operation of its own and one without it, want 1", conns.Load())
 	}
 }
+
+// TestAnswerRequestCarriesTheAttempt: the final response's Request is one
+// whose context carries the attempt, as OutcomeOf needs: the Base's own
+// copy of the attempt's request is kept as it is, and another request the
+// Base answered with is replaced by the attempt's.
+func TestAnswerRequestCarriesTheAttempt(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		of   func(req *http.Request) *http.Request // the Request the Base answers with
+		kept bool
+	}{
+		{"the Base's copy", func(req *http.Request) *http.Request { return req.WithContext(req.Context()) }, true},
+		{"another request", func(req *http.Request) *http.Request { return req.WithContext(context.Background()) }, false},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var answered *http.Request
+			base := roundTripFunc(func(req *http.Request) (*http.Response, error) {
+				resp, err := benchBase(req)
+				answered = tt.of(req)
+				resp.Request = answered
+				return resp, err
+			})
+			req, err := http.NewRequest(http.MethodPost, "http://stub.invalid/v1/payments", nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp, err := (&Transport{Base: base}).RoundTrip(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			if a, ok := AttemptFromContext(resp.Request.Context()); !ok || a.Number != 1 {
+				t.Errorf("AttemptFromContext(resp.Request.Context()) = %+v, %v; want attempt 1", a, ok)
+			}
+			if kept := resp.Request == answered; kept != tt.kept {
+				t.Errorf("the Base's Request kept: %v, want %v", kept, tt.kept)
+			}
+		})
+	}
+}

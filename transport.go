@@ -746,7 +746,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
 	}
-	if resp != nil && resp.Request != areq && (resp.Request == nil || resp.Request.Context().Value(attemptContextKey{}) != actx) {
+	if resp != nil && resp.Request != areq && (resp.Request == nil || !isAttempt(resp.Request.Context(), actx)) {
 		// As net/http's: the attempt sent. OutcomeOf reads its context,
 		// which a Base that answered with another request's may lack.
 		resp.Request = areq
