@@ -349,7 +349,15 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 	// copied, 416 bytes more to move on every call.
 	var op operation
 	op.t, op.req, op.ctx = t, req, req.Context()
-	return op.run()
+	resp, err := op.attemptAll()
+	op.rememberNewKey(err != nil || resp.StatusCode/100 != 2) // sentmemory.go
+	if op.lostCode == 0 || (err == nil && resp.StatusCode/100 == 2) {
+		return resp, err
+	}
+	// A 2xx answer's body was lost, and no later attempt brought one whole:
+	// the operation ends with that answer's status, never with a later
+	// refusal (see AnswerLostError).
+	return op.answerLost(resp, err)
 }
 
 // epoch is the origin of operation start times: time.Since(epoch) reads
@@ -413,18 +421,6 @@ type operation struct {
 	firstConflict   time.Time
 	backoff         *backoff.ExponentialBackOff
 	conflictBackoff *backoff.ExponentialBackOff
-}
-
-// run runs the operation's attempts, and ends it. An operation that saw a
-// 2xx answer whose body was lost ends with that answer's status, never with
-// a later refusal (see AnswerLostError), unless a later 2xx came whole.
-func (op *operation) run() (*http.Response, error) {
-	resp, err := op.attemptAll()
-	op.rememberNewKey(err != nil || resp.StatusCode/100 != 2) // sentmemory.go
-	if op.lostCode == 0 || (err == nil && resp.StatusCode/100 == 2) {
-		return resp, err
-	}
-	return op.answerLost(resp, err)
 }
 
 // answerLost ends an operation that saw a 2xx answer whose body was lost,
