@@ -6,7 +6,10 @@
 // the fake card processor's charges), its own authentication ([BearerAuth])
 // and its own metrics ([Metrics], fed by [idempotency.Options.OnEvent]). It
 // serves cmd/idem-server, the end-to-end tests, the benchmarks, the
-// scenarios and the chaos test.
+// scenarios and the chaos test. It is a demo, not a library: a service
+// imports [idempotency] and a store (pgstore or sqlstore), never this
+// package, whose API follows the demo's needs (ARCHITECTURE.md lists
+// what each package owns).
 //
 //	srv, err := server.New(server.Config{Storage: server.NewMemoryStorage().Storage()})
 //	http.ListenAndServe("127.0.0.1:8080", srv)
