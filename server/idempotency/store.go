@@ -446,13 +446,13 @@ type TxClaimer interface {
 	// until it ends. A key that has a row (live, released or expired) is
 	// claimed, or found, as by [Store.Claim], in a commit of its own.
 	//
-	// A claim made in one transaction has no lease and no row until its
-	// unit of work commits: [Store.Begin] returns the unit of work the
+	// A claim made in one transaction has no lease, and its row is seen
+	// by no one until its unit of work commits: [Store.Begin] returns the unit of work the
 	// claim opened (once that has ended, one whose Complete returns
 	// [ErrFenced]); [Store.Renew] returns nil while it is open and
 	// ErrFenced after; [Store.Release] rolls it back, begun or not, which
 	// takes the key with it, and returns nil (ErrFenced once it has
-	// ended); [Tx.Complete] inserts the key, completed, with the outcome.
+	// ended); [Tx.Complete] completes the key with the outcome.
 	// A retry after a rollback claims the key anew with the same
 	// OperationID ([ClaimRequest.OperationID]). A store that wraps
 	// another one that cannot claim in one transaction claims in a commit

@@ -52,8 +52,8 @@
 //	mux.Handle("POST /orders", orders(http.HandlerFunc(createOrder)))
 //
 // The claim is then the first statement of the handler's transaction, sent
-// with its BEGIN, and writes nothing: the completion inserts the key,
-// completed, and commits it with the handler's rows, one commit instead of
+// with its BEGIN, and inserts the key's row in it: the completion completes
+// the row and commits it with the handler's rows, one commit instead of
 // two. While the request runs, a transaction-level advisory lock on the key
 // (never waited on) answers a duplicate 409 at once, from a route with the
 // option or without it; a crash, a panic or a 5xx leaves neither the key

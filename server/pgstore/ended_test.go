@@ -6,6 +6,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -174,4 +175,51 @@ func (s *service) sendAgain(t *testing.T, key string) (status int, body string, 
 	rec := httptest.NewRecorder()
 	s.h.ServeHTTP(rec, r)
 	return rec.Code, rec.Body.String(), rec.Header().Get("Idempotent-Replayed") == "true"
+}
+
+// TestDuplicateWhileHandlerEndedTransactionDoesNotRun holds a handler
+// after it wrote a row and committed the key's transaction itself, and
+// sends a duplicate meanwhile: the duplicate gets 409 without running (the
+// key's hold outlives the handler's COMMIT, in one transaction too), the
+// held request ends as the store fails it closed, and the key's row was
+// written once.
+func TestDuplicateWhileHandlerEndedTransactionDoesNotRun(t *testing.T) {
+	for _, oneTx := range []bool{false, true} {
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
+			g := newGate()
+			defer g.Open()
+			var runs atomic.Int32
+			var s *service
+			s = newService(t, idempotency.Options{OneTransaction: oneTx}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+				if runs.Add(1) > 1 {
+					w.WriteHeader(http.StatusCreated)
+					return
+				}
+				if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
+					http.Error(w, err.Error(), http.StatusInternalServerError)
+					return
+				}
+				_, _ = tx.Exec(r.Context(), "COMMIT")
+				close(g.entered)
+				<-g.open
+				w.WriteHeader(http.StatusCreated)
+			})
+			first := make(chan int, 1)
+			go func() {
+				status, _ := s.send("k")
+				first <- status
+			}()
+			<-g.entered
+			status, _ := s.send("k")
+			assert.Equal(t, http.StatusConflict, status, "a duplicate while the first request runs")
+			assert.Equal(t, int32(1), runs.Load(), "handler runs")
+			g.Open()
+			assert.Equal(t, http.StatusInternalServerError, <-first, "the request whose handler ended its transaction")
+			again, _, replayed := s.sendAgain(t, "k")
+			assert.Equal(t, http.StatusInternalServerError, again, "the retry")
+			assert.True(t, replayed, "the retry replays the stored 500")
+			assert.Equal(t, int32(1), runs.Load(), "handler runs")
+			assert.Equal(t, []string{"a"}, s.committed(t, "k"), "rows of the key")
+		})
+	}
 }

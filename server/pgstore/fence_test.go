@@ -15,16 +15,6 @@ import (
 	"github.com/idemkit/idem/server/pgstore"
 )
 
-// takeKeySQL inserts a started row of key k1 of cli_a, as a claim in a
-// commit of its own (a route without the one-transaction mode) would,
-// while a claim of the key in one transaction is open: that claim is
-// fenced.
-const takeKeySQL = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-    request_hash, status, operation_id, lock_token, lease_us, retention_us)
-VALUES ('cli_a', 'k1', 'POST', '/v1/orders', '\x00', 'started', gen_random_uuid(),
-    nextval('idempotency_lock_tokens'), 30000000, 86400000000)`
-
 // TestDeferredTriggerUniqueViolationIsNotFenced: a deferred constraint
 // trigger of the handler's own table that raises unique_violation without
 // naming a constraint (RAISE ... USING ERRCODE, the usual way to enforce a
@@ -59,58 +49,6 @@ CREATE CONSTRAINT TRIGGER deferred_rule_check AFTER INSERT ON deferred_rule
 	assert.Equal(t, http.StatusInternalServerError, status, s.logs.String())
 	assert.NotContains(t, s.logs.String(), "fenced", "a failed COMMIT reported as a fenced claim")
 	assert.Empty(t, s.keyRows(t, "k1"), "key rows")
-	s.mustMatch(t, "k1", status)
-}
-
-// TestFenceUnderRenamedPrimaryKey: the fence of the one-transaction
-// completion is the completion's own unique violation, whatever the
-// primary key is named: a key table whose primary key has another name
-// (rebuilt with ADD CONSTRAINT ... PRIMARY KEY USING INDEX under a new
-// name, say; Migrate accepts it) has its fenced completions answered 409,
-// as fenced, not 500.
-func TestFenceUnderRenamedPrimaryKey(t *testing.T) {
-	var s *service
-	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
-		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
-			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			// A claim in a commit of its own takes the key meanwhile.
-			if _, err := s.pool.Exec(r.Context(), takeKeySQL); err != nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			w.WriteHeader(http.StatusCreated)
-		})
-	_, err := s.pool.Exec(context.Background(),
-		`ALTER TABLE idempotency_keys RENAME CONSTRAINT idempotency_keys_pkey TO idempotency_keys_pk`)
-	require.NoError(t, err)
-	status, _ := s.send("k1")
-	assert.Equal(t, http.StatusConflict, status, s.logs.String())
-	assert.Contains(t, s.logs.String(), "completion fenced")
-	s.mustMatch(t, "k1", status)
-}
-
-// TestOneTransactionFenceIsFenced: the control of the test above, with the
-// primary key as Migrate names it.
-func TestOneTransactionFenceIsFenced(t *testing.T) {
-	var s *service
-	s = newService(t, idempotency.Options{OneTransaction: true}, nil,
-		func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
-			if err := insert(r.Context(), tx, s.row(r, "a")); err != nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			if _, err := s.pool.Exec(r.Context(), takeKeySQL); err != nil {
-				http.Error(w, err.Error(), http.StatusInternalServerError)
-				return
-			}
-			w.WriteHeader(http.StatusCreated)
-		})
-	status, _ := s.send("k1")
-	assert.Equal(t, http.StatusConflict, status, s.logs.String())
-	assert.Contains(t, s.logs.String(), "completion fenced")
 	s.mustMatch(t, "k1", status)
 }
 

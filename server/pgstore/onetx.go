@@ -12,15 +12,15 @@ import (
 	"github.com/idemkit/idem/server/internal/keysql"
 )
 
-// Claims in one transaction (idempotency.TxClaimer): the
-// claim is the first statement of the request's transaction, and writes
-// nothing; the completion inserts the key, completed, and commits it with
-// the handler's writes. Until then the key has no row, neither committed nor
-// uncommitted, so nothing waits on one: a duplicate finds the key held by the
-// claim's advisory lock, and gets Busy at once.
+// Claims in one transaction (idempotency.TxClaimer): the claim is the
+// first statement of the request's transaction, and inserts the key's row,
+// started, in it; the completion completes the row and commits it with the
+// handler's writes. Until then nothing of the key is visible, and nothing
+// waits on its uncommitted row: a duplicate finds the key held by the
+// claim's advisory lock, and gets Busy at once (keysql.ClaimTxSQL).
 
-// inTxKey is the key of a claim made in one transaction, as its completion
-// writes it.
+// inTxKey is the key of a claim made in one transaction, as
+// keysql.CompleteNewSQL writes it when the transaction ended without it.
 type inTxKey struct {
 	req     idempotency.ClaimRequest
 	created time.Time // the claim's statement_timestamp()
@@ -88,10 +88,11 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 		row, found, err = scanClaim(br.Query())
 		return err
 	})
-	if err == nil && !found {
-		err = errors.New("the claim returned no row")
+	lost := err == nil && !found || serializationFailure(err) // the key committed meanwhile
+	if lost {
+		err = nil
 	}
-	if err == nil && row.Outcome() == idempotency.Claimed {
+	if err == nil && !lost && row.Outcome() == idempotency.Claimed {
 		u := &unit{store: s, conn: conn, tx: tx, xid: row.TxID(),
 			inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
@@ -110,7 +111,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	if err != nil {
 		return none, false, interpretError(err)
 	}
-	if row.Lost {
+	if lost || row.Lost {
 		return none, false, nil
 	}
 	res, err := row.Result(req)
@@ -130,13 +131,4 @@ func (s *Store) beginInTx(c idempotency.Claim) *unit {
 		return u
 	}
 	return &unit{store: s, claim: c, inTx: &inTxKey{}, err: errInTxOver}
-}
-
-// takenMeanwhile reports whether c's key, claimed in one transaction, has
-// a row of another claim: one in a commit of its own took the key while
-// c's transaction was open. An error reads as not taken.
-func (s *Store) takenMeanwhile(ctx context.Context, c idempotency.Claim) bool {
-	var taken bool
-	err := s.pool.QueryRow(context.WithoutCancel(ctx), keysql.TakenSQL, c.ClientID, c.Key, c.Token).Scan(&taken)
-	return err == nil && taken
 }

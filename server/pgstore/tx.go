@@ -71,8 +71,9 @@ func Tx(ctx context.Context) (pgx.Tx, error) {
 type unit struct {
 	store *Store
 	claim idempotency.Claim
-	// inTx is the key of a claim made in one transaction, which the
-	// completion writes (see keysql.ClaimTxSQL); nil otherwise. Such a unit's
+	// inTx is the key of a claim made in one transaction, which
+	// keysql.CompleteNewSQL writes when its row went with a rollback (see
+	// keysql.ClaimTxSQL); nil otherwise. Such a unit's
 	// transaction is begun by the claim.
 	inTx *inTxKey
 
@@ -217,11 +218,8 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	}
 	c := u.claim
 	args := []any{c.ClientID, c.Key, c.Token, resp.Status, resp.ContentType, header, resp.Body}
-	if u.inTx != nil {
-		if u.tx == nil {
-			return idempotency.ErrFenced // its transaction ended: the key went with it
-		}
-		args = append(args, u.inTx.args()...)
+	if u.inTx != nil && u.tx == nil {
+		return idempotency.ErrFenced // its transaction ended: the key went with it
 	}
 	if u.tx == nil {
 		if u.err != nil && resp.Status < 400 {
@@ -238,20 +236,10 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	case !open && resp.Status < 400:
 		return fmt.Errorf("pgstore: the handler answered %d but its transaction failed (a statement of it failed, or its connection closed); nothing was committed", resp.Status)
 	case !open: // a refusal stored alone, as without a transaction
-		if u.inTx != nil {
-			return u.store.ownedUpdate(ctx, c, keysql.CompleteNewSQL, args[3:], idempotency.StatusCompleted)
+		if u.inTx != nil { // its row rolled back with the transaction
+			return u.store.ownedUpdate(ctx, c, keysql.CompleteNewSQL, append(args[3:], u.inTx.args()...), idempotency.StatusCompleted)
 		}
 		return u.store.ownedUpdate(ctx, c, keysql.CompleteSQL, args[3:], idempotency.StatusCompleted)
-	}
-	if u.inTx != nil {
-		err := u.commitLocked(ctx, keysql.CompleteNewInTxSQL, args)
-		if serializationFailure(err) && u.store.takenMeanwhile(ctx, u.claim) {
-			// Under REPEATABLE READ or SERIALIZABLE, a row committed after
-			// the transaction's snapshot fails the insert this way, not
-			// as a conflict.
-			return idempotency.ErrFenced
-		}
-		return err
 	}
 	return u.commitLocked(ctx, keysql.CompleteInTxSQL, args)
 }
@@ -305,7 +293,8 @@ func (u *unit) settle(ctx context.Context) (open bool, err error) {
 
 // failClosed ends what is left of the handler's transaction and completes
 // the key with idempotency.UnitEndedResponse under the claim's token (for
-// a claim in one transaction: inserts it so), so that nothing runs again
+// a claim in one transaction: inserts it so, if its row went with a
+// rollback), so that nothing runs again
 // under it. The caller holds u.mu.
 func (u *unit) failClosed(ctx context.Context, why string) error {
 	lctx := context.WithoutCancel(ctx)
@@ -324,8 +313,8 @@ func (u *unit) failClosed(ctx context.Context, why string) error {
 	return fmt.Errorf("pgstore: %s: %w", why, idempotency.ErrUnitEnded)
 }
 
-// commitLocked sends sql (keysql.CompleteInTxSQL, or
-// keysql.CompleteNewInTxSQL) and COMMIT on the handler's transaction in one
+// commitLocked sends sql (keysql.CompleteInTxSQL) and COMMIT on the
+// handler's transaction in one
 // round trip, with args and then the transaction's ID: the completion fails
 // when the transaction is not the one Tx began, or when the claim was
 // fenced, and PostgreSQL then skips the COMMIT. The caller holds u.mu.
@@ -391,8 +380,9 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 			ours, err = hasStatusUnder(lctx, q, u.claim, idempotency.StatusCompleted)
 			return err
 		}
-		// A key claimed in one transaction has no row that a read could
-		// wait on until the COMMIT ends, which may still be running: wait
+		// The row of a key claimed in one transaction was inserted by
+		// the transaction, and no read waits for it until the COMMIT ends,
+		// which may still be running: wait
 		// for the claim's advisory lock, which the transaction holds until
 		// it has committed or rolled back, then read (bounded, so that a
 		// backend that never ends does not hold the request forever).

@@ -65,8 +65,9 @@
 // first-sent time a second old or more) is one statement, a read of the
 // key's row sent before the claim, in either mode. Claims in one transaction
 // ([idempotency.Options.OneTransaction]) are pgstore's (an advisory lock
-// taken without waiting, the key inserted, completed, by the completion
-// in the handler's commit; see pgstore's package documentation), but for
+// taken without waiting and the key's row inserted in the handler's
+// transaction, completed in its commit; see pgstore's package
+// documentation), but for
 // the round trips. The store is an [idempotency.Inspector] and an
 // [idempotency.Sweepable], on pgstore's statements, for the operators' API
 // and the sweeper, once [CreateOpenKeysIndex] made the index they walk.

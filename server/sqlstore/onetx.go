@@ -2,6 +2,7 @@ package sqlstore
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 
@@ -12,10 +13,11 @@ import (
 // Claims in one transaction (idempotency.TxClaimer), as
 // pgstore makes them (see pgstore's package documentation): the claim is
 // keysql.ClaimTxSQL, the first statement of the request's transaction,
-// which writes nothing and holds the key with a transaction-level advisory
-// lock taken without waiting; the completion inserts the key, completed,
-// and commits it with the handler's rows. database/sql sends the BEGIN in
-// a round trip of its own, and the completion before the COMMIT.
+// which holds the key with a transaction-level advisory lock taken without
+// waiting and inserts its row, started, in the transaction; the
+// completion completes the row and commits it with the handler's rows.
+// database/sql sends the BEGIN in a round trip of its own, and the
+// completion before the COMMIT.
 
 // errInTxOver is the error of every statement of a unit of work begun for
 // a claim in one transaction whose transaction has ended.
@@ -67,7 +69,11 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 		return none, false, err
 	}
 	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
-	if err == nil && row.Outcome() == idempotency.Claimed {
+	lost := errors.Is(err, sql.ErrNoRows) || retryable(err) // the key committed meanwhile
+	if lost {
+		err = nil
+	}
+	if err == nil && !lost && row.Outcome() == idempotency.Claimed {
 		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
 			OperationID: *row.OperationID, OneTransaction: true}
 		u.inTx = keysql.CompleteNewArgs(req, *row.CreatedAt, *row.OperationID)
@@ -79,7 +85,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 	if err != nil {
 		return none, false, interpretError(err)
 	}
-	if row.Lost {
+	if lost || row.Lost {
 		return none, false, nil
 	}
 	res, err := row.Result(req)
@@ -95,12 +101,4 @@ func (s *Store) beginInTx(c idempotency.Claim) *unit {
 		return u
 	}
 	return &unit{store: s, claim: c, inTx: []any{}, err: errInTxOver}
-}
-
-// takenMeanwhile reports whether c's key, claimed in one transaction, has
-// a row of another claim. An error reads as not taken.
-func (s *Store) takenMeanwhile(ctx context.Context, c idempotency.Claim) bool {
-	var taken bool
-	err := s.db.QueryRowContext(context.WithoutCancel(ctx), keysql.TakenSQL, c.ClientID, c.Key, c.Token).Scan(&taken)
-	return err == nil && taken
 }

@@ -111,7 +111,7 @@ func (s *Store) prepareAll(ctx context.Context) error {
 // they gain (the claims of a takeover race, say, each on a new
 // connection).
 var prepared = map[string]bool{keysql.ClaimInsertSQL: true, keysql.CompleteInTxSQL: true,
-	keysql.ClaimTxSQL: true, keysql.CompleteNewInTxSQL: true}
+	keysql.ClaimTxSQL: true}
 
 // caches reports whether driver caches the statements it runs as prepared
 // statements of its own: pgx's stdlib does (pgx's default

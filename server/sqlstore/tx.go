@@ -61,8 +61,9 @@ type unit struct {
 	claim idempotency.Claim
 
 	// inTx are the parameters of keysql.CompleteNewSQL from $8 on, for a
-	// claim made in one transaction, whose completion inserts the key;
-	// nil otherwise. Such a unit's transaction is begun by the claim.
+	// claim made in one transaction, whose key's row goes with a
+	// transaction that rolls back; nil otherwise. Such a unit's
+	// transaction is begun by the claim.
 	inTx []any
 
 	mu   sync.Mutex
@@ -166,11 +167,8 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 	if err != nil {
 		return cmp.Or(u.rollbackChecked(ctx), err)
 	}
-	if u.inTx != nil {
-		if u.tx == nil {
-			return idempotency.ErrFenced // its transaction ended: the key went with it
-		}
-		args = append(args, u.inTx...)
+	if u.inTx != nil && u.tx == nil {
+		return idempotency.ErrFenced // its transaction ended: the key went with it
 	}
 	if u.tx == nil {
 		if u.err != nil && resp.Status < 400 {
@@ -180,10 +178,7 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		}
 		return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteSQL, args[3:], idempotency.StatusCompleted)
 	}
-	query, alone := keysql.CompleteInTxSQL, keysql.CompleteSQL
-	if u.inTx != nil {
-		query, alone = keysql.CompleteNewInTxSQL, keysql.CompleteNewSQL
-	}
+	query := keysql.CompleteInTxSQL
 	_, err = on{u.store, u.tx}.ExecContext(ctx, query, append(args, u.xid)...)
 	switch c := code(err); {
 	case err == nil:
@@ -206,13 +201,10 @@ func (u *unit) Complete(ctx context.Context, resp idempotency.StoredResponse) er
 		if resp.Status < 400 {
 			return fmt.Errorf("sqlstore: the handler answered %d but its transaction failed; nothing was committed", resp.Status)
 		}
-		return u.store.ownedUpdate(ctx, u.claim, alone, args[3:], idempotency.StatusCompleted)
-	case retryable(err) && u.inTx != nil && u.store.takenMeanwhile(ctx, u.claim):
-		// Under REPEATABLE READ or SERIALIZABLE, a row committed after
-		// the transaction's snapshot fails the insert this way, not as a
-		// conflict.
-		u.rollbackLocked()
-		return idempotency.ErrFenced
+		if u.inTx != nil { // its row rolled back with the transaction
+			return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteNewSQL, append(args[3:7], u.inTx...), idempotency.StatusCompleted)
+		}
+		return u.store.ownedUpdate(ctx, u.claim, keysql.CompleteSQL, args[3:], idempotency.StatusCompleted)
 	default:
 		// Nothing of the transaction commits now, but an error no check
 		// above reads (a driver out of step with the server, say, under
@@ -241,8 +233,9 @@ func (u *unit) commitLocked(ctx context.Context) error {
 	var ours bool
 	if lerr := u.store.onLiveConn(lctx, func(q querier) error {
 		if u.inTx != nil {
-			// A key claimed in one transaction has no row to wait on
-			// while its COMMIT runs: wait for the claim's advisory lock,
+			// The row of a key claimed in one transaction was inserted by
+			// it, and no read waits for it while its COMMIT runs: wait for
+			// the claim's advisory lock,
 			// which that transaction holds until it ends, bounded.
 			wctx, cancel := context.WithTimeout(lctx, keysql.LostCommitWait)
 			defer cancel()
@@ -275,7 +268,8 @@ func (u *unit) committed(ctx context.Context) (bool, error) {
 
 // failClosed ends what is left of the handler's transaction and completes
 // the key with idempotency.UnitEndedResponse under the claim's token (for
-// a claim in one transaction: inserts it so), so that nothing runs again
+// a claim in one transaction: inserts it so, if its row went with a
+// rollback), so that nothing runs again
 // under it. The caller holds u.mu.
 func (u *unit) failClosed(ctx context.Context, why string) error {
 	lctx := context.WithoutCancel(ctx)

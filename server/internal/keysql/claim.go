@@ -287,20 +287,13 @@ const heldForRetriesExpr = `(k.created_at + k.retention_us * interval '1 microse
 // operation's retention ran out (heldForRetriesExpr): such keys come
 // first in the expires_at index (ExpireSQL sets expires_at to the past),
 // and each batch reads them again until then, which costs little, as
-// operators expire few keys. It passes over a key whose advisory lock
-// (keyLockExpr) a claim in one transaction holds: that request, which has
-// no row of its own, is fenced by this row (its completion finds the key
-// taken and commits nothing), however long it runs; deleting the row under
-// it would let it commit a second operation for the key. The lock is tried
-// only on a key it would delete, and the purge's statement holds it to its
-// end.
+// operators expire few keys.
 const PurgeSQL = `
 DELETE FROM idempotency_keys
 WHERE ctid = ANY (ARRAY(
     SELECT ctid FROM idempotency_keys k
     WHERE k.expires_at < statement_timestamp()
-        AND CASE WHEN ` + expiredExpr + ` IS TRUE AND NOT ` + heldForRetriesExpr + `
-            THEN pg_try_advisory_xact_lock(` + rowLockExpr + `) ELSE false END
+        AND ` + expiredExpr + ` IS TRUE AND NOT ` + heldForRetriesExpr + `
     ORDER BY k.expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED))`

@@ -34,19 +34,18 @@ const TxIDSQL = `SELECT pg_current_xact_id()::text AS xid,
 // the handler ended and replaced (COMMIT AND CHAIN) from the one begun.
 const TxGuardSQL = `SELECT ` + txIsExpr1
 
-// txIsExpr1, txIsExpr8 and txIsExpr15 are 1 in the transaction whose ID
-// is $1, $8 or $15 (TxIDSQL); in any other they fail with
+// txIsExpr1 and txIsExpr8 are 1 in the transaction whose ID
+// is $1 or $8 (TxIDSQL); in any other they fail with
 // numeric_value_out_of_range (TxChangedCode), which no other part of a
 // completion raises. An expression rather than a statement of its own, so
 // that the check costs the completion no statement.
 const (
-	txIsExpr1  = `((CASE WHEN pg_current_xact_id() = $1::xid8 THEN 0 ELSE 2147483647 END) + 1)`
-	txIsExpr8  = `((CASE WHEN pg_current_xact_id() = $8::xid8 THEN 0 ELSE 2147483647 END) + 1)`
-	txIsExpr15 = `((CASE WHEN pg_current_xact_id() = $15::xid8 THEN 0 ELSE 2147483647 END) + 1)`
+	txIsExpr1 = `((CASE WHEN pg_current_xact_id() = $1::xid8 THEN 0 ELSE 2147483647 END) + 1)`
+	txIsExpr8 = `((CASE WHEN pg_current_xact_id() = $8::xid8 THEN 0 ELSE 2147483647 END) + 1)`
 )
 
 // TxChangedCode is the SQLSTATE of a completion in the handler's
-// transaction (CompleteInTxSQL, CompleteNewInTxSQL), or of TxGuardSQL, run
+// transaction (CompleteInTxSQL), or of TxGuardSQL, run
 // in another transaction than the one whose ID it was given: the handler
 // ended that one.
 const TxChangedCode = "22003"
@@ -92,33 +91,51 @@ const DivisionByZero = "22012"
 // ClaimSQL. A key that has a row is read as ClaimReadSQL reads it (outcome 3,
 // or 4, flagged when ClaimSQL would renew it). A key that has none is held
 // with a transaction-level advisory lock, taken without waiting, on a hash
-// of the table, the client and the key: outcome 1 with a new token and
-// operation ID and the time of the claim, which the completion writes with
-// the key (CompleteNewInTxSQL), and in the status column the transaction's
-// ID, which the completion checks (ClaimRow.TxID; no TxIDSQL of its own);
-// or outcome 5 (Busy) when another
-// transaction holds the lock, having claimed the key in one transaction and
-// not ended. No row is written, so neither a duplicate nor a claim in a
-// commit of its own ever waits for the claiming transaction. A request
-// whose first-sent check is stale takes no lock: outcome 4 (refusedAbsentRow).
+// of the table, the client and the key, and its row is inserted, started,
+// in the claiming transaction: outcome 1 with the new token, operation ID
+// and time of the claim, and in the status column the transaction's ID,
+// which the completion checks (ClaimRow.TxID; no TxIDSQL of its own); or
+// outcome 5 (Busy) when another transaction holds the lock, having claimed
+// the key in one transaction and not ended. The completion is
+// CompleteInTxSQL, as in a transaction of a claim in a commit of its own.
+// A request whose first-sent check is stale takes no lock: outcome 4
+// (refusedAbsentRow).
+//
+// The lock keeps everyone off the uncommitted row, which they would
+// otherwise wait on: a duplicate, or a claim in a commit of its own, tries
+// the lock first and is Busy at once. The row holds the key when the lock
+// no longer does: a handler that ends the transaction itself (a COMMIT)
+// commits the row with its writes, started and without a lease, so that no
+// claim ever takes it over; the store then fails it closed (completes it
+// with idempotency.UnitEndedResponse). A handler that rolls back takes the
+// row with it, and nothing of the request is left.
 //
 // The lock is taken only for a key the statement's snapshot does not have,
 // so readers of a committed key do not hold it. A transaction that commits
-// the key between that snapshot and the lock leaves the claim believing the
-// key absent; the claim's completion then finds the row and is fenced, and
-// commits nothing (see CompleteNewInTxSQL). A hash that two keys share
-// (one in 2^64 for two keys at once) makes one of them Busy until the other
-// ends, as if it were a duplicate.
+// the key between that snapshot and the insert makes the insert do nothing
+// (no row: the caller runs ClaimSQL, in a commit of its own), or, under
+// REPEATABLE READ or SERIALIZABLE, fail with a serialization failure. A
+// hash that two keys share (one in 2^64 for two keys at once) makes one of
+// them Busy until the other ends, as if it were a duplicate.
 const ClaimTxSQL = `
 WITH ` + existingCTE + `, probe AS (
     SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $9::boolean THEN NULL
         ELSE pg_try_advisory_xact_lock(` + keyLockExpr + `) END AS held,
-        $3::text AS method, $4::text AS path, $6::bigint AS lease_us, $7::bigint AS retention_us -- unused: typed for the prepared statement
+        $6::bigint AS lease_us -- unused: typed for the prepared statement
+), inserted AS (
+    INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+        request_hash, status, operation_id, lock_token, created_at, locked_at,
+        lease_us, retention_us, expires_at)
+    SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $8::uuid, nextval('idempotency_lock_tokens'),
+        statement_timestamp(), statement_timestamp(), 0, $7::bigint, ` + claimedTxExpiryExpr + `
+    FROM probe WHERE held
+    ON CONFLICT (client_id, idempotency_key) DO NOTHING
+    RETURNING lock_token, operation_id, created_at
 )
-SELECT 1, nextval('idempotency_lock_tokens'), $8::uuid::text,
+SELECT 1, lock_token, operation_id::text,
     NULL::text, NULL::text, NULL::bytea, pg_current_xact_id()::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, statement_timestamp(), NULL::timestamptz, NULL::bigint, false, false
-FROM probe WHERE held
+    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, created_at, NULL::timestamptz, NULL::bigint, false, false
+FROM inserted
 UNION ALL
 SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false
 FROM probe WHERE NOT held
@@ -126,6 +143,15 @@ UNION ALL
 ` + existingRow + `
 UNION ALL
 ` + refusedAbsentRow
+
+// claimedTxExpiryExpr is the expires_at of a key claimed now in one
+// transaction with the retention $7: now plus the retention, a bound below
+// the key's expiry once it completes (see expiredExpr), which the
+// completion then leaves as it is (finishedSetExpr), so that it changes no
+// indexed column. A started row without a lease never expires, whatever
+// its expires_at.
+const claimedTxExpiryExpr = `CASE WHEN $7::bigint > 0
+            THEN statement_timestamp() + $7::bigint * interval '1 microsecond' END`
 
 // keyLockExpr is the advisory lock of a key ($1 client, $2 key) claimed in
 // one transaction: a 64-bit hash of the key, the client and the key table
@@ -144,64 +170,43 @@ const WaitKeyLockSQL = `SELECT pg_advisory_xact_lock(` + keyLockExpr + `)`
 // unknown, before it reads whether the key committed.
 const LostCommitWait = 30 * time.Second
 
-// rowLockExpr is keyLockExpr of the key row k (see PurgeSQL).
-const rowLockExpr = `hashtextextended(k.idempotency_key, hashtextextended(k.client_id, 'idempotency_keys'::regclass::oid::bigint))`
-
-// completeNewHead and completeNewTail insert the key of a claim made in
-// one transaction, completed (CompleteNewSQL, CompleteNewInTxSQL), around
-// the value of its lock_token.
-const (
-	completeNewHead = `
-INSERT INTO idempotency_keys (client_id, idempotency_key, lock_token, status,
+// CompleteNewSQL completes the key of a claim made in one transaction
+// whose transaction ended without the completion: $1 client, $2 key, $3
+// token, $4 to $7 the response as in CompleteSQL, then the claim's request
+// ($8 method, $9 path, $10 fingerprint, $11 operation ID, $12 time of the
+// claim, $13 lease and $14 retention in microseconds). The key's row is
+// gone with a transaction that rolled back, and is inserted, completed;
+// one the handler committed, started under $3, is completed. A row of
+// another claim (one that took the key since the row was rolled back) is
+// left as it is: the statement then changes nothing, and the claim was
+// fenced. The key finished now: it expires its retention from now (as
+// finishedSetExpr sets it, with k's columns named).
+const CompleteNewSQL = `
+INSERT INTO idempotency_keys AS k (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
     request_method, request_path, request_hash, operation_id,
     created_at, locked_at, lease_us, retention_us, expires_at)
-VALUES ($1, $2, `
-	completeNewTail = `, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
-    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)`
-)
-
-// CompleteNewSQL inserts the key of a claim made in one transaction,
-// completed: $1 client, $2 key, $3 token, $4 to $7 the response as in
-// CompleteSQL, then the claim's request ($8 method, $9 path, $10
-// fingerprint, $11 operation ID, $12 time of the claim, $13 lease and $14
-// retention in microseconds). The key finished now: it
-// expires its retention from now. It inserts nothing when the key has a row
-// (a claim in a commit of its own, from a route without the mode, took the
-// key meanwhile): the claim was fenced.
-const CompleteNewSQL = completeNewHead + `$3` + completeNewTail + `
-ON CONFLICT (client_id, idempotency_key) DO NOTHING`
-
-// CompleteNewInTxSQL is CompleteNewSQL as the last statement of the
-// claim's transaction, sent with its COMMIT, with $15 the ID of that
-// transaction (ClaimTxSQL), checked as CompleteInTxSQL checks its $8: in
-// another transaction it fails with TxChangedCode. It has no ON CONFLICT:
-// when the key has a row (the claim was fenced) it fails with
-// unique_violation on the key table's primary key (see IsFence), and
-// PostgreSQL skips the COMMIT queued behind it, so the handler's writes
-// never commit without the key. A plain INSERT costs PostgreSQL less than
-// ON CONFLICT DO NOTHING in a WITH that divides by its count, the way
-// CompleteInTxSQL fences an UPDATE (bench/NOTES.md, "The one-transaction
-// completion"); the check is an expression of its lock_token, evaluated
-// before the row is inserted.
-const CompleteNewInTxSQL = completeNewHead + `$3::bigint * ` + txIsExpr15 + completeNewTail
+VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
+    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)
+ON CONFLICT (client_id, idempotency_key) DO UPDATE SET
+    status = 'completed',
+    response_status = EXCLUDED.response_status,
+    response_content_type = EXCLUDED.response_content_type,
+    response_headers = EXCLUDED.response_headers,
+    response_body = EXCLUDED.response_body,
+    locked_at = statement_timestamp(),
+    expires_at = CASE WHEN k.retention_us > 0
+        THEN least(k.expires_at, statement_timestamp() + k.retention_us * interval '1 microsecond') END
+WHERE k.lock_token = EXCLUDED.lock_token AND k.status = 'started'`
 
 // IsFence reports whether an error of SQLSTATE code, raised by query
 // itself, is the fence of a completion sent with its COMMIT: the division
-// by zero of CompleteInTxSQL, or the unique violation of the key table of
-// CompleteNewInTxSQL. The caller tells the statement's own error from the
-// COMMIT's behind it: a deferred constraint of the handler's own tables
-// fails the COMMIT with any SQLSTATE, and is no fence.
+// by zero of CompleteInTxSQL. The caller tells the statement's own error
+// from the COMMIT's behind it: a deferred constraint of the handler's own
+// tables fails the COMMIT with any SQLSTATE, and is no fence.
 func IsFence(query, code string) bool {
-	return query == CompleteInTxSQL && code == DivisionByZero ||
-		query == CompleteNewInTxSQL && code == UniqueViolation
+	return query == CompleteInTxSQL && code == DivisionByZero
 }
-
-// TakenSQL tells whether a key ($1 client, $2 key) has a row under
-// another token than $3.
-const TakenSQL = `
-SELECT EXISTS (SELECT FROM idempotency_keys
-    WHERE client_id = $1 AND idempotency_key = $2 AND lock_token <> $3)`
 
 // HeaderArg is the parameter of the response headers ($6 of CompleteSQL
 // and CompleteNewSQL, cast to jsonb there): their JSON as text, or SQL

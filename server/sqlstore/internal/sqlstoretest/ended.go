@@ -5,6 +5,8 @@ import (
 	"database/sql"
 	"fmt"
 	"net/http"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/assert"
@@ -107,5 +109,54 @@ func execSQL(query string) func(ctx context.Context, tx *sql.Tx) error {
 	return func(ctx context.Context, tx *sql.Tx) error {
 		_, err := tx.ExecContext(ctx, query)
 		return err
+	}
+}
+
+// testDuplicateWhileHandlerEnded holds a handler after it wrote a row and
+// committed the key's transaction itself, and sends a duplicate meanwhile:
+// the duplicate gets 409 without running (the key's hold outlives the
+// handler's COMMIT, in one transaction too), the held request ends as the
+// store fails it closed, the retry replays that, and the row was written
+// once.
+func testDuplicateWhileHandlerEnded(t *testing.T, driver string) {
+	for _, oneTx := range []bool{false, true} {
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
+			db := Open(t, driver)
+			entered, release := make(chan struct{}), make(chan struct{})
+			var once sync.Once
+			open := func() { once.Do(func() { close(release) }) }
+			defer open()
+			var runs atomic.Int32
+			s := newService(db, sqlstore.New(db), idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
+				if runs.Add(1) > 1 {
+					w.WriteHeader(http.StatusCreated)
+					return
+				}
+				if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ('k/a')`); err != nil {
+					http.Error(w, err.Error(), http.StatusInternalServerError)
+					return
+				}
+				_, _ = tx.ExecContext(r.Context(), "COMMIT")
+				close(entered)
+				<-release
+				w.WriteHeader(http.StatusCreated)
+			})
+			first := make(chan int, 1)
+			go func() {
+				rec, _ := send(s.h, "k")
+				first <- rec.Code
+			}()
+			<-entered
+			dup, _ := send(s.h, "k")
+			assert.Equal(t, http.StatusConflict, dup.Code, "a duplicate while the first request runs")
+			assert.Equal(t, int32(1), runs.Load(), "handler runs")
+			open()
+			assert.Equal(t, http.StatusInternalServerError, <-first, "the request whose handler ended its transaction")
+			again, _ := send(s.h, "k")
+			assert.Equal(t, http.StatusInternalServerError, again.Code, "the retry")
+			assert.Equal(t, "true", again.Header().Get("Idempotent-Replayed"), "the retry replays the stored 500")
+			assert.Equal(t, int32(1), runs.Load(), "handler runs")
+			assert.Equal(t, 1, rows(t, db, "k"), "rows of the key")
+		})
 	}
 }

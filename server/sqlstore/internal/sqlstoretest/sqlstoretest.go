@@ -47,6 +47,7 @@ func Run(t *testing.T, driver string) {
 		{"ClaimOfRowNoStoreWrites", testCorruptRows},
 		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
+		{"DuplicateWhileHandlerEndedTransaction", testDuplicateWhileHandlerEnded},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
