@@ -86,15 +86,18 @@ func (k *kit) answerBuf(n int64) *answerBuf {
 }
 
 // answerBody is the body of an answer read inside its attempt, into the
-// buffer of the attempt's kit (attempt.go). Close gives the kit back, once
-// no Read or WriteTo is running (a Close from another goroutine, as
-// net/http allows, waits for nothing and lets the last of them give it
-// back), and a Read after Close returns an error, never the bytes of the
-// answer that took the kit over. It lives in the attempt's own object,
-// which is never used again.
-type answerBody struct {
-	kit *kit // its buf holds the answer, whole
-	off int  // how much of it has been read
+// buffer of the attempt's kit (attempt.go): the attempt's own object seen
+// as a body, which finds the kit in the attempt's context and needs no
+// pointer of its own to it. Close gives the kit back, once no Read or
+// WriteTo is running (a Close from another goroutine, as net/http allows,
+// waits for nothing and lets the last of them give it back), and a Read
+// after Close returns an error, never the bytes of the answer that took
+// the kit over. The attempt's object is never used again.
+type answerBody attemptRequest
+
+// answerState is the state of an attempt's answerBody.
+type answerState struct {
+	off int // how much of the answer has been read
 	// state is 1 while the body is open, plus 2 for each Read or WriteTo
 	// running; the kit is given back when it falls to 0.
 	state atomic.Int32
@@ -103,20 +106,20 @@ type answerBody struct {
 // errAnswerClosed is the error of a Read after Close, as net/http's.
 var errAnswerClosed = errors.New("idem: read on closed response body")
 
-// open makes a the body of the answer in k's buffer.
-func (a *answerBody) open(k *kit) {
-	a.kit, a.off = k, 0
-	a.state.Store(1)
+// open makes a the body of the answer in its kit's buffer.
+func (a *answerBody) open() {
+	a.answer.off = 0
+	a.answer.state.Store(1)
 }
 
 // hold counts a Read or WriteTo in, if the body is still open.
 func (a *answerBody) hold() bool {
 	for {
-		s := a.state.Load()
+		s := a.answer.state.Load()
 		if s&1 == 0 {
 			return false
 		}
-		if a.state.CompareAndSwap(s, s+2) {
+		if a.answer.state.CompareAndSwap(s, s+2) {
 			return true
 		}
 	}
@@ -125,8 +128,8 @@ func (a *answerBody) hold() bool {
 // release counts a Read or WriteTo out, and gives the kit back if the
 // body was closed meanwhile.
 func (a *answerBody) release() {
-	if a.state.Add(-2) == 0 {
-		a.kit.giveBack()
+	if a.answer.state.Add(-2) == 0 {
+		a.ctx.kit.giveBack()
 	}
 }
 
@@ -134,8 +137,8 @@ func (a *answerBody) Read(p []byte) (int, error) {
 	if !a.hold() {
 		return 0, errAnswerClosed
 	}
-	n := copy(p, a.kit.buf.b[a.off:])
-	a.off += n
+	n := copy(p, a.ctx.kit.buf.b[a.answer.off:])
+	a.answer.off += n
 	a.release()
 	if n == 0 && len(p) > 0 {
 		return 0, io.EOF
@@ -148,8 +151,8 @@ func (a *answerBody) WriteTo(w io.Writer) (int64, error) {
 	if !a.hold() {
 		return 0, errAnswerClosed
 	}
-	n, err := w.Write(a.kit.buf.b[a.off:])
-	a.off += n
+	n, err := w.Write(a.ctx.kit.buf.b[a.answer.off:])
+	a.answer.off += n
 	a.release()
 	return int64(n), err
 }
@@ -157,8 +160,8 @@ func (a *answerBody) WriteTo(w io.Writer) (int64, error) {
 // Close gives the kit back, or leaves that to the last Read or WriteTo
 // still running.
 func (a *answerBody) Close() error {
-	if a.state.And(^1) == 1 {
-		a.kit.giveBack()
+	if a.answer.state.And(^1) == 1 {
+		a.ctx.kit.giveBack()
 	}
 	return nil
 }
@@ -171,11 +174,12 @@ func (t *Transport) maxAnswer() int64 {
 }
 
 // readAnswer reads the body of resp, of known length, whole, into a buffer
-// that k holds, and makes into, holding k, the body; or, if it cannot,
+// that ar's kit holds, and makes ar, as an answerBody, the body; or, if it cannot,
 // closes the body and returns why. It reports whether it closed the body
 // it read: not when the body was longer than it said, then handed over
 // with what was read of it first, in a buffer of the caller's.
-func readAnswer(resp *http.Response, into *answerBody, k *kit) (closed bool, err error) {
+func readAnswer(resp *http.Response, ar *attemptRequest) (closed bool, err error) {
+	k := ar.ctx.kit
 	a := k.answerBuf(plusOne(resp.ContentLength)) // +1 to see the end
 	// io.ReadFull's loop, without its calls: net/http's body returns the
 	// whole answer and io.EOF in one Read.
@@ -205,7 +209,8 @@ func readAnswer(resp *http.Response, into *answerBody, k *kit) (closed bool, err
 	}
 	resp.Body.Close()
 	a.b = a.b[:n]
-	into.open(k)
+	into := (*answerBody)(ar)
+	into.open()
 	resp.Body = into
 	return true, nil
 }

@@ -307,8 +307,8 @@ func TestReadAnswerWhateverTheReadsReturn(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			resp := &http.Response{Status: "201 Created", StatusCode: 201, ContentLength: tt.length, Body: io.NopCloser(tt.body())}
-			var into answerBody
-			closed, err := readAnswer(resp, &into, newKit())
+			ar := &attemptRequest{ctx: attemptContext{kit: newKit()}}
+			closed, err := readAnswer(resp, ar)
 			if tt.wantErr {
 				assert.True(t, closed, "the body is closed")
 				assert.Error(t, err)

@@ -16,27 +16,39 @@ import (
 // the attempt's header copy.
 type attemptContext struct {
 	context.Context
-	number   int
 	key      string
 	keyValue [1]string
 	// kit holds the attempt's wire trace, which the context hands to
-	// net/http until untraced says the attempt is done with it. (Set
-	// before the context is shared, kit needs no atomic of its own.)
-	kit      *kit
-	untraced atomic.Bool
-	// afterReached says an earlier attempt of the operation may have
-	// reached the server: this one's answer is no word on that one's.
-	afterReached bool
+	// net/http until flagUntraced says the attempt is done with it.
+	// (Set before the context is shared, kit needs no atomic of its own.)
+	kit *kit
+	// number is the attempt's number; an int32 (no operation waits
+	// through 2^31 backoffs), so that with flags the attempt's object fits
+	// the 384-byte size class (an int would take it to the 416-byte one).
+	number int32
+	flags  atomic.Uint32 // untraced and afterReached
 }
+
+// The flags of an attemptContext.
+const (
+	// flagUntraced says the attempt is done with its kit's trace: the context
+	// hands net/http the caller's trace, if any, from then on.
+	flagUntraced = 1 << iota
+	// flagAfterReached says an earlier attempt of the operation may have
+	// reached the server: this one's answer is no word on that one's.
+	// Set before the context is shared, never changed.
+	flagAfterReached
+)
 
 // attemptRequest is an attempt's request and its context in one
 // allocation: WithContext's copy, inlined, stays on the stack and is copied
-// here, its context field included.
+// here, its context field included. On a 64-bit platform it is 384 bytes
+// with Go 1.26's http.Request, a size class: a field more takes it to the
+// next (TestAttemptFitsItsSizeClass).
 type attemptRequest struct {
 	req    http.Request
 	ctx    attemptContext
-	answer answerBody   // the body of a 2xx answer read inside the attempt
-	body   *trackedBody // the request body, if it is not read from memory
+	answer answerState // of a 2xx answer read inside the attempt (answer.go)
 }
 
 // wireTrace learns from net/http, through its httptrace hooks, whether an
@@ -115,7 +127,7 @@ func (ar *attemptRequest) borrowKit(parent context.Context, spare *atomic.Pointe
 // hands net/http the caller's trace, if any, and returns its kit the first
 // time, nil after.
 func (ar *attemptRequest) untrace() *kit {
-	if ar.ctx.untraced.Swap(true) {
+	if ar.ctx.flags.Or(flagUntraced)&flagUntraced != 0 {
 		return nil
 	}
 	return ar.ctx.kit
@@ -195,7 +207,7 @@ func (c *attemptContext) Value(key any) any {
 		return c
 	}
 	if isTraceKey(key) {
-		if !c.untraced.Load() {
+		if c.flags.Load()&flagUntraced == 0 {
 			return &c.kit.wire.trace
 		}
 	}
@@ -219,5 +231,5 @@ func AttemptFromContext(ctx context.Context) (Attempt, bool) {
 	if !ok {
 		return Attempt{}, false
 	}
-	return Attempt{Number: c.number, Key: c.key}, true
+	return Attempt{Number: int(c.number), Key: c.key}, true
 }

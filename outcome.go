@@ -155,7 +155,7 @@ func attemptNumber(resp *http.Response) int {
 	if c == nil {
 		return 0
 	}
-	return c.number
+	return int(c.number)
 }
 
 // afterReached reports whether resp answered an attempt of a Transport
@@ -166,7 +166,7 @@ func afterReached(resp *http.Response) bool {
 		return false
 	}
 	c, ok := resp.Request.Context().Value(attemptContextKey{}).(*attemptContext)
-	return ok && c.afterReached
+	return ok && c.flags.Load()&flagAfterReached != 0
 }
 
 // refusedError is an error returned before anything was sent: an invalid

@@ -706,7 +706,10 @@ func next(b **backoff.ExponentialBackOff, p *RetryPolicy) time.Duration {
 // caller closes the body.
 func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(), err error) {
 	op.attempts++
-	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: op.attempts, key: op.key, afterReached: op.reached}}
+	ar := &attemptRequest{ctx: attemptContext{Context: op.ctx, number: int32(op.attempts), key: op.key}}
+	if op.reached {
+		ar.ctx.flags.Store(flagAfterReached)
+	}
 	kit := ar.borrowKit(op.ctx, &op.t.spareKit) // attempt.go
 	actx := &ar.ctx
 	cancel = func() {}
@@ -731,13 +734,14 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 	if op.header != "" || op.sentHeader != "" {
 		areq.Header = op.attemptHeader(&actx.keyValue)
 	}
-	areq.Body = track(body, op.attempts == 1 && op.body.firstMem, &ar.body) // localerr.go
+	var tracked *trackedBody
+	areq.Body = track(body, op.attempts == 1 && op.body.firstMem, &tracked) // localerr.go
 	areq.GetBody = op.body.getBody
 	if op.body.length >= 0 {
 		areq.ContentLength = op.body.length
 	}
 	resp, err = op.t.base().RoundTrip(areq)
-	err = ar.body.local(err, areq.ContentLength)
+	err = tracked.local(err, areq.ContentLength)
 	if resp == nil && err == nil {
 		// A broken base; http.Client refuses the same, rather than crash.
 		err = errNilResponse
@@ -762,7 +766,7 @@ func (op *operation) send(body io.ReadCloser) (resp *http.Response, cancel func(
 		// Read inside the attempt, under its timer: a cut is retried.
 		code := resp.StatusCode
 		var closed bool
-		closed, err = readAnswer(resp, &ar.answer, kit) // answer.go
+		closed, err = readAnswer(resp, ar) // answer.go
 		if closed {
 			// The Base is done with the request: the kit goes back now,
 			// or, with an answer read whole, once the caller closes it.
