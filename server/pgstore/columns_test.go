@@ -32,7 +32,6 @@ func TestClaimStatementsReturnTypedColumns(t *testing.T) {
 		"ClaimSQL":     keysql.ClaimSQL,
 		"ClaimReadSQL": keysql.ClaimReadSQL,
 		"ClaimPeekSQL": keysql.ClaimPeekSQL,
-		"ClaimTxSQL":   keysql.ClaimTxSQL,
 	} {
 		sd, err := conn.Conn().Prepare(context.Background(), "", sql)
 		if err != nil {

@@ -20,6 +20,7 @@ import (
 	"github.com/idemkit/idem/internal/faultproxy"
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/internal/keysql"
 	"github.com/idemkit/idem/server/pgstore"
 )
 
@@ -180,7 +181,7 @@ func TestClaimConnLost(t *testing.T) {
 // connection, claims the key in one transaction.
 func TestClaimInTxConnLost(t *testing.T) {
 	ctx := context.Background()
-	k := &terminator{prefix: "WITH existing"}
+	k := &terminator{prefix: strings.TrimSpace(keysql.ClaimTxSQL)}
 	s, pool := terminatedStore(t, k)
 	res, err := s.ClaimInTx(ctx, lostReq)
 	k.check(t)

@@ -36,10 +36,12 @@ var _ idempotency.TxClaimer = (*Store)(nil)
 
 // ClaimInTx implements [idempotency.TxClaimer.ClaimInTx] with
 // keysql.ClaimTxSQL, sent with the BEGIN of the request's transaction, and
-// keysql.ClaimSQL for a key that has a row to renew. A retry
-// (keysql.Resent) reads its key's row first (keysql.ClaimPeekSQL), outside
-// any transaction, and a replay or a duplicate ends there. When the
-// connection broke under a claim, it runs it once more as Claim does.
+// keysql.ClaimSQL, in a commit of its own, for a key that it could not
+// claim so (the key has a row, or another transaction holds it) and for a
+// request whose first-sent check is stale. A retry (keysql.Resent) reads
+// its key's row first (keysql.ClaimPeekSQL), outside any transaction, and
+// a replay or a duplicate ends there. When the connection broke under a
+// claim, it runs it once more as Claim does.
 func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
@@ -47,18 +49,22 @@ func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (id
 	if res, ok, err := s.peek(ctx, req); err != nil || ok {
 		return res, err // a retry's replay or duplicate: one round trip
 	}
-	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
-		return res, err
+	if !req.FirstSent.Stale { // a stale request must not insert the key
+		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+			return res, err
+		}
 	}
 	return s.claimLoop(ctx, keysql.ClaimSQL, req)
 }
 
-// claimInTx claims req's key in one transaction (keysql.ClaimTxSQL, sent with the
-// BEGIN in one round trip; it reads the transaction's ID too). When it claimed the key, the transaction stays
-// open on its connection, as the unit of work that Begin returns. Otherwise
-// it rolls the transaction back (a second round trip) and returns the
-// outcome; ok is false when the key has a row that keysql.ClaimSQL may renew
-// (released, expired, stale), which it leaves to the caller. When the
+// claimInTx claims req's key in one transaction (keysql.ClaimTxSQL, sent
+// with the BEGIN in one round trip). When it claimed the key, the
+// transaction stays open on its connection, as the unit of work that Begin
+// returns. Otherwise it reads the key's row and rolls the transaction back
+// (a second round trip), and returns the outcome: a key that has a row, or
+// is held, as keysql.ClaimReadSQL reads it; ok is false when the key's row
+// can be renewed, or went meanwhile, which it leaves to the caller's claim
+// in a commit of its own. When the
 // connection broke under the claim, it runs it once more on a connection
 // that answers: nothing of it was committed.
 func (s *Store) claimInTx(ctx context.Context, req idempotency.ClaimRequest) (res idempotency.ClaimResult, ok bool, err error) {
@@ -82,37 +88,60 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 	if err != nil {
 		return none, false, interpretError(err)
 	}
-	var row keysql.ClaimRow
-	found := false
-	tx, err := beginOn(ctx, conn, keysql.ClaimTxSQL, keysql.ClaimArgs(req), func(br pgx.BatchResults) (err error) {
-		row, found, err = scanClaim(br.Query())
-		return err
+	u := &unit{store: s, conn: conn}
+	claimed := false
+	var created time.Time
+	u.tx, err = beginOn(ctx, conn, keysql.ClaimTxSQL, keysql.ClaimTxArgs(req), func(br pgx.BatchResults) error {
+		rows, err := br.Query()
+		if err != nil {
+			return err
+		}
+		if rows.Next() { // no row: the key has one, or is held
+			claimed = rows.Scan(&u.claim.Token, &u.claim.OperationID, &created, &u.xid) == nil
+		}
+		rows.Close()
+		return rows.Err()
 	})
-	lost := err == nil && !found || serializationFailure(err) // the key committed meanwhile
-	if lost {
-		err = nil
-	}
-	if err == nil && !lost && row.Outcome() == idempotency.Claimed {
-		u := &unit{store: s, conn: conn, tx: tx, xid: row.TxID(),
-			inTx: &inTxKey{req: req, created: *row.CreatedAt, opID: *row.OperationID}}
-		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
-			OperationID: *row.OperationID, OneTransaction: true}
+	if err == nil && claimed {
+		u.claim.ClientID, u.claim.Key, u.claim.OneTransaction = req.ClientID, req.Key, true
+		u.inTx = &inTxKey{req: req, created: created, opID: u.claim.OperationID}
 		s.units.Add(u.claim, u, false)
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: u.claim}, true, nil
 	}
+	var row keysql.ClaimRow
+	found := false
 	if pc := conn.Conn().PgConn(); !pc.IsClosed() && !pc.IsBusy() && pc.TxStatus() != 'I' {
 		// Nothing to keep: end the transaction (and drop the connection
-		// if that fails).
-		if _, rerr := conn.Exec(context.WithoutCancel(ctx), "ROLLBACK"); rerr != nil {
+		// if that fails). A key that has a row, or is held, is read
+		// before, in the same round trip, as a claim in a commit of its
+		// own reads it (keysql.ClaimReadSQL).
+		b := &pgx.Batch{}
+		if err == nil {
+			b.Queue(keysql.ClaimReadSQL, keysql.ClaimArgs(req)...)
+		}
+		b.Queue("ROLLBACK")
+		br := conn.SendBatch(context.WithoutCancel(ctx), b)
+		var rerr error
+		if err == nil {
+			row, found, rerr = scanClaim(br.Query())
+		}
+		if _, xerr := br.Exec(); rerr == nil {
+			rerr = xerr
+		}
+		if cerr := br.Close(); rerr == nil {
+			rerr = cerr
+		}
+		if rerr != nil {
+			found = false
 			conn.Conn().PgConn().Close(context.WithoutCancel(ctx))
 		}
 	}
 	conn.Release()
-	if err != nil {
+	if err != nil && !serializationFailure(err) { // a key committed since the snapshot fails it so
 		return none, false, interpretError(err)
 	}
-	if lost || row.Lost {
-		return none, false, nil
+	if !found || row.Lost {
+		return none, false, nil // the caller claims in a commit of its own
 	}
 	res, err := row.Result(req)
 	return res, err == nil, err

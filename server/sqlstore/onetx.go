@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/internal/keysql"
@@ -27,7 +28,9 @@ var _ idempotency.TxClaimer = (*Store)(nil)
 
 // ClaimInTx implements [idempotency.TxClaimer.ClaimInTx] with
 // keysql.ClaimTxSQL, the first statement of the request's transaction
-// after its BEGIN, and keysql.ClaimSQL for a key that has a row to renew.
+// after its BEGIN, and keysql.ClaimSQL, in a commit of its own, for a key
+// that it could not claim so (the key has a row, or another transaction
+// holds it) and for a request whose first-sent check is stale.
 func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, error) {
 	if err := keysql.CheckClaim(req); err != nil {
 		return idempotency.ClaimResult{}, err
@@ -38,19 +41,19 @@ func (s *Store) ClaimInTx(ctx context.Context, req idempotency.ClaimRequest) (id
 	if res, ok, err := s.peek(ctx, req); err != nil || ok {
 		return res, err
 	}
-	if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
-		return res, err
+	if !req.FirstSent.Stale { // a stale request must not insert the key
+		if res, ok, err := s.claimInTx(ctx, req); err != nil || ok {
+			return res, err
+		}
 	}
 	return s.claimLoop(ctx, keysql.ClaimSQL, req)
 }
 
 // claimInTx claims req's key in one transaction. When it claimed the key,
 // the transaction stays open on its connection, as the unit of work that
-// Begin returns. Otherwise it rolls the transaction back and returns the
-// outcome; ok is false when the key has a row that keysql.ClaimSQL may
-// renew (released, expired, stale), which it leaves to the caller. When
-// the connection broke under the claim, it runs it once more: nothing of
-// it was committed.
+// Begin returns. Otherwise it rolls the transaction back, and ok is false:
+// the caller claims in a commit of its own. When the connection broke
+// under the claim, it runs it once more: nothing of it was committed.
 func (s *Store) claimInTx(ctx context.Context, req idempotency.ClaimRequest) (res idempotency.ClaimResult, ok bool, err error) {
 	for retried := false; ; retried = true {
 		res, ok, err = s.claimInTxOnce(ctx, req)
@@ -64,32 +67,25 @@ func (s *Store) claimInTx(ctx context.Context, req idempotency.ClaimRequest) (re
 func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest) (idempotency.ClaimResult, bool, error) {
 	var none idempotency.ClaimResult
 	u := &unit{store: s}
-	var row keysql.ClaimRow
 	if err := u.beginLocked(ctx); err != nil {
 		return none, false, err
 	}
-	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimArgs(req)...).Scan(row.Dests(header{&row.RespHeader})...)
-	lost := errors.Is(err, sql.ErrNoRows) || retryable(err) // the key committed meanwhile
-	if lost {
-		err = nil
-	}
-	if err == nil && !lost && row.Outcome() == idempotency.Claimed {
-		u.claim = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: *row.Token,
-			OperationID: *row.OperationID, OneTransaction: true}
-		u.inTx = keysql.CompleteNewArgs(req, *row.CreatedAt, *row.OperationID)
-		u.xid = row.TxID()
+	var created time.Time
+	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimTxArgs(req)...).Scan(
+		&u.claim.Token, &u.claim.OperationID, &created, &u.xid)
+	if err == nil {
+		u.claim.ClientID, u.claim.Key, u.claim.OneTransaction = req.ClientID, req.Key, true
+		u.inTx = keysql.CompleteNewArgs(req, created, u.claim.OperationID)
 		s.units.Add(u.claim, u, false)
 		return idempotency.ClaimResult{Outcome: idempotency.Claimed, Claim: u.claim}, true, nil
 	}
 	u.rollbackLocked() // nothing to keep
-	if err != nil {
-		return none, false, interpretError(err)
-	}
-	if lost || row.Lost {
+	// No row: the key has one, or is held; or, under REPEATABLE READ or
+	// SERIALIZABLE, a key committed since the snapshot failed it.
+	if errors.Is(err, sql.ErrNoRows) || retryable(err) {
 		return none, false, nil
 	}
-	res, err := row.Result(req)
-	return res, err == nil, err
+	return none, false, interpretError(err)
 }
 
 // beginInTx returns the unit of work of c, a claim made in one

@@ -87,71 +87,55 @@ SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
 const DivisionByZero = "22012"
 
 // ClaimTxSQL is the claim of a key in one transaction, sent with the BEGIN
-// of the transaction the key's request runs in; the same parameters as
-// ClaimSQL. A key that has a row is read as ClaimReadSQL reads it (outcome 3,
-// or 4, flagged when ClaimSQL would renew it). A key that has none is held
-// with a transaction-level advisory lock, taken without waiting, on a hash
-// of the table, the client and the key, and its row is inserted, started,
-// in the claiming transaction: outcome 1 with the new token, operation ID
-// and time of the claim, and in the status column the transaction's ID,
-// which the completion checks (ClaimRow.TxID; no TxIDSQL of its own); or
-// outcome 5 (Busy) when another transaction holds the lock, having claimed
-// the key in one transaction and not ended. The completion is
-// CompleteInTxSQL, as in a transaction of a claim in a commit of its own.
-// A request whose first-sent check is stale takes no lock: outcome 4
-// (refusedAbsentRow).
+// of the transaction the key's request runs in, for a request whose
+// first-sent check is not stale (which must not insert the key): a plain
+// insert of the key's row, started and without a lease, in the claiming
+// transaction, while that holds the key's transaction-level advisory lock
+// (keyLockExpr), taken exclusive and without waiting. Parameters: $1 to
+// $5 as ClaimSQL's, $6 the retention in microseconds, $7 the operation ID
+// (ClaimTxArgs). It returns the new token, the operation ID, the time of
+// the claim and the transaction's ID, which the completion checks (no
+// TxIDSQL of its own); or no row, when another transaction holds the lock
+// (it claimed the key in one transaction and has not ended) or the key has
+// a row: the caller rolls back and claims in a commit of its own
+// (ClaimSQL), which tells the two apart. Under REPEATABLE READ or
+// SERIALIZABLE a row committed since the statement's snapshot fails it
+// with a serialization failure instead, which the caller reads the same
+// way. The completion is CompleteInTxSQL, as in a transaction of a claim
+// in a commit of its own.
 //
 // The lock keeps everyone off the uncommitted row, which they would
 // otherwise wait on: a duplicate, or a claim in a commit of its own, tries
 // the lock first and is Busy at once. The row holds the key when the lock
-// no longer does: a handler that ends the transaction itself (a COMMIT)
-// commits the row with its writes, started and without a lease, so that no
-// claim ever takes it over; the store then fails it closed (completes it
-// with idempotency.UnitEndedResponse). A handler that rolls back takes the
-// row with it, and nothing of the request is left.
+// no longer can: a handler that ends the transaction itself (a COMMIT)
+// commits the row with its writes, started and without a lease, so that
+// no claim ever takes it over; the store then fails it closed (completes
+// it with idempotency.UnitEndedResponse). A handler that rolls back takes
+// the row with it, and nothing of the request is left. A hash that two
+// keys share (one in 2^64 for two keys at once) makes one of them Busy
+// until the other ends, as if it were a duplicate.
 //
-// The lock is taken only for a key the statement's snapshot does not have,
-// so readers of a committed key do not hold it. A transaction that commits
-// the key between that snapshot and the insert makes the insert do nothing
-// (no row: the caller runs ClaimSQL, in a commit of its own), or, under
-// REPEATABLE READ or SERIALIZABLE, fail with a serialization failure. A
-// hash that two keys share (one in 2^64 for two keys at once) makes one of
-// them Busy until the other ends, as if it were a duplicate.
+// expires_at is now plus the retention: a bound below the key's expiry
+// once it completes (see expiredExpr), which the completion then leaves as
+// it is (finishedSetExpr), so that it changes no indexed column and can be
+// a HOT update. A started row without a lease never expires, whatever its
+// expires_at.
 const ClaimTxSQL = `
-WITH ` + existingCTE + `, probe AS (
-    SELECT CASE WHEN EXISTS (SELECT FROM existing) OR $9::boolean THEN NULL
-        ELSE pg_try_advisory_xact_lock(` + keyLockExpr + `) END AS held,
-        $6::bigint AS lease_us -- unused: typed for the prepared statement
-), inserted AS (
-    INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
-        request_hash, status, operation_id, lock_token, created_at, locked_at,
-        lease_us, retention_us, expires_at)
-    SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $8::uuid, nextval('idempotency_lock_tokens'),
-        statement_timestamp(), statement_timestamp(), 0, $7::bigint, ` + claimedTxExpiryExpr + `
-    FROM probe WHERE held
-    ON CONFLICT (client_id, idempotency_key) DO NOTHING
-    RETURNING lock_token, operation_id, created_at
-)
-SELECT 1, lock_token, operation_id::text,
-    NULL::text, NULL::text, NULL::bytea, pg_current_xact_id()::text,
-    NULL::integer, NULL::text, NULL::jsonb, NULL::bytea, created_at, NULL::timestamptz, NULL::bigint, false, false
-FROM inserted
-UNION ALL
-SELECT 5, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, false
-FROM probe WHERE NOT held
-UNION ALL
-` + existingRow + `
-UNION ALL
-` + refusedAbsentRow
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
+    request_hash, status, operation_id, lock_token, created_at, locked_at,
+    lease_us, retention_us, expires_at)
+SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $7::uuid, nextval('idempotency_lock_tokens'),
+    statement_timestamp(), statement_timestamp(), 0, $6::bigint,
+    CASE WHEN $6::bigint > 0 THEN statement_timestamp() + $6::bigint * interval '1 microsecond' END
+WHERE pg_try_advisory_xact_lock(` + keyLockExpr + `)
+ON CONFLICT (client_id, idempotency_key) DO NOTHING
+RETURNING lock_token, operation_id::text, created_at, pg_current_xact_id()::text`
 
-// claimedTxExpiryExpr is the expires_at of a key claimed now in one
-// transaction with the retention $7: now plus the retention, a bound below
-// the key's expiry once it completes (see expiredExpr), which the
-// completion then leaves as it is (finishedSetExpr), so that it changes no
-// indexed column. A started row without a lease never expires, whatever
-// its expires_at.
-const claimedTxExpiryExpr = `CASE WHEN $7::bigint > 0
-            THEN statement_timestamp() + $7::bigint * interval '1 microsecond' END`
+// ClaimTxArgs returns the parameters of ClaimTxSQL for req.
+func ClaimTxArgs(req idempotency.ClaimRequest) []any {
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint,
+		Micros(req.Retention), req.OperationID()}
+}
 
 // keyLockExpr is the advisory lock of a key ($1 client, $2 key) claimed in
 // one transaction: a 64-bit hash of the key, the client and the key table

@@ -107,7 +107,7 @@ func Fenced(done bool, err error) error {
 	return err
 }
 
-// ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimTxSQL.
+// ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimPeekSQL.
 type ClaimRow struct {
 	Code            int32 // the outcome: an idempotency.Outcome
 	Token           *int64
@@ -136,10 +136,6 @@ func (r *ClaimRow) Dests(header any) []any {
 		&r.RespStatus, &r.RespContentType, header, &r.RespBody, &r.CreatedAt, &r.LockedAt,
 		&r.RetentionUS, &r.Lost, &r.Resumed}
 }
-
-// TxID is the ID of the claim's transaction, of an outcome 1 row of
-// ClaimTxSQL, which carries it in the status column.
-func (r *ClaimRow) TxID() string { return *r.Status }
 
 // Outcome is the row's outcome.
 func (r *ClaimRow) Outcome() idempotency.Outcome { return idempotency.Outcome(r.Code) }
