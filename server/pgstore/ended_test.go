@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
@@ -222,4 +223,84 @@ func TestDuplicateWhileHandlerEndedTransactionDoesNotRun(t *testing.T) {
 			assert.Equal(t, []string{"a"}, s.committed(t, "k"), "rows of the key")
 		})
 	}
+}
+
+// TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate holds, in one
+// transaction, a handler that wrote a row and rolled back the key's
+// transaction itself, which takes the key's row and its hold with it; a
+// duplicate then claims the key and is held in its handler, its row
+// uncommitted. The first request, let go, is answered at once (the store
+// fails it closed, finds the key the duplicate's, and answers 409), never waiting on
+// the duplicate's uncommitted row, however long that runs; the duplicate
+// commits its row and its key, which the retry replays.
+func TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate(t *testing.T) {
+	ga, gb := newGate(), newGate()
+	defer ga.Open()
+	defer gb.Open()
+	var runs atomic.Int32
+	var s *service
+	s = newService(t, idempotency.Options{OneTransaction: true}, nil, func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+		g, label := gb, "b"
+		if runs.Add(1) == 1 {
+			g, label = ga, "a"
+		}
+		if err := insert(r.Context(), tx, s.row(r, label)); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		if label == "a" {
+			_, _ = tx.Exec(r.Context(), "ROLLBACK")
+		}
+		close(g.entered)
+		<-g.open
+		w.WriteHeader(http.StatusCreated)
+	})
+	first, second := make(chan int, 1), make(chan int, 1)
+	go func() {
+		status, _ := s.send("k")
+		first <- status
+	}()
+	<-ga.entered
+	go func() {
+		status, _ := s.send("k")
+		second <- status
+	}()
+	<-gb.entered // the duplicate runs: the first request's hold went with its rollback
+
+	ctx := context.Background()
+	waiting := make(chan struct{})
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() { // tells when a statement of the test's sessions waits on a lock
+		for {
+			var n int
+			if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND application_name = current_setting('application_name')`).Scan(&n); err != nil || n > 0 {
+				close(waiting)
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	ga.Open()
+	select {
+	case status := <-first:
+		// Fenced: the key is the duplicate's, whose outcome a retry gets.
+		assert.Equal(t, http.StatusConflict, status, "the request whose handler ended its transaction")
+	case <-waiting:
+		t.Error("the first request waits on the duplicate's uncommitted row")
+		gb.Open()
+		<-first
+	}
+	gb.Open()
+	assert.Equal(t, http.StatusCreated, <-second, "the duplicate")
+	again, _, replayed := s.sendAgain(t, "k")
+	assert.Equal(t, http.StatusCreated, again, "the retry")
+	assert.True(t, replayed, "the retry replays the duplicate's outcome")
+	assert.Equal(t, int32(2), runs.Load(), "handler runs")
+	assert.Equal(t, []string{"b"}, s.committed(t, "k"), "rows of the key")
 }

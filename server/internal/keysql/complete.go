@@ -165,13 +165,25 @@ const LostCommitWait = 30 * time.Second
 // left as it is: the statement then changes nothing, and the claim was
 // fenced. The key finished now: it expires its retention from now (as
 // finishedSetExpr sets it, with k's columns named).
+//
+// It never waits on another claim in one transaction, which may run for
+// as long as its handler does: one that took the key since the row was
+// rolled back holds the key's advisory lock (keyLockExpr) over its
+// uncommitted row, which the insert would wait on. The statement then
+// inserts nothing, tried shared, as ClaimInsertSQL does, and the claim
+// was fenced; unless the row the handler committed is there, which no
+// other claim can then have inserted.
 const CompleteNewSQL = `
 INSERT INTO idempotency_keys AS k (client_id, idempotency_key, lock_token, status,
     response_status, response_content_type, response_headers, response_body,
     request_method, request_path, request_hash, operation_id,
     created_at, locked_at, lease_us, retention_us, expires_at)
-VALUES ($1, $2, $3, 'completed', $4, $5, $6::jsonb, $7, $8, $9, $10, $11::uuid, $12, statement_timestamp(), $13, $14,
-    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END)
+SELECT $1::text, $2::text, $3::bigint, 'completed', $4::integer, $5::text, $6::jsonb, $7::bytea, $8::text, $9::text, $10::bytea, $11::uuid,
+    $12::timestamptz, statement_timestamp(), $13::bigint, $14::bigint,
+    CASE WHEN $14::bigint > 0 THEN statement_timestamp() + $14::bigint * interval '1 microsecond' END
+WHERE EXISTS (SELECT FROM idempotency_keys o
+        WHERE o.client_id = $1 AND o.idempotency_key = $2 AND o.lock_token = $3 AND o.status = 'started')
+    OR pg_try_advisory_xact_lock_shared(` + keyLockExpr + `)
 ON CONFLICT (client_id, idempotency_key) DO UPDATE SET
     status = 'completed',
     response_status = EXCLUDED.response_status,

@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
@@ -159,4 +160,86 @@ func testDuplicateWhileHandlerEnded(t *testing.T, driver string) {
 			assert.Equal(t, 1, rows(t, db, "k"), "rows of the key")
 		})
 	}
+}
+
+// testRolledBackDoesNotWaitOnDuplicate holds, in one transaction, a
+// handler that wrote a row and rolled back the key's transaction itself,
+// which takes the key's row and its hold with it; a duplicate then claims
+// the key and is held in its handler, its row uncommitted. The first
+// request, let go, is answered at once (the store fails it closed, finds
+// the key the duplicate's, and answers 409), never waiting on the
+// duplicate's uncommitted row; the duplicate commits its row and its key,
+// which the retry replays.
+func testRolledBackDoesNotWaitOnDuplicate(t *testing.T, driver string) {
+	db := Open(t, driver)
+	ctx := context.Background()
+	enteredA, enteredB := make(chan struct{}), make(chan struct{})
+	releaseA, releaseB := make(chan struct{}), make(chan struct{})
+	var onceA, onceB sync.Once
+	openA := func() { onceA.Do(func() { close(releaseA) }) }
+	openB := func() { onceB.Do(func() { close(releaseB) }) }
+	defer openA()
+	defer openB()
+	var runs atomic.Int32
+	s := newService(db, sqlstore.New(db), idempotency.Options{OneTransaction: true}, func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
+		n := runs.Add(1)
+		if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprintf("k/%d", n)); err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		entered, release := enteredB, releaseB
+		if n == 1 {
+			_, _ = tx.ExecContext(r.Context(), "ROLLBACK")
+			entered, release = enteredA, releaseA
+		}
+		close(entered)
+		<-release
+		w.WriteHeader(http.StatusCreated)
+	})
+	first, second := make(chan int, 1), make(chan int, 1)
+	go func() {
+		rec, _ := send(s.h, "k")
+		first <- rec.Code
+	}()
+	<-enteredA
+	go func() {
+		rec, _ := send(s.h, "k")
+		second <- rec.Code
+	}()
+	<-enteredB // the duplicate runs: the first request's hold went with its rollback
+
+	waiting, stop := make(chan struct{}), make(chan struct{})
+	defer close(stop)
+	go func() { // tells when a statement of the test's sessions waits on a lock
+		for {
+			var n int
+			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity
+				WHERE wait_event_type = 'Lock' AND application_name = current_setting('application_name')`).Scan(&n); err != nil || n > 0 {
+				close(waiting)
+				return
+			}
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	openA()
+	select {
+	case status := <-first:
+		// Fenced: the key is the duplicate's, whose outcome a retry gets.
+		assert.Equal(t, http.StatusConflict, status, "the request whose handler ended its transaction")
+	case <-waiting:
+		t.Error("the first request waits on the duplicate's uncommitted row")
+		openB()
+		<-first
+	}
+	openB()
+	assert.Equal(t, http.StatusCreated, <-second, "the duplicate")
+	again, _ := send(s.h, "k")
+	assert.Equal(t, http.StatusCreated, again.Code, "the retry")
+	assert.Equal(t, "true", again.Header().Get("Idempotent-Replayed"), "the retry replays the duplicate's outcome")
+	assert.Equal(t, int32(2), runs.Load(), "handler runs")
+	assert.Equal(t, 1, rows(t, db, "k"), "rows of the key")
 }

@@ -48,6 +48,7 @@ func Run(t *testing.T, driver string) {
 		{"ClaimOnReadOnlyDatabase", testReadOnly},
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
 		{"DuplicateWhileHandlerEndedTransaction", testDuplicateWhileHandlerEnded},
+		{"RolledBackDoesNotWaitOnDuplicate", testRolledBackDoesNotWaitOnDuplicate},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
