@@ -894,6 +894,14 @@ func (m *middleware) run(w http.ResponseWriter, r *http.Request, next http.Handl
 		// level is off.
 		log.LogAttrs(detached, slog.LevelDebug, "idempotency: outcome stored", slog.Int("status", status), slog.String("operation", claim.OperationID))
 		writeRecorded(w, rec)
+	case errors.Is(err, ErrFenced) && errors.Is(err, ErrUnitEnded):
+		// The handler ended the unit of work, which let a retry take the
+		// key before the store could fail it closed.
+		m.event(EventFenced)
+		log.Error("idempotency: the handler ended the key's transaction itself, and a retry took the key meanwhile: fix the handler", "err", err)
+		w.Header().Set("Retry-After", m.retryAfter)
+		writeProblem(w, r, ProblemKeyInUse, http.StatusConflict, fmt.Sprintf(
+			"This request's handler ended the transaction of its %s, and a retry with the same key took the key meanwhile. Retry the same request with the same key to get the outcome.", m.keyHeader))
 	case errors.Is(err, ErrFenced):
 		m.event(EventFenced)
 		log.Warn("idempotency: completion fenced: the request was taken over; its writes were rolled back", "operation", claim.OperationID)

@@ -256,8 +256,10 @@ func TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate(t *testing.T) {
 		w.WriteHeader(http.StatusCreated)
 	})
 	first, second := make(chan int, 1), make(chan int, 1)
+	var firstBody string
 	go func() {
-		status, _ := s.send("k")
+		status, body, _ := s.sendAgain(t, "k")
+		firstBody = body
 		first <- status
 	}()
 	<-ga.entered
@@ -291,6 +293,7 @@ func TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate(t *testing.T) {
 	case status := <-first:
 		// Fenced: the key is the duplicate's, whose outcome a retry gets.
 		assert.Equal(t, http.StatusConflict, status, "the request whose handler ended its transaction")
+		assert.Contains(t, firstBody, "handler ended the transaction", "the problem of that request")
 	case <-waiting:
 		t.Error("the first request waits on the duplicate's uncommitted row")
 		gb.Open()
