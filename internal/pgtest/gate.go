@@ -22,7 +22,7 @@ type Gate struct {
 }
 
 // NewGate connects to url (a [SchemaURL], whose application_name
-// [Gate.Waiting] goes by) and closes a gate there. The gate is opened and
+// [Gate.LoseCommit] goes by) and closes a gate there. The gate is opened and
 // its session closed when the test ends.
 func NewGate(t testing.TB, url string) *Gate {
 	t.Helper()
@@ -51,16 +51,6 @@ func (g *Gate) Wait() string {
 	return fmt.Sprintf("PERFORM pg_advisory_xact_lock_shared(4242, %d)", g.PID())
 }
 
-// Waiting reports whether a session of the test (one with the gate's
-// application_name) waits on a lock, at the gate or another, where the
-// SQL condition cond holds too (on pg_stat_activity's columns).
-func (g *Gate) Waiting(cond string) bool {
-	var n int
-	_ = g.conn.QueryRow(context.Background(), `SELECT count(*) FROM pg_stat_activity
-		WHERE wait_event_type = 'Lock' AND (`+cond+`) AND application_name = current_setting('application_name')`).Scan(&n)
-	return n > 0
-}
-
 // Open lets what waits at the gate go on, and what comes to it later. It
 // may be called more than once.
 func (g *Gate) Open() {
@@ -80,24 +70,22 @@ func (g *Gate) LoseCommit(cut func(), answered <-chan struct{}) <-chan struct{} 
 	go func() {
 		defer close(done)
 		defer g.Open()
-		deadline := time.Now().Add(20 * time.Second)
-		for !g.Waiting(`wait_event = 'advisory' AND lower(query) = 'commit'`) {
-			if time.Now().After(deadline) {
-				return
-			}
-			time.Sleep(5 * time.Millisecond)
+		count := func(q string, n *int) error { return g.conn.QueryRow(context.Background(), q).Scan(n) }
+		timeout := time.After(20 * time.Second)
+		committing, stop := WatchLockWait(count, 1, `wait_event = 'advisory' AND lower(query) = 'commit'`)
+		defer stop()
+		select {
+		case <-committing:
+		case <-timeout:
+			return
 		}
 		cut()
-		for !g.Waiting(`lower(query) <> 'commit'`) {
-			select {
-			case <-answered:
-				return
-			default:
-			}
-			if time.Now().After(deadline) {
-				return
-			}
-			time.Sleep(5 * time.Millisecond)
+		waiting, stopWaiting := WatchLockWait(count, 1, `lower(query) <> 'commit'`)
+		defer stopWaiting()
+		select {
+		case <-waiting:
+		case <-answered:
+		case <-timeout:
 		}
 	}()
 	return done
