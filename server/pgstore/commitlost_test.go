@@ -199,7 +199,7 @@ CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT E
 	require.NoError(t, err)
 	defer side.Close(ctx)
 	var sideTx pgx.Tx
-	wait := `wait_event_type = 'Lock'`
+	batch := `query LIKE '%UPDATE%idempotency_keys%'`
 	if delay == "lock" {
 		sideTx, err = side.Begin(ctx)
 		require.NoError(t, err)
@@ -208,7 +208,7 @@ CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT E
 			require.NoError(t, err)
 		}
 	} else {
-		wait = `wait_event_type = 'Lock' AND wait_event = 'advisory'`
+		batch += ` AND wait_event = 'advisory'`
 		slow = func(ctx context.Context, tx pgx.Tx) {
 			_, err := tx.Exec(ctx, `SET LOCAL idem_test.slow = 'on'`)
 			require.NoError(t, err)
@@ -217,33 +217,32 @@ CREATE TRIGGER slow_write BEFORE UPDATE ON idempotency_keys FOR EACH STATEMENT E
 	watch, err := pgx.Connect(ctx, url)
 	require.NoError(t, err)
 	defer watch.Close(ctx)
+	watchCount := func(q string, n *int) error { return watch.QueryRow(ctx, q).Scan(n) }
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-			var n int
-			_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE `+wait+` AND application_name = current_setting('application_name') AND query LIKE '%UPDATE%idempotency_keys%'`).Scan(&n)
-			if n > 0 {
-				conns.cutAll()
-				if sideTx != nil {
-					// The store, cut off, releases the key on another
-					// connection: once that release queues behind the lock
-					// too, the batch goes on, on the server.
-					for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(5 * time.Millisecond) {
-						_ = watch.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-							WHERE `+wait+` AND application_name = current_setting('application_name') AND query LIKE '%idempotency_keys%'`).Scan(&n)
-						if n > 1 {
-							break
-						}
-					}
-					_ = sideTx.Commit(ctx)
-				}
-				return
+		waiting, stop := pgtest.WatchLockWait(watchCount, 1, batch)
+		defer stop()
+		select {
+		case <-waiting:
+		case <-time.After(10 * time.Second):
+			if sideTx != nil {
+				_ = sideTx.Rollback(ctx)
 			}
+			return
 		}
+		conns.cutAll()
 		if sideTx != nil {
-			_ = sideTx.Rollback(ctx)
+			// The store, cut off, releases the key on another
+			// connection: once that release queues behind the lock
+			// too, the batch goes on, on the server.
+			both, stopBoth := pgtest.WatchLockWait(watchCount, 2, `query LIKE '%idempotency_keys%'`)
+			defer stopBoth()
+			select {
+			case <-both:
+			case <-time.After(10 * time.Second):
+			}
+			_ = sideTx.Commit(ctx)
 		}
 	}()
 	status, _ = s.send("k")

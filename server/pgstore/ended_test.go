@@ -8,12 +8,12 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 )
 
@@ -269,25 +269,9 @@ func TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate(t *testing.T) {
 	}()
 	<-gb.entered // the duplicate runs: the first request's hold went with its rollback
 
-	ctx := context.Background()
-	waiting := make(chan struct{})
-	stop := make(chan struct{})
-	defer close(stop)
-	go func() { // tells when a statement of the test's sessions waits on a lock
-		for {
-			var n int
-			if err := s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND application_name = current_setting('application_name')`).Scan(&n); err != nil || n > 0 {
-				close(waiting)
-				return
-			}
-			select {
-			case <-stop:
-				return
-			case <-time.After(5 * time.Millisecond):
-			}
-		}
-	}()
+	count := func(q string, n *int) error { return s.pool.QueryRow(context.Background(), q).Scan(n) }
+	waiting, stop := pgtest.WatchLockWait(count, 1, "true")
+	defer stop()
 	ga.Open()
 	select {
 	case status := <-first:

@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/pgstore"
 )
@@ -101,16 +102,10 @@ func TestCreateOpenKeysIndexBesidePreviousRelease(t *testing.T) {
 		oldDone <- err
 	}()
 	// Let the old CREATE INDEX queue behind the build's lock.
-	for {
-		var waiting bool
-		require.NoError(t, pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_stat_activity
-			WHERE query LIKE 'CREATE INDEX IF NOT EXISTS%' AND wait_event_type = 'Lock'
-				AND application_name = current_setting('application_name'))`).Scan(&waiting))
-		if waiting {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
+	count := func(q string, n *int) error { return pool.QueryRow(ctx, q).Scan(n) }
+	queued, stop := pgtest.WatchLockWait(count, 1, `query LIKE 'CREATE INDEX IF NOT EXISTS%'`)
+	<-queued
+	require.NoError(t, stop())
 	require.NoError(t, writer.Rollback(ctx))
 	buildErr, oldErr := <-built, <-oldDone
 	assert.NoError(t, buildErr, "CreateOpenKeysIndex beside the previous release's Migrate")

@@ -8,11 +8,11 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
 	"github.com/idemkit/idem/server/sqlstore"
 )
@@ -172,7 +172,6 @@ func testDuplicateWhileHandlerEnded(t *testing.T, driver string) {
 // which the retry replays.
 func testRolledBackDoesNotWaitOnDuplicate(t *testing.T, driver string) {
 	db := Open(t, driver)
-	ctx := context.Background()
 	enteredA, enteredB := make(chan struct{}), make(chan struct{})
 	releaseA, releaseB := make(chan struct{}), make(chan struct{})
 	var onceA, onceB sync.Once
@@ -208,23 +207,8 @@ func testRolledBackDoesNotWaitOnDuplicate(t *testing.T, driver string) {
 	}()
 	<-enteredB // the duplicate runs: the first request's hold went with its rollback
 
-	waiting, stop := make(chan struct{}), make(chan struct{})
-	defer close(stop)
-	go func() { // tells when a statement of the test's sessions waits on a lock
-		for {
-			var n int
-			if err := db.QueryRowContext(ctx, `SELECT count(*) FROM pg_stat_activity
-				WHERE wait_event_type = 'Lock' AND application_name = current_setting('application_name')`).Scan(&n); err != nil || n > 0 {
-				close(waiting)
-				return
-			}
-			select {
-			case <-stop:
-				return
-			case <-time.After(5 * time.Millisecond):
-			}
-		}
-	}()
+	waiting, stop := pgtest.WatchLockWait(func(q string, n *int) error { return db.QueryRow(q).Scan(n) }, 1, "true")
+	defer stop()
 	openA()
 	select {
 	case status := <-first:
