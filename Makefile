@@ -5,23 +5,27 @@ GO          ?= go
 STATICCHECK ?= $(GO) run honnef.co/go/tools/cmd/staticcheck@v0.8.2
 PKGS        := ./...
 
-.PHONY: test test-chaos quick poolers failover check fmt vet staticcheck bench scenarios fuzz
+.PHONY: test test-root test-chaos quick poolers failover check fmt vet staticcheck bench scenarios fuzz
 
 # bench/, otel/, examples/router, examples/outbox,
 # server/sqlstore/internal/pqtest and server/sqlstore/internal/gormtest are
 # modules of their own (the peer libraries, OpenTelemetry, failsafe-go,
-# River, lib/pq and GORM stay out of ours); their tests run too, after the
-# module's, beside the chaos test (verbose, so that its timeline shows
-# while it runs), three at a time: the chaos test waits on its replicas
-# more than it computes. The failover test is not part of it: make
+# River, lib/pq and GORM stay out of ours); their tests run too, beside the
+# module's and the chaos test (verbose, so that its timeline shows while it
+# runs), four jobs at a time: most of these tests wait on PostgreSQL or on
+# replicas more than they compute, so one after the other left the cores
+# idle for half of the run. The failover test is not part of it: make
 # failover runs it (CI runs both).
 MODULES := bench otel examples/router examples/outbox \
 	server/sqlstore/internal/pqtest server/sqlstore/internal/gormtest
 
 test:
+	@$(MAKE) --no-print-directory -j$(TEST_JOBS) test-root test-chaos $(addprefix test-module/,$(MODULES))
+
+TEST_JOBS ?= 4
+
+test-root:
 	$(GO) test -race -count=1 $$($(GO) list $(PKGS) | grep -v '/examples/chaos$$')
-	@echo "the other modules' tests, beside the chaos test (replicas of idem-server killed and restarted):"
-	@$(MAKE) --no-print-directory -j3 test-chaos $(addprefix test-module/,$(MODULES))
 
 test-module/%:
 	cd $* && $(GO) test -race -count=1 ./...
