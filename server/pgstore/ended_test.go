@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -290,4 +291,79 @@ func TestRequestWhoseHandlerRolledBackDoesNotWaitOnDuplicate(t *testing.T) {
 	assert.True(t, replayed, "the retry replays the duplicate's outcome")
 	assert.Equal(t, int32(2), runs.Load(), "handler runs")
 	assert.Equal(t, []string{"b"}, s.committed(t, "k"), "rows of the key")
+}
+
+// TestPreparedTransactionFailsClosed ends the key's transaction with
+// PREPARE TRANSACTION on a server that allows it (max_prepared_transactions
+// above 0, which TestHandlerEndsTransaction's server has not): the
+// handler's writes then commit whenever an operator commits the prepared
+// transaction. The key never runs again, before that COMMIT PREPARED or
+// after it, and the rows are committed once.
+func TestPreparedTransactionFailsClosed(t *testing.T) {
+	url := pgtest.ClusterURL(t, "max_prepared_transactions=2")
+	for _, oneTx := range []bool{false, true} {
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
+			ctx := context.Background()
+			gid := fmt.Sprintf("idem_prepared_%v", oneTx)
+			runs := 0
+			var s *service
+			s = newService(t, idempotency.Options{OneTransaction: oneTx}, onCluster(t, url), func(w http.ResponseWriter, r *http.Request, tx pgx.Tx) {
+				runs++
+				if err := insert(r.Context(), tx, s.row(r, "before")); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				if _, err := tx.Exec(r.Context(), "PREPARE TRANSACTION '"+gid+"'"); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			})
+			t.Cleanup(func() { _, _ = s.pool.Exec(ctx, "ROLLBACK PREPARED '"+gid+"'") })
+
+			// With two commits the key is completed with the stored 500
+			// at once; in one transaction the prepared transaction holds
+			// the key's row and lock, so the key is 409 (busy), and stays
+			// so once committed: started, without a lease, never taken over.
+			want := http.StatusInternalServerError
+			if oneTx {
+				want = http.StatusConflict
+			}
+			status, p := s.send("k")
+			require.Nil(t, p)
+			assert.Equal(t, want, status, "the answer to a request whose handler prepared its transaction")
+			var prepared int
+			require.NoError(t, s.pool.QueryRow(ctx, `SELECT count(*) FROM pg_prepared_xacts WHERE gid = $1`, gid).Scan(&prepared))
+			require.Equal(t, 1, prepared, "the handler's transaction is prepared")
+
+			again, _, _ := s.sendAgain(t, "k")
+			assert.Equal(t, want, again, "a retry while the transaction is prepared")
+			assert.Equal(t, 1, runs, "the handler ran again while its prepared writes may still commit")
+
+			_, err := s.pool.Exec(ctx, "COMMIT PREPARED '"+gid+"'")
+			require.NoError(t, err)
+			again, _, _ = s.sendAgain(t, "k")
+			assert.Equal(t, want, again, "a retry once the prepared transaction committed")
+			assert.Equal(t, 1, runs, "the handler ran again after its writes committed")
+			assert.Equal(t, []string{"before"}, s.committed(t, "k"), "rows committed")
+		})
+	}
+}
+
+// onCluster points a test pool's connections at the cluster of url, in a
+// schema of the pool's name (its search_path), created there.
+func onCluster(t *testing.T, url string) func(*pgxpool.Config) {
+	return func(cfg *pgxpool.Config) {
+		ctx := context.Background()
+		c, err := pgx.ParseConfig(url)
+		require.NoError(t, err)
+		conn, err := pgx.ConnectConfig(ctx, c)
+		require.NoError(t, err)
+		defer conn.Close(ctx)
+		schema := cfg.ConnConfig.RuntimeParams["search_path"]
+		_, err = conn.Exec(ctx, "CREATE SCHEMA "+pgx.Identifier{schema}.Sanitize())
+		require.NoError(t, err)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database = c.Host, c.Port, c.Database
+		cfg.ConnConfig.TLSConfig, cfg.ConnConfig.Fallbacks = c.TLSConfig, c.Fallbacks
+	}
 }
