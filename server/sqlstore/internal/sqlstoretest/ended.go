@@ -227,3 +227,61 @@ func testRolledBackDoesNotWaitOnDuplicate(t *testing.T, driver string) {
 	assert.Equal(t, int32(2), runs.Load(), "handler runs")
 	assert.Equal(t, 1, rows(t, db, "k"), "rows of the key")
 }
+
+// testPreparedTransaction ends the key's transaction with PREPARE
+// TRANSACTION on a cluster that allows it (max_prepared_transactions above
+// 0, which testHandlerEndsTransaction's server has not), so that the
+// handler's writes commit whenever an operator commits the prepared
+// transaction: the key never runs again, before that COMMIT PREPARED or
+// after it, and the row is committed once. With two commits the key is
+// completed with the stored 500 at once; in one transaction the prepared
+// transaction holds the key's row and lock, and the key answers 409.
+func testPreparedTransaction(t *testing.T, driver string) {
+	db := open(t, driver, pgtest.ClusterURL(t, "max_prepared_transactions=2"))
+	ctx := context.Background()
+	require.NoError(t, sqlstore.Migrate(ctx, db))
+	_, err := db.ExecContext(ctx, writesSQL)
+	require.NoError(t, err)
+	for _, oneTx := range []bool{false, true} {
+		t.Run(fmt.Sprintf("onetx=%v", oneTx), func(t *testing.T) {
+			key := fmt.Sprintf("k-%v", oneTx)
+			gid := "idem_prepared_" + key
+			t.Cleanup(func() { _, _ = db.ExecContext(ctx, "ROLLBACK PREPARED '"+gid+"'") })
+			runs := 0
+			s := newService(db, sqlstore.New(db), idempotency.Options{OneTransaction: oneTx}, func(w http.ResponseWriter, r *http.Request, tx *sql.Tx) {
+				runs++
+				// A name of each run's own: a second run must not wait on
+				// the first's prepared row.
+				if _, err := tx.ExecContext(r.Context(), `INSERT INTO writes (name) VALUES ($1)`, fmt.Sprintf("%s/before/%d", key, runs)); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				if _, err := tx.ExecContext(r.Context(), "PREPARE TRANSACTION '"+gid+"'"); err != nil {
+					http.Error(w, err.Error(), 500)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			})
+			want := http.StatusInternalServerError
+			if oneTx {
+				want = http.StatusConflict
+			}
+			rec, p := send(s.h, key)
+			require.Nil(t, p)
+			assert.Equal(t, want, rec.Code, "the answer to a request whose handler prepared its transaction")
+			var prepared int
+			require.NoError(t, db.QueryRowContext(ctx, `SELECT count(*) FROM pg_prepared_xacts WHERE gid = $1`, gid).Scan(&prepared))
+			require.Equal(t, 1, prepared, "the handler's transaction is prepared")
+
+			again, _ := send(s.h, key)
+			assert.Equal(t, want, again.Code, "a retry while the transaction is prepared")
+			assert.Equal(t, 1, runs, "the handler ran again while its prepared writes may still commit")
+			_, err := db.ExecContext(ctx, "COMMIT PREPARED '"+gid+"'")
+			require.NoError(t, err)
+			again, _ = send(s.h, key)
+			assert.Equal(t, want, again.Code, "a retry once the prepared transaction committed")
+			assert.Equal(t, 1, runs, "the handler ran again after its writes committed")
+			assert.Equal(t, 1, rows(t, db, key), "rows committed")
+		})
+	}
+}

@@ -49,6 +49,7 @@ func Run(t *testing.T, driver string) {
 		{"HandlerEndsTransaction", testHandlerEndsTransaction},
 		{"DuplicateWhileHandlerEndedTransaction", testDuplicateWhileHandlerEnded},
 		{"RolledBackDoesNotWaitOnDuplicate", testRolledBackDoesNotWaitOnDuplicate},
+		{"PreparedTransactionFailsClosed", testPreparedTransaction},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
