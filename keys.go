@@ -115,10 +115,15 @@ func headerValues(h http.Header, name string) (vs []string, respelt bool) {
 // headerScan is what one walk of a request's header finds of the key
 // header and the first-sent header, under any spelling.
 type headerScan struct {
-	key     []string // the key header's values
-	respelt bool     // the key header is there under another spelling too
-	sent    []string // the first-sent header's values, the canonical spelling's if it has one
-	hasSent bool     // the first-sent header is there
+	key         []string // the key header's values
+	respelt     bool     // the key header is there under another spelling too
+	sent        []string // the first-sent header's values, the canonical spelling's if it has one
+	hasSent     bool     // the first-sent header is there
+	sentRespelt bool     // under another spelling than the canonical one
+	// The header's names, the first maxShapeNames of them, and how many
+	// it has, for headerShapes.remember.
+	names [maxShapeNames]string
+	count int
 }
 
 // scan walks h once, and looks nothing up, for the header name and the
@@ -127,6 +132,10 @@ type headerScan struct {
 // single one.
 func (s *headerScan) scan(h http.Header, name, sentName string) {
 	for k, more := range h {
+		if s.count < maxShapeNames {
+			s.names[s.count] = k
+		}
+		s.count++
 		// The lengths first: EqualFold of two names costs a call.
 		switch {
 		case len(k) == len(name) && name != "" && (k == name || strings.EqualFold(k, name)):
@@ -141,6 +150,9 @@ func (s *headerScan) scan(h http.Header, name, sentName string) {
 		case len(k) == len(sentName) && sentName != "" && (k == sentName || strings.EqualFold(k, sentName)):
 			if !s.hasSent || k == sentName {
 				s.sent = more
+			}
+			if k != sentName {
+				s.sentRespelt = true
 			}
 			s.hasSent = true
 		}

@@ -244,6 +244,7 @@ type Transport struct {
 	budget     *RetryBudget
 	sentCache  atomic.Pointer[sentStamp] // the first-sent value of the current second
 	spareKit   atomic.Pointer[kit]       // the kit last given back, for the next attempt (attempt.go)
+	shapes     headerShapes              // the names of the last request headers walked (headershape.go)
 	sent       sentMemory                // the first-sent time of each key sent (sentmemory.go)
 }
 
@@ -453,7 +454,10 @@ func (op *operation) attemptAll() (*http.Response, error) {
 	}
 	if op.keyed && !bodyKey {
 		op.header = op.t.keyHeader()
-		hs.scan(req.Header, op.header, sentName)
+		if !hs.recall(req.Header, &op.t.shapes, op.header, sentName) { // headershape.go
+			hs.scan(req.Header, op.header, sentName)
+			op.t.shapes.remember(&hs, op.header, sentName)
+		}
 		vs := hs.key
 		op.respelt = hs.respelt
 		var err error
