@@ -1,0 +1,7 @@
+\set r random(1, 9000000000000000000)
+INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path, request_hash, status, operation_id, lock_token, created_at, locked_at, lease_us, retention_us, expires_at) SELECT 'cli_demo'::text, ('k' || :r::bigint)::text, 'POST'::text, '/idem/v1/payments'::text, '\x00112233'::bytea, 'started', md5(:r::text)::uuid, nextval('idempotency_lock_tokens'), statement_timestamp(), statement_timestamp(), 30000000::bigint, 86400000000::bigint, CASE WHEN 30000000::bigint > 0 AND 86400000000::bigint > 0 THEN statement_timestamp() + 86400000000::bigint * interval '1 microsecond' END WHERE pg_try_advisory_xact_lock_shared(hashtextextended(('k' || :r::bigint), hashtextextended('cli_demo', 'idempotency_keys'::regclass::oid::bigint))) ON CONFLICT (client_id, idempotency_key) DO NOTHING RETURNING lock_token, operation_id::text \gset
+BEGIN;
+SELECT pg_current_xact_id()::text AS xid, current_setting('transaction_isolation') IN ('repeatable read', 'serializable') AS snapshot \gset
+INSERT INTO bench_payments (client_id, customer, amount, currency, charge_id) VALUES ('cli_demo', 'cus_1', 100, 'usd', 'ch_x') RETURNING id;
+UPDATE idempotency_keys SET status = 'completed', response_status = 201, response_content_type = 'application/json', response_headers = NULL, response_body = '\x7b7d'::bytea, locked_at = statement_timestamp() WHERE client_id = 'cli_demo' AND idempotency_key = ('k' || :r::bigint) AND lock_token = :lock_token AND status = 'started';
+COMMIT;
