@@ -89,15 +89,17 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 		return none, false, interpretError(err)
 	}
 	u := &unit{store: s, conn: conn}
+	u.claim.Token, u.claim.OperationID = keysql.NewToken(), req.OperationID()
 	claimed := false
 	var created time.Time
-	u.tx, err = beginOn(ctx, conn, keysql.ClaimTxSQL, keysql.ClaimTxArgs(req), func(br pgx.BatchResults) error {
+	args := keysql.ClaimTxArgs(req, u.claim.OperationID, u.claim.Token)
+	u.tx, err = beginOn(ctx, conn, keysql.ClaimTxSQL, args, func(br pgx.BatchResults) error {
 		rows, err := br.Query()
 		if err != nil {
 			return err
 		}
 		if rows.Next() { // no row: the key has one, or is held
-			claimed = rows.Scan(&u.claim.Token, &u.claim.OperationID, &created, &u.xid) == nil
+			claimed = rows.Scan(&created, &u.xid) == nil
 		}
 		rows.Close()
 		return rows.Err()

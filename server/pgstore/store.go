@@ -1,7 +1,6 @@
 package pgstore
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -142,20 +141,12 @@ func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res ide
 // connection broke under it, it runs it once more on a connection that
 // answers (see Claim).
 func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
-	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
-	args := keysql.ClaimArgs(req)[:8]
+	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: keysql.NewToken(), OperationID: req.OperationID()}
+	args := keysql.ClaimInsertArgs(req, c.OperationID, c.Token)
 	insert := func(q querier) error {
-		rows, err := q.Query(ctx, keysql.ClaimInsertSQL, args...)
-		if err != nil {
-			return err
-		}
-		if rows.Next() { // no row: the key has one
-			if err = rows.Scan(&c.Token, &c.OperationID); err == nil {
-				claimed = true
-			}
-		}
-		rows.Close()
-		return cmp.Or(err, rows.Err())
+		tag, err := q.Exec(ctx, keysql.ClaimInsertSQL, args...)
+		claimed = err == nil && tag.RowsAffected() == 1 // none: the key has a row
+		return err
 	}
 	for range keysql.MaxRaces {
 		claimed = false

@@ -71,8 +71,9 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest)
 		return none, false, err
 	}
 	var created time.Time
-	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, keysql.ClaimTxArgs(req)...).Scan(
-		&u.claim.Token, &u.claim.OperationID, &created, &u.xid)
+	u.claim.Token, u.claim.OperationID = keysql.NewToken(), req.OperationID()
+	args := keysql.ClaimTxArgs(req, u.claim.OperationID, u.claim.Token)
+	err := on{s, u.tx}.QueryRowContext(ctx, keysql.ClaimTxSQL, args...).Scan(&created, &u.xid)
 	if err == nil {
 		u.claim.ClientID, u.claim.Key, u.claim.OneTransaction = req.ClientID, req.Key, true
 		u.inTx = keysql.CompleteNewArgs(req, created, u.claim.OperationID)

@@ -230,14 +230,16 @@ func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res ide
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is
 // false when the key has a row.
 func (s *Store) insertClaim(ctx context.Context, req idempotency.ClaimRequest) (c idempotency.Claim, claimed bool, err error) {
-	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key}
+	c = idempotency.Claim{ClientID: req.ClientID, Key: req.Key, Token: keysql.NewToken(), OperationID: req.OperationID()}
+	args := keysql.ClaimInsertArgs(req, c.OperationID, c.Token)
 	err = s.run(ctx, func(q querier) error {
-		err := q.QueryRowContext(ctx, keysql.ClaimInsertSQL, keysql.ClaimArgs(req)[:8]...).Scan(&c.Token, &c.OperationID)
-		if errors.Is(err, sql.ErrNoRows) { // the key has a row
-			claimed = false
-			return nil
+		res, err := q.ExecContext(ctx, keysql.ClaimInsertSQL, args...)
+		claimed = false // none inserted: the key has a row
+		if err == nil {
+			var n int64
+			n, err = res.RowsAffected()
+			claimed = err == nil && n == 1
 		}
-		claimed = err == nil
 		return err
 	})
 	return c, claimed, err

@@ -145,26 +145,27 @@ UNION ALL
 // insert of the key's row, started, which inserts nothing when the key has
 // a row. A new key, the common case, costs PostgreSQL the insert alone: no
 // subquery, no CTE around it (a sixth less CPU than a statement that reads
-// the row and inserts it when it is absent; see bench/NOTES.md). A retry
-// (Resent) runs ClaimPeekSQL before it, and runs it only when the key has
-// no row to answer. It returns the new token and operation ID, or no row,
-// and then ClaimReadSQL reads the row. It inserts
+// the row and inserts it when it is absent; see bench/NOTES.md), no
+// sequence and no RETURNING: the store draws the token (NewToken) and
+// knows the operation ID, and the count of rows inserted tells whether it
+// claimed the key. A retry (Resent) runs ClaimPeekSQL before it, and runs
+// it only when the key has no row to answer. When it inserts nothing,
+// ClaimReadSQL reads the row. It inserts
 // nothing either while a claim in one transaction
 // holds the key (its advisory lock, keyLockExpr, taken exclusive; the
 // insert tries it shared, so that claims in commits of their own do not
 // hold one another off, and holds it only to its own commit): a route
 // without the mode never runs a key that a route with it is running
 // (ClaimReadSQL then answers Busy).
-// Parameters $1 to $8 as ClaimSQL's.
+// Parameters: $1 to $8 as ClaimSQL's, $9 the token (ClaimInsertArgs).
 const ClaimInsertSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $8::uuid, nextval('idempotency_lock_tokens'),
+SELECT $1::text, $2::text, $3::text, $4::text, $5::bytea, 'started', $8::uuid, $9::bigint,
     statement_timestamp(), statement_timestamp(), $6::bigint, $7::bigint, ` + claimedExpiryExpr + `
 WHERE pg_try_advisory_xact_lock_shared(` + keyLockExpr + `)
-ON CONFLICT (client_id, idempotency_key) DO NOTHING
-RETURNING lock_token, operation_id::text`
+ON CONFLICT (client_id, idempotency_key) DO NOTHING`
 
 // ClaimReadSQL reads the row of a key that ClaimInsertSQL could not insert
 // and ClaimPeekSQL did not find, or that a stale request claims: outcome

@@ -2,6 +2,8 @@ package keysql
 
 import (
 	"fmt"
+	"math"
+	"math/rand/v2"
 	"time"
 
 	"github.com/idemkit/idem/internal/keyheader"
@@ -43,7 +45,7 @@ func ConnEnded(code string) bool {
 const MaxRaces = 10
 
 // ClaimArgs returns the parameters of ClaimSQL and its kin for req ($1 to
-// $10); ClaimInsertSQL takes the first eight.
+// $10); ClaimInsertSQL takes ClaimInsertArgs.
 func ClaimArgs(req idempotency.ClaimRequest) []any {
 	var earliest *time.Time // NULL: no such rule
 	if !req.FirstSent.EarliestBegin.IsZero() {
@@ -51,6 +53,26 @@ func ClaimArgs(req idempotency.ClaimRequest) []any {
 	}
 	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint,
 		Micros(req.LockTimeout), Micros(req.Retention), req.OperationID(), req.FirstSent.Stale, earliest}
+}
+
+// ClaimInsertArgs returns the parameters of ClaimInsertSQL for req, with
+// the operation ID opID (req.OperationID()) and token (NewToken).
+func ClaimInsertArgs(req idempotency.ClaimRequest, opID string, token int64) []any {
+	return []any{req.ClientID, req.Key, req.Method, req.Path, req.Fingerprint,
+		Micros(req.LockTimeout), Micros(req.Retention), opID, token}
+}
+
+// NewToken returns the fencing token of a new key's claim
+// (ClaimInsertSQL, ClaimTxSQL): a random positive 63-bit number. Tokens
+// are only compared for equality, with the one stored with the key, and
+// two claims of one key share one with a chance of 2^-63; a token drawn
+// by the store needs no sequence, and no statement of PostgreSQL's, and
+// is no more likely to come again when a key's row is lost with a
+// failover (a sequence on a promoted standby can hand out values again).
+// The statements that renew a key's row (ClaimSQL, an operator's) take
+// theirs from the sequence idempotency_lock_tokens.
+func NewToken() int64 {
+	return rand.Int64N(math.MaxInt64) + 1
 }
 
 // Resent reports whether req is a retry, by its first-sent time: a second
