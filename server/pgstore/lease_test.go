@@ -61,8 +61,8 @@ func TestRenewExtendsLease(t *testing.T) {
 	if err := s.Renew(ctx, c); err != nil {
 		t.Fatalf("Renew of a key with no lease: %v", err)
 	}
-	if row, _ := readKey(t, pool, "key-2"); row.expiresAt != nil {
-		t.Errorf("started key with no lease expires at %v, want never", row.expiresAt)
+	if at := expiry(t, pool, "key-2"); at != nil {
+		t.Errorf("started key with no lease expires at %v, want never", at)
 	}
 }
 

@@ -12,12 +12,13 @@ const (
 	// finished; never without a retention, nor while started without a
 	// lease. expires_at is not the expiry but a bound below it, which the
 	// purge walks in its index: the claim writes its time plus the
-	// retention (NULL while started without a lease, or without a
-	// retention), a completion or a release may only lower it
-	// (finishedSetExpr), and nothing else moves it, so a renewal, a
-	// completion and a release change no indexed column and can be HOT
-	// updates (without the open keys' index, which reads status and
-	// locked_at). As expires_at is never after the computed expiry, the
+	// retention (NULL without a retention), and nothing else moves it, so
+	// a renewal, a completion and a release change no indexed column and
+	// can be HOT updates (without the open keys' index, which reads status
+	// and locked_at). A key started without a lease has a bound too, and
+	// never expires while started: the purge reads it and passes over it
+	// (an abandoned one, at each batch: an operator's Expire ends that).
+	// As expires_at is never after the computed expiry, the
 	// greatest() in expiryTimeExpr returns the computed one; an operator's
 	// expiry (ExpireSQL) moves both into the past.
 	expiredExpr = `(k.retention_us > 0 AND (k.status <> 'started' OR k.lease_us > 0)
@@ -33,18 +34,16 @@ const (
 	// to its operation (see idempotency.FirstSentCheck).
 	refusedExpr = `((` + expiredExpr + `) AND ($9::boolean OR k.created_at >= $10::timestamptz) IS TRUE)`
 	// claimedExpiryExpr is the expires_at of a key claimed now with the
-	// lease $6 and the retention $7: now plus the retention, a bound below
-	// the key's expiry (see expiredExpr), or NULL for a key that never
-	// expires while started.
-	claimedExpiryExpr = `CASE WHEN $6::bigint > 0 AND $7::bigint > 0
+	// retention $7: now plus the retention, a bound below the key's expiry
+	// (see expiredExpr), or NULL for a key that never expires.
+	claimedExpiryExpr = `CASE WHEN $7::bigint > 0
             THEN statement_timestamp() + $7::bigint * interval '1 microsecond' END`
 	// finishedSetExpr sets the columns of a key that finishes now: locked_at
-	// to now, and expires_at to the key's expiry if that is earlier, or if
-	// expires_at is NULL; for a key this package claimed with a lease it
-	// is not, and expires_at stays as it was (see expiredExpr).
-	finishedSetExpr = `locked_at = statement_timestamp(),
-    expires_at = CASE WHEN retention_us > 0
-        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END`
+	// to now, from which it expires. expires_at, the claim's bound below
+	// that, stays as it is (see expiredExpr): a completion's or a
+	// release's update changes no indexed column, and its statement sets
+	// up one expression less.
+	finishedSetExpr = `locked_at = statement_timestamp()`
 )
 
 // ClaimSQL claims, resumes or takes over a key, or returns it as it is (see

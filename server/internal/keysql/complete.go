@@ -56,9 +56,8 @@ const TxStatusSQL = `SELECT pg_xact_status($1::xid8)`
 
 // CompleteSQL completes a key its claim still owns ($1 client, $2 key, $3
 // token) with the response ($4 status, $5 content type, $6 headers, $7
-// body); the key expires its retention from now (see finishedSetExpr). It
-// leaves expires_at as it is for a key this package claimed with a lease
-// (see expiredExpr). It updates no row when the claim was fenced.
+// body); the key expires its retention from now (see finishedSetExpr).
+// It updates no row when the claim was fenced.
 const CompleteSQL = `
 UPDATE idempotency_keys SET
     status = 'completed',
@@ -116,10 +115,10 @@ const DivisionByZero = "22012"
 // keys share (one in 2^64 for two keys at once) makes one of them Busy
 // until the other ends, as if it were a duplicate.
 //
-// expires_at is now plus the retention: a bound below the key's expiry
-// once it completes (see expiredExpr), which the completion then leaves as
-// it is (finishedSetExpr), so that it changes no indexed column and can be
-// a HOT update. A started row without a lease never expires, whatever its
+// expires_at is now plus the retention, as for any claim
+// (claimedExpiryExpr; this one has no lease): a bound below the key's
+// expiry once it completes (see expiredExpr), which the completion leaves
+// as it is. A started row without a lease never expires, whatever its
 // expires_at.
 const ClaimTxSQL = `
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
@@ -165,8 +164,9 @@ const LostCommitWait = 30 * time.Second
 // one the handler committed, started under $3, is completed. A row of
 // another claim (one that took the key since the row was rolled back) is
 // left as it is: the statement then changes nothing, and the claim was
-// fenced. The key finished now: it expires its retention from now (as
-// finishedSetExpr sets it, with k's columns named).
+// fenced. The key finished now: it expires its retention from now (see
+// finishedSetExpr; a row inserted has the claim's bound, claimedExpiryExpr,
+// computed from now).
 //
 // It never waits on another claim in one transaction, which may run for
 // as long as its handler does: one that took the key since the row was
@@ -192,9 +192,7 @@ ON CONFLICT (client_id, idempotency_key) DO UPDATE SET
     response_content_type = EXCLUDED.response_content_type,
     response_headers = EXCLUDED.response_headers,
     response_body = EXCLUDED.response_body,
-    locked_at = statement_timestamp(),
-    expires_at = CASE WHEN k.retention_us > 0
-        THEN least(k.expires_at, statement_timestamp() + k.retention_us * interval '1 microsecond') END
+    locked_at = statement_timestamp()
 WHERE k.lock_token = EXCLUDED.lock_token AND k.status = 'started'`
 
 // IsFence reports whether an error of SQLSTATE code, raised by query

@@ -124,7 +124,7 @@ UPDATE idempotency_keys k SET
     lock_token = nextval('idempotency_lock_tokens'),
     locked_at = statement_timestamp(),
     lease_us = $5,
-    expires_at = CASE WHEN $5::bigint > 0 AND k.retention_us > 0
+    expires_at = CASE WHEN k.retention_us > 0
         THEN statement_timestamp() + k.retention_us * interval '1 microsecond' END
 WHERE k.client_id = $2 AND k.idempotency_key = $3 AND k.lock_token = $4 AND k.status = $6
     AND ` + abandonedExpr + `
