@@ -10,7 +10,7 @@ import (
 )
 
 // TestClaimStatementsReturnTypedColumns checks that every statement whose
-// row the stores read as a keysql.ClaimRow returns each column in the type
+// row the stores read as a keysql.ClaimRow (or PeekRow) returns each column in the type
 // of its field. A bare NULL is text to PostgreSQL: pgx finds no plan to
 // scan text into an *int64 and, for a NULL, tries every type it knows,
 // which made a replay cost twice the instructions it costs now.
@@ -28,12 +28,23 @@ func TestClaimStatementsReturnTypedColumns(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	for name, sql := range map[string]string{
-		"ClaimSQL":     keysql.ClaimSQL,
-		"ClaimReadSQL": keysql.ClaimReadSQL,
-		"ClaimPeekSQL": keysql.ClaimPeekSQL,
+	peek := []uint32{pgtype.TextOID, pgtype.TextOID, pgtype.TextOID, pgtype.ByteaOID, pgtype.TextOID,
+		pgtype.Int4OID, pgtype.TextOID, pgtype.JSONBOID, pgtype.ByteaOID,
+		pgtype.TimestamptzOID, pgtype.TimestamptzOID, pgtype.Int8OID, pgtype.Int8OID, pgtype.TimestamptzOID, pgtype.BoolOID,
+		pgtype.TimestamptzOID}
+	if n := len(new(keysql.PeekRow).Dests(nil)); n != len(peek) {
+		t.Fatalf("a peek row has %d columns; this test knows the types of %d", n, len(peek))
+	}
+	for _, st := range []struct {
+		name, sql string
+		want      []uint32
+	}{
+		{"ClaimSQL", keysql.ClaimSQL, want},
+		{"ClaimReadSQL", keysql.ClaimReadSQL, want},
+		{"ClaimPeekSQL", keysql.ClaimPeekSQL, peek},
 	} {
-		sd, err := conn.Conn().Prepare(context.Background(), "", sql)
+		name, want := st.name, st.want
+		sd, err := conn.Conn().Prepare(context.Background(), "", st.sql)
 		if err != nil {
 			t.Fatalf("%s: %v", name, err)
 		}

@@ -122,18 +122,22 @@ func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res ide
 	if !keysql.Resent(req, time.Now()) {
 		return res, false, nil
 	}
-	row, found, err := s.claimOnce(ctx, s.pool, keysql.ClaimPeekSQL, req)
+	var peek keysql.PeekRow
+	err = s.pool.QueryRow(ctx, keysql.ClaimPeekSQL, keysql.PeekArgs(req)...).Scan(peek.Dests(&peek.RespHeader)...)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return res, false, nil
+	}
 	if err != nil {
 		if err = interpretError(err); ctx.Err() == nil && (errors.Is(err, errConnLost) || serializationFailure(err)) {
 			err = nil // a read: the claim that follows runs on a live connection
 		}
 		return res, false, err
 	}
-	if !found || row.Lost {
-		return res, false, nil
+	if row := peek.Decide(req); !row.Lost {
+		res, err = row.Result(req)
+		return res, true, err
 	}
-	res, err = row.Result(req)
-	return res, true, err
+	return res, false, nil
 }
 
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is

@@ -214,17 +214,24 @@ func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res ide
 	if !keysql.Resent(req, time.Now()) {
 		return res, false, nil
 	}
-	var row keysql.ClaimRow
+	var peek keysql.PeekRow
 	found := false
-	err = s.run(ctx, func(q querier) (err error) {
-		row, found, err = claimOnce(ctx, q, keysql.ClaimPeekSQL, req)
+	err = s.run(ctx, func(q querier) error {
+		err := q.QueryRowContext(ctx, keysql.ClaimPeekSQL, keysql.PeekArgs(req)...).Scan(peek.Dests(header{&peek.RespHeader})...)
+		found = err == nil
+		if errors.Is(err, sql.ErrNoRows) {
+			return nil
+		}
 		return err
 	})
-	if err != nil || !found || row.Lost {
+	if err != nil || !found {
 		return res, false, err
 	}
-	res, err = row.Result(req)
-	return res, true, err
+	if row := peek.Decide(req); !row.Lost {
+		res, err = row.Result(req)
+		return res, true, err
+	}
+	return res, false, nil
 }
 
 // insertClaim claims req's key with keysql.ClaimInsertSQL; claimed is

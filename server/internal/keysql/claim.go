@@ -184,17 +184,23 @@ UNION ALL
 UNION ALL
 ` + busyAbsentRow
 
-// ClaimPeekSQL reads the row of a key as ClaimReadSQL does, for a retry
-// (Resent), before any claim and outside any transaction: outcome 3,
-// flagged when ClaimSQL would renew it, or 4; no row for a key that has
-// none, which the claim that follows claims. A retry's replay or duplicate
-// is answered in one round trip, by a read alone. Same parameters and rows
-// as ClaimSQL.
+// ClaimPeekSQL reads the row of a key ($1 client, $2 key) for a retry
+// (Resent), before any claim and outside any transaction, with the
+// database's time: PeekRow.Decide then tells what ClaimReadSQL would of
+// it (outcome 3, flagged when ClaimSQL would renew it, or 4), from the
+// same rules (expiredExpr, staleExpr, refusedExpr) written in Go. No row:
+// the key has none, and the claim that follows claims it. A retry's
+// replay or duplicate is answered in one round trip, by a read that costs
+// PostgreSQL what a read of the row by its primary key costs: no
+// expressions to set up and evaluate (a third of a replay's database CPU
+// when they were SQL; see bench/NOTES.md).
 const ClaimPeekSQL = `
-WITH ` + existingCTE + `, typed AS (
-    SELECT $3::text, $4::text, $6::bigint, $7::bigint, $8::uuid -- unused: typed for the prepared statement
-)
-` + existingRow
+SELECT operation_id::text, request_method, request_path, request_hash, status,
+    response_status, response_content_type, response_headers, response_body,
+    created_at, locked_at, retention_us, lease_us, expires_at, release_rejected,
+    statement_timestamp()
+FROM idempotency_keys
+WHERE client_id = $1 AND idempotency_key = $2`
 
 // The parts that ClaimSQL, ClaimReadSQL and ClaimTxSQL share. existingCTE reads the
 // key's row without locking it, with what ClaimSQL may do with it:

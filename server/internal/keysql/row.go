@@ -129,7 +129,8 @@ func Fenced(done bool, err error) error {
 	return err
 }
 
-// ClaimRow is one row of ClaimSQL, ClaimReadSQL or ClaimPeekSQL.
+// ClaimRow is one row of ClaimSQL or ClaimReadSQL, or the key's row of
+// ClaimPeekSQL (PeekRow).
 type ClaimRow struct {
 	Code            int32 // the outcome: an idempotency.Outcome
 	Token           *int64
@@ -219,6 +220,68 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 		}
 	}
 	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}, nil
+}
+
+// PeekRow is the row of ClaimPeekSQL: a key's row, as a ClaimRow, with
+// what Decide needs of it and the database's time.
+type PeekRow struct {
+	ClaimRow
+	LeaseUS   int64
+	ExpiresAt *time.Time
+	Rejected  bool
+	Now       time.Time
+}
+
+// PeekArgs returns the parameters of ClaimPeekSQL for req.
+func PeekArgs(req idempotency.ClaimRequest) []any {
+	return []any{req.ClientID, req.Key}
+}
+
+// Dests returns the scan destinations of the row's columns, in order;
+// header as for [ClaimRow.Dests].
+func (r *PeekRow) Dests(header any) []any {
+	c := &r.ClaimRow
+	return []any{&c.OperationID, &c.Method, &c.Path, &c.Fingerprint, &c.Status,
+		&c.RespStatus, &c.RespContentType, header, &c.RespBody,
+		&c.CreatedAt, &c.LockedAt, &c.RetentionUS, &r.LeaseUS, &r.ExpiresAt, &r.Rejected,
+		&r.Now}
+}
+
+// Decide returns the row as ClaimReadSQL returns a key's row for req:
+// outcome 4 (Refused) when the key is expired and req's first-sent check
+// says it may belong to the key's operation (refusedExpr), else 3
+// (Exists), flagged lost when ClaimSQL would renew the row (expired,
+// stale or free). Its rules are expiredExpr, staleExpr and existingCTE's
+// free, at the database's time, in microseconds as PostgreSQL counts.
+func (r *PeekRow) Decide(req idempotency.ClaimRequest) *ClaimRow {
+	c := &r.ClaimRow
+	status := idempotency.Status(*c.Status)
+	started := status == idempotency.StatusStarted
+	now, locked := r.Now.UnixMicro(), c.LockedAt.UnixMicro()
+	retention := *c.RetentionUS
+	same := string(c.Fingerprint) == string(req.Fingerprint)
+	expired := false
+	if retention > 0 && (!started || r.LeaseUS > 0) {
+		expiry := locked + retention
+		if started {
+			expiry += r.LeaseUS
+		}
+		if r.ExpiresAt != nil {
+			expiry = max(expiry, r.ExpiresAt.UnixMicro())
+		}
+		expired = expiry < now
+	}
+	stale := started && r.LeaseUS > 0 && locked < now-r.LeaseUS && same
+	free := status == idempotency.StatusReleased && (r.Rejected || same)
+	early := req.FirstSent.EarliestBegin
+	refused := expired && (req.FirstSent.Stale ||
+		!early.IsZero() && !c.CreatedAt.Before(early.Truncate(time.Microsecond)))
+	c.Code = int32(idempotency.Exists)
+	if refused {
+		c.Code = int32(idempotency.Refused)
+	}
+	c.Lost = (expired || stale || free) && !refused
+	return c
 }
 
 // InfoRow is one row of InfoColumns and a body, as LookupSQL, ListSQL,
