@@ -222,14 +222,22 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 	return idempotency.ClaimResult{Outcome: idempotency.Exists, Record: rec}, nil
 }
 
-// PeekRow is the row of ClaimPeekSQL: a key's row, as a ClaimRow, with
-// what Decide needs of it and the database's time.
+// PeekRow is the row of ClaimPeekSQL: a key's row, with the database's
+// time. Its columns that are never NULL scan into values, not pointers,
+// which a driver scans with less work (pgx plans a scan into a pointer to
+// a pointer anew for every row, and allocates what it points to).
 type PeekRow struct {
-	ClaimRow
-	LeaseUS   int64
-	ExpiresAt *time.Time
-	Rejected  bool
-	Now       time.Time
+	OperationID, Method, Path, Status string
+	Fingerprint                       []byte
+	RespStatus                        *int32
+	RespContentType                   *string
+	RespHeader                        map[string]string
+	RespBody                          []byte
+	CreatedAt, LockedAt               time.Time
+	RetentionUS, LeaseUS              int64
+	ExpiresAt                         *time.Time
+	Rejected                          bool
+	Now                               time.Time
 }
 
 // PeekArgs returns the parameters of ClaimPeekSQL for req.
@@ -240,10 +248,9 @@ func PeekArgs(req idempotency.ClaimRequest) []any {
 // Dests returns the scan destinations of the row's columns, in order;
 // header as for [ClaimRow.Dests].
 func (r *PeekRow) Dests(header any) []any {
-	c := &r.ClaimRow
-	return []any{&c.OperationID, &c.Method, &c.Path, &c.Fingerprint, &c.Status,
-		&c.RespStatus, &c.RespContentType, header, &c.RespBody,
-		&c.CreatedAt, &c.LockedAt, &c.RetentionUS, &r.LeaseUS, &r.ExpiresAt, &r.Rejected,
+	return []any{&r.OperationID, &r.Method, &r.Path, &r.Fingerprint, &r.Status,
+		&r.RespStatus, &r.RespContentType, header, &r.RespBody,
+		&r.CreatedAt, &r.LockedAt, &r.RetentionUS, &r.LeaseUS, &r.ExpiresAt, &r.Rejected,
 		&r.Now}
 }
 
@@ -253,16 +260,14 @@ func (r *PeekRow) Dests(header any) []any {
 // (Exists), flagged lost when ClaimSQL would renew the row (expired,
 // stale or free). Its rules are expiredExpr, staleExpr and existingCTE's
 // free, at the database's time, in microseconds as PostgreSQL counts.
-func (r *PeekRow) Decide(req idempotency.ClaimRequest) *ClaimRow {
-	c := &r.ClaimRow
-	status := idempotency.Status(*c.Status)
+func (r *PeekRow) Decide(req idempotency.ClaimRequest) ClaimRow {
+	status := idempotency.Status(r.Status)
 	started := status == idempotency.StatusStarted
-	now, locked := r.Now.UnixMicro(), c.LockedAt.UnixMicro()
-	retention := *c.RetentionUS
-	same := string(c.Fingerprint) == string(req.Fingerprint)
+	now, locked := r.Now.UnixMicro(), r.LockedAt.UnixMicro()
+	same := string(r.Fingerprint) == string(req.Fingerprint)
 	expired := false
-	if retention > 0 && (!started || r.LeaseUS > 0) {
-		expiry := locked + retention
+	if r.RetentionUS > 0 && (!started || r.LeaseUS > 0) {
+		expiry := locked + r.RetentionUS
 		if started {
 			expiry += r.LeaseUS
 		}
@@ -275,12 +280,18 @@ func (r *PeekRow) Decide(req idempotency.ClaimRequest) *ClaimRow {
 	free := status == idempotency.StatusReleased && (r.Rejected || same)
 	early := req.FirstSent.EarliestBegin
 	refused := expired && (req.FirstSent.Stale ||
-		!early.IsZero() && !c.CreatedAt.Before(early.Truncate(time.Microsecond)))
-	c.Code = int32(idempotency.Exists)
+		!early.IsZero() && !r.CreatedAt.Before(early.Truncate(time.Microsecond)))
+	c := ClaimRow{
+		Code:        int32(idempotency.Exists),
+		OperationID: &r.OperationID, Method: &r.Method, Path: &r.Path, Fingerprint: r.Fingerprint,
+		Status: &r.Status, RespStatus: r.RespStatus, RespContentType: r.RespContentType,
+		RespHeader: r.RespHeader, RespBody: r.RespBody, CreatedAt: &r.CreatedAt, LockedAt: &r.LockedAt,
+		RetentionUS: &r.RetentionUS,
+		Lost:        (expired || stale || free) && !refused,
+	}
 	if refused {
 		c.Code = int32(idempotency.Refused)
 	}
-	c.Lost = (expired || stale || free) && !refused
 	return c
 }
 

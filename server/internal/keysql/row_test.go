@@ -17,12 +17,8 @@ func TestPeekDecideAtTheBoundaries(t *testing.T) {
 	base := time.Date(2026, 12, 6, 12, 0, 0, 0, time.UTC)
 	const us = time.Microsecond
 	peek := func(status string, lease, retention time.Duration, now time.Time, expires *time.Time) *PeekRow {
-		created, locked := base.Add(-time.Hour), base
-		ret := retention.Microseconds()
-		return &PeekRow{
-			ClaimRow: ClaimRow{Status: &status, Fingerprint: []byte("a"), CreatedAt: &created, LockedAt: &locked, RetentionUS: &ret},
-			LeaseUS:  lease.Microseconds(), ExpiresAt: expires, Now: now,
-		}
+		return &PeekRow{Status: status, Fingerprint: []byte("a"), CreatedAt: base.Add(-time.Hour), LockedAt: base,
+			RetentionUS: retention.Microseconds(), LeaseUS: lease.Microseconds(), ExpiresAt: expires, Now: now}
 	}
 	at := func(d time.Duration) *time.Time { t := base.Add(d); return &t }
 	req := idempotency.ClaimRequest{Fingerprint: []byte("a")}
