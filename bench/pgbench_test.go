@@ -117,7 +117,7 @@ func pgbenchScript(src map[string]string) (string, error) {
 	}
 	claim, err = params(claim, map[int]string{
 		1: ":client", 2: ":key", 3: ":method", 4: ":path", 5: ":fp", 6: ":lockus", 7: ":retus",
-		8: "gen_random_uuid()",
+		8: "md5(:key::text)::uuid", 9: ":key", // the operation ID and the token the store gives
 	})
 	if err != nil {
 		return "", fmt.Errorf("claimInsertSQL: %w", err)
@@ -127,12 +127,12 @@ func pgbenchScript(src map[string]string) (string, error) {
 	}
 	if insert, err = params(insert, map[int]string{
 		1: "'pay_' || :key", 2: ":client", 3: ":customer", 4: ":amount", 5: ":currency",
-		6: ":key", 7: ":operation_id", 8: ":ch_charge_id", 9: "NULL::timestamptz",
+		6: ":key", 7: "md5(:key::text)", 8: ":ch_charge_id", 9: "NULL::timestamptz",
 	}); err != nil {
 		return "", fmt.Errorf("insertPaymentSQL: %w", err)
 	}
 	complete, err = params(complete, map[int]string{
-		1: ":client", 2: ":key", 3: ":lock_token", 4: ":status", 5: ":ctype", 6: ":hdr", 7: ":body",
+		1: ":client", 2: ":key", 3: ":key", 4: ":status", 5: ":ctype", 6: ":hdr", 7: ":body",
 		8: "(:xid)::text",
 	})
 	if err != nil {
@@ -141,7 +141,7 @@ func pgbenchScript(src map[string]string) (string, error) {
 	var b strings.Builder
 	b.WriteString(pgbenchHeader)
 	b.WriteString("\n\\set key random(1, 9000000000000000000)\n\\set amount random(100, 100000)\n\n")
-	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + "\n\\gset\n")
+	b.WriteString("-- claimInsertSQL\n" + strings.TrimSpace(claim) + ";\n")
 	b.WriteString("\n-- createChargeSQL (the fake card processor)\n" + strings.TrimSpace(charge) + "\n\\gset ch_\n")
 	b.WriteString("\nBEGIN;\n-- txIDSQL (pgstore reads the transaction's ID and level with the BEGIN)\n" + strings.TrimSpace(txid) + "\n\\gset\n")
 	b.WriteString("-- insertPaymentSQL (the handler's write)\n" + strings.TrimSpace(insert) + ";\n")

@@ -26,13 +26,11 @@
 INSERT INTO idempotency_keys (client_id, idempotency_key, request_method, request_path,
     request_hash, status, operation_id, lock_token, created_at, locked_at,
     lease_us, retention_us, expires_at)
-SELECT :client::text, :key::text, :method::text, :path::text, :fp::bytea, 'started', gen_random_uuid()::uuid, nextval('idempotency_lock_tokens'),
-    statement_timestamp(), statement_timestamp(), :lockus::bigint, :retus::bigint, CASE WHEN :lockus::bigint > 0 AND :retus::bigint > 0
+SELECT :client::text, :key::text, :method::text, :path::text, :fp::bytea, 'started', md5(:key::text)::uuid::uuid, :key::bigint,
+    statement_timestamp(), statement_timestamp(), :lockus::bigint, :retus::bigint, CASE WHEN :retus::bigint > 0
             THEN statement_timestamp() + :retus::bigint * interval '1 microsecond' END
 WHERE pg_try_advisory_xact_lock_shared(hashtextextended(:key, hashtextextended(:client, 'idempotency_keys'::regclass::oid::bigint)))
-ON CONFLICT (client_id, idempotency_key) DO NOTHING
-RETURNING lock_token, operation_id::text
-\gset
+ON CONFLICT (client_id, idempotency_key) DO NOTHING;
 
 -- createChargeSQL (the fake card processor)
 WITH inserted AS (
@@ -56,7 +54,7 @@ SELECT pg_current_xact_id()::text AS xid,
 -- insertPaymentSQL (the handler's write)
 INSERT INTO payments (payment_id, client_id, customer_id, amount, currency,
     idempotency_key, operation_id, charge_id, created_at)
-VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(:operation_id, '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()))
+VALUES ('pay_' || :key, :client, :customer, :amount, :currency, :key, nullif(md5(:key::text), '')::uuid, nullif(:ch_charge_id, ''), coalesce(NULL::timestamptz, now()))
 ON CONFLICT DO NOTHING;
 -- completeInTxSQL (the key's completion, checked to run in the transaction begun)
 WITH done AS (
@@ -66,10 +64,8 @@ UPDATE idempotency_keys SET
     response_content_type = :ctype,
     response_headers = :hdr::jsonb,
     response_body = :body,
-    locked_at = statement_timestamp(),
-    expires_at = CASE WHEN retention_us > 0
-        THEN least(expires_at, statement_timestamp() + retention_us * interval '1 microsecond') END
-WHERE client_id = :client AND idempotency_key = :key AND lock_token = :lock_token AND status = 'started'
+    locked_at = statement_timestamp()
+WHERE client_id = :client AND idempotency_key = :key AND lock_token = :key AND status = 'started'
     RETURNING 1)
-SELECT ((CASE WHEN pg_current_xact_id() = (:xid)::text::xid8 THEN 0 ELSE 2147483647 END) + 1) * 0 + 1 / (SELECT count(*)::integer FROM done);
+SELECT ((CASE WHEN pg_current_xact_id() = (:xid)::text::xid8 THEN 0 ELSE 2147483647 END) + 1) * 0 + 1 / count(*)::integer FROM done;
 COMMIT;

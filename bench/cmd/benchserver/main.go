@@ -67,6 +67,8 @@ type config struct {
 	addr, databaseURL, handler string
 	oneTx, reset, openIndex    bool
 	maxConns                   int
+	drive                      string // a way to drive in process (drive.go), or "" to serve
+	requests                   int
 }
 
 func parseFlags(args []string, stderr io.Writer) (config, error) {
@@ -81,6 +83,9 @@ func parseFlags(args []string, stderr io.Writer) (config, error) {
 	fs.IntVar(&c.maxConns, "db-max-conns", 16, "the pool's size, shared by the three ways")
 	fs.BoolVar(&c.openIndex, "open-index", false,
 		"create idempotency_keys_open_idx after the migration (a measurement: the index a sweeper and key gauges need, which keeps a key's updates from being HOT); without it, one left on the table is dropped")
+	fs.StringVar(&c.drive, "drive", "",
+		"serve -requests requests of one `way` (first, article, unkeyed, replay, read) in this process, print this process's backend PID, and exit: bench/backend-instructions.sh")
+	fs.IntVar(&c.requests, "requests", 500, "with -drive: the requests")
 	if err := fs.Parse(args); err != nil {
 		return c, err
 	}
@@ -129,6 +134,15 @@ func run(ctx context.Context, args []string, stderr io.Writer) error {
 	defer pool.Close()
 	if err := migrate(ctx, pool, c.reset, c.openIndex); err != nil {
 		return err
+	}
+	if c.drive != "" {
+		var pid int
+		if err := pool.QueryRow(ctx, `SELECT pg_backend_pid()`).Scan(&pid); err != nil {
+			return err
+		}
+		fmt.Fprintln(stderr, "backend", pid) // the pool's only connection, with -db-max-conns 1
+		h := &handler{name: c.handler}
+		return drive(routes(pool, h, c.oneTx, slog.New(slog.DiscardHandler)), h, c.drive, c.requests)
 	}
 	ln, err := net.Listen("tcp", c.addr)
 	if err != nil {

@@ -150,3 +150,27 @@ func TestParseFlags(t *testing.T) {
 		assert.Error(t, err, "%q", args)
 	}
 }
+
+// TestDriveServesEachWay runs each way of -drive (drive.go) with a few
+// requests, as backend-instructions.sh runs it under callgrind: the ways
+// that create write one row a request, a replay and a read write none
+// beyond the 20 rows they create first, and an unknown way is an error.
+func TestDriveServesEachWay(t *testing.T) {
+	ctx := context.Background()
+	pool := pgtest.Pool(t)
+	for _, tc := range []struct {
+		way  string
+		rows int
+	}{{"first", 3}, {"article", 3}, {"unkeyed", 3}, {"replay", 20}, {"read", 20}} {
+		t.Run(tc.way, func(t *testing.T) {
+			require.NoError(t, migrate(ctx, pool, true, false))
+			h := &handler{name: "payments"}
+			require.NoError(t, drive(routes(pool, h, false, slog.New(slog.DiscardHandler)), h, tc.way, 3))
+			var n int
+			require.NoError(t, pool.QueryRow(ctx, `SELECT count(*) FROM bench_payments`).Scan(&n))
+			assert.Equal(t, tc.rows, n)
+		})
+	}
+	h := &handler{name: "payments"}
+	assert.Error(t, drive(routes(pool, h, false, slog.New(slog.DiscardHandler)), h, "second", 1))
+}
