@@ -2,12 +2,14 @@ package pgstore_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -16,6 +18,7 @@ import (
 
 	"github.com/idemkit/idem/internal/pgtest"
 	"github.com/idemkit/idem/server/idempotency"
+	"github.com/idemkit/idem/server/pgstore"
 )
 
 // commitRewriter is a pgx.QueryRewriter that sends COMMIT instead of its
@@ -365,5 +368,35 @@ func onCluster(t *testing.T, url string) func(*pgxpool.Config) {
 		require.NoError(t, err)
 		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Database = c.Host, c.Port, c.Database
 		cfg.ConnConfig.TLSConfig, cfg.ConnConfig.Fallbacks = c.TLSConfig, c.Fallbacks
+	}
+}
+
+// TestCompletionChecksItsTransactionFirst: a handler commits the
+// transaction it was given and begins another at REPEATABLE READ, and a
+// renewal then updates the key's row. The completion must fail on the
+// transaction's ID before its UPDATE runs (which would fail otherwise,
+// with a serialization failure the store does not read as the handler's
+// end): the key fails closed, and a retry is answered, never run again.
+func TestCompletionChecksItsTransactionFirst(t *testing.T) {
+	ctx := context.Background()
+	s, _ := newStore(t, nil)
+	r := leased(req("key-chained", "a"), time.Minute, time.Hour)
+	c := mustClaim(t, s, r, idempotency.Claimed).Claim
+	tx, hctx := unitOf(t, s, c)
+	ptx, err := pgstore.Tx(hctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := ptx.Exec(hctx, `COMMIT; BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT 1`); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Renew(ctx, c); err != nil {
+		t.Fatalf("Renew: %v", err)
+	}
+	if err := tx.Complete(ctx, created("1")); !errors.Is(err, idempotency.ErrUnitEnded) {
+		t.Fatalf("Complete = %v; want ErrUnitEnded (the key failed closed)", err)
+	}
+	if res := mustClaim(t, s, r, idempotency.Exists); res.Record.Response == nil || res.Record.Response.Status != 500 {
+		t.Errorf("the retry's claim: %+v; want the stored 500", res.Record)
 	}
 }

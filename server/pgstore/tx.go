@@ -278,17 +278,29 @@ func (u *unit) settle(ctx context.Context) (open bool, err error) {
 	}
 	// Busy, aborted, or the connection closed.
 	_ = u.rollbackLocked(ctx)
-	var status *string
-	if err := u.store.pool.QueryRow(context.WithoutCancel(ctx), keysql.TxStatusSQL, u.xid).Scan(&status); err != nil {
-		return false, interpretError(err)
-	}
-	if status != nil && *status == "committed" {
-		return false, u.failClosed(ctx, "the handler committed the transaction, then began another")
+	if ended, err := u.committed(ctx); err != nil || ended {
+		return false, err
 	}
 	if busy {
 		return false, errBusy
 	}
 	return false, nil
+}
+
+// committed reports whether the transaction Tx began committed
+// (keysql.TxStatusSQL), after the caller rolled back what was left on its
+// connection: only the handler can have committed it, and then began
+// another; it then fails the key closed (see failClosed), whose error it
+// returns. The caller holds u.mu.
+func (u *unit) committed(ctx context.Context) (bool, error) {
+	var status *string
+	if err := u.store.pool.QueryRow(context.WithoutCancel(ctx), keysql.TxStatusSQL, u.xid).Scan(&status); err != nil {
+		return false, interpretError(err)
+	}
+	if status == nil || *status != "committed" {
+		return false, nil
+	}
+	return true, u.failClosed(ctx, "the handler committed the transaction, then began another")
 }
 
 // failClosed ends what is left of the handler's transaction and completes
@@ -350,6 +362,9 @@ func (u *unit) commitLocked(ctx context.Context, sql string, args []any) error {
 	}
 	err = interpretError(err)
 	if !errors.Is(err, errConnLost) {
+		// The completion checked first that it ran in the transaction Tx
+		// began (keysql.CompleteInTxSQL), so whatever failed after, that
+		// transaction rolls back whole.
 		_ = u.rollbackLocked(ctx)
 		return err
 	}

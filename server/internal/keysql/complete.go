@@ -76,12 +76,17 @@ WHERE client_id = $1 AND idempotency_key = $2 AND lock_token = $3 AND status = '
 // handler ended that one): either error makes PostgreSQL skip the COMMIT
 // queued behind it, so the handler's writes are never committed without
 // the key's outcome. A fenced completion is the only way this statement
-// divides by zero. The count is the query's own aggregate, not a
-// subquery's: one plan node less to set up on every completion.
+// divides by zero. The count is a scalar subquery, evaluated after the
+// check of the transaction to its left: in another transaction the
+// statement fails with TxChangedCode before its UPDATE runs, and so
+// before the UPDATE could fail otherwise (a serialization failure, a
+// lock timeout), which the store would not read as the handler's end.
+// (The query's own aggregate, 7k instructions cheaper, runs the UPDATE
+// first.)
 const CompleteInTxSQL = `
 WITH done AS (` + CompleteSQL + `
     RETURNING 1)
-SELECT ` + txIsExpr8 + ` * 0 + 1 / count(*)::integer FROM done`
+SELECT ` + txIsExpr8 + ` * 0 + 1 / (SELECT count(*)::integer FROM done)`
 
 // DivisionByZero is the SQLSTATE of a fenced CompleteInTxSQL.
 const DivisionByZero = "22012"
