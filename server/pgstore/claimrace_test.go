@@ -217,20 +217,11 @@ func TestClaimRace(t *testing.T) {
 // racePool is widePool with conns connections, traced by tracer.
 func racePool(t *testing.T, conns int32, tracer pgx.QueryTracer) *pgxpool.Pool {
 	t.Helper()
-	ctx := context.Background()
 	pool := migratedPool(t, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = conns
 		cfg.ConnConfig.Tracer = tracer
 	})
-	held := make([]*pgxpool.Conn, conns)
-	for i := range held {
-		var err error
-		held[i], err = pool.Acquire(ctx)
-		require.NoError(t, err)
-	}
-	for _, c := range held {
-		c.Release()
-	}
+	openAll(t, pool, conns)
 	return pool
 }
 

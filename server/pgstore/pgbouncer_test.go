@@ -50,15 +50,7 @@ func bouncerPoolWith(t *testing.T, bcfg pgbouncer.Config, conns int32, mode pgx.
 			t.Fatal(err)
 		}
 	}
-	held := make([]*pgxpool.Conn, conns)
-	for i := range held {
-		if held[i], err = pool.Acquire(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	for _, c := range held {
-		c.Release()
-	}
+	openAll(t, pool, conns)
 	return pool
 }
 

@@ -85,24 +85,35 @@ func newStore(t testing.TB, configure func(*pgxpool.Config)) (*pgstore.Store, *p
 // same time and take the retry paths of the claim statement.
 func widePool(t testing.TB, conns int32, configure ...func(*pgxpool.Config)) *pgxpool.Pool {
 	t.Helper()
-	ctx := context.Background()
 	pool := migratedPool(t, func(cfg *pgxpool.Config) {
 		cfg.MaxConns = conns
 		for _, f := range configure {
 			f(cfg)
 		}
 	})
-	held := make([]*pgxpool.Conn, conns)
-	var err error
-	for i := range held {
-		if held[i], err = pool.Acquire(ctx); err != nil {
+	openAll(t, pool, conns)
+	return pool
+}
+
+// openAll opens conns connections of pool, all at once, and gives them
+// back: claims then reach PostgreSQL together. A connection it cannot
+// open (too many clients) fails the test, after the others are given
+// back, which the pool's Close at the cleanup would wait for for good.
+func openAll(t testing.TB, pool *pgxpool.Pool, conns int32) {
+	t.Helper()
+	held := make([]*pgxpool.Conn, 0, conns)
+	defer func() {
+		for _, c := range held {
+			c.Release()
+		}
+	}()
+	for range conns {
+		c, err := pool.Acquire(context.Background())
+		if err != nil {
 			t.Fatal(err)
 		}
+		held = append(held, c)
 	}
-	for _, c := range held {
-		c.Release()
-	}
-	return pool
 }
 
 // withIsolation configures a pool whose transactions run under isolation
