@@ -34,7 +34,10 @@ as_pg=()
 if [ "$(id -u)" = 0 ]; then as_pg=(runuser -u postgres --); chown postgres "$work"; fi
 cleanup() {
 	"${as_pg[@]}" "$bindir/pg_ctl" -D "$work/data" -m immediate stop >/dev/null 2>&1 || true
-	rm -rf "$work"
+	for _ in 1 2 3 4 5; do # the backends' callgrind files are written as they die
+		rm -rf "$work" 2>/dev/null && break
+		sleep 1
+	done
 }
 trap cleanup EXIT
 CGO_ENABLED=0 go build -o "$work/benchserver" ./cmd/benchserver

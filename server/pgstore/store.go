@@ -339,9 +339,11 @@ func (s *Store) ownedUpdate(ctx context.Context, c idempotency.Claim, sql string
 // Purge implements [idempotency.Store.Purge]. One call is one short
 // statement: it walks the expires_at index, a bound below each key's expiry
 // (see keysql.PurgeSQL), from the lowest, so about in the order in which the
-// keys expired (the keys claimed first first), passes over the few keys
+// keys expired (the keys claimed first first), passes over the keys
 // whose expiry is still to come (those that ran longer than they have
-// been past their bound) and the keys an operator expired before their
+// been past their bound, and keys started without a lease, which never
+// expire while started: few, unless a handler without a lease dies) and
+// the keys an operator expired before their
 // operation's retention ran out, locks at most limit expired keys
 // (skipping those another transaction holds) and deletes them by their
 // physical address.

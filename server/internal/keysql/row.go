@@ -69,8 +69,9 @@ func ClaimInsertArgs(req idempotency.ClaimRequest, opID string, token int64) []a
 // by the store needs no sequence, and no statement of PostgreSQL's, and
 // is no more likely to come again when a key's row is lost with a
 // failover (a sequence on a promoted standby can hand out values again).
-// The statements that renew a key's row (ClaimSQL, an operator's) take
-// theirs from the sequence idempotency_lock_tokens.
+// ClaimSQL (which renews a key's row, or inserts it after a lost race)
+// and an operator's statements take theirs from the sequence
+// idempotency_lock_tokens.
 func NewToken() int64 {
 	return rand.Int64N(math.MaxInt64) + 1
 }

@@ -3,10 +3,12 @@
 -- idempotency_migrations. pgstore owns these three objects and no other:
 -- the sequence, the table and its index.
 
--- Fencing tokens. Every claim and every takeover of a key takes the next
--- value, so a token names one ownership of one key and is never reused; a
--- renewal, completion or release whose token is no longer on the row is
--- fenced.
+-- Fencing tokens of the claims that renew a key's row (a takeover, a
+-- resumed, replaced or expired key, an operator's statements) or insert it
+-- after losing a race (ClaimSQL); a new key's first claim carries a random
+-- 63-bit token the store draws instead (keysql.NewToken). A renewal,
+-- completion or release whose token is no longer on the row is fenced;
+-- tokens are only compared for equality.
 CREATE SEQUENCE IF NOT EXISTS idempotency_lock_tokens AS bigint;
 
 CREATE TABLE idempotency_keys (
