@@ -67,5 +67,5 @@ UPDATE idempotency_keys SET
     locked_at = statement_timestamp()
 WHERE client_id = :client AND idempotency_key = :key AND lock_token = :key AND status = 'started'
     RETURNING 1)
-SELECT ((CASE WHEN pg_current_xact_id() = (:xid)::text::xid8 THEN 0 ELSE 2147483647 END) + 1) * 0 + 1 / count(*)::integer FROM done;
+SELECT ((CASE WHEN pg_current_xact_id() = (:xid)::text::xid8 THEN 0 ELSE 2147483647 END) + 1) * 0 + 1 / (SELECT count(*)::integer FROM done);
 COMMIT;
