@@ -99,7 +99,7 @@ func (s *Store) claimInTxOnce(ctx context.Context, req idempotency.ClaimRequest,
 			return err
 		}
 		if rows.Next() { // no row: the key has one, or is held
-			claimed = rows.Scan(&created, &u.xid) == nil
+			claimed = rows.Scan(s.claimTxPlans.into(&created, &u.xid)) == nil
 		}
 		rows.Close()
 		return rows.Err()

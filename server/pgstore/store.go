@@ -68,6 +68,10 @@ type Store struct {
 	openIndex keysql.OpenIndex // whether the key table has the open keys' index
 
 	units keysql.Units[*unit] // the units of work of this process (see Renew)
+
+	// The scan plans of the peek's row, of a transaction's ID
+	// (keysql.TxIDSQL) and of a claim in one transaction.
+	peekPlans, txIDPlans, claimTxPlans scanPlans
 }
 
 // New returns a store on pool, whose search_path must reach the table
@@ -123,7 +127,7 @@ func (s *Store) peek(ctx context.Context, req idempotency.ClaimRequest) (res ide
 		return res, false, nil
 	}
 	var peek keysql.PeekRow
-	err = s.pool.QueryRow(ctx, keysql.ClaimPeekSQL, keysql.PeekArgs(req)...).Scan(peek.Dests(&peek.RespHeader)...)
+	err = s.pool.QueryRow(ctx, keysql.ClaimPeekSQL, keysql.PeekArgs(req)...).Scan(s.peekPlans.into(peek.Dests(&peek.RespHeader)...))
 	if errors.Is(err, pgx.ErrNoRows) {
 		return res, false, nil
 	}

@@ -124,7 +124,7 @@ func (u *unit) begin(ctx context.Context) (pgx.Tx, error) {
 	var xid string
 	var snap bool
 	tx, err := beginOn(ctx, conn, keysql.TxIDSQL, nil, func(br pgx.BatchResults) error {
-		return br.QueryRow().Scan(&xid, &snap)
+		return br.QueryRow().Scan(u.store.txIDPlans.into(&xid, &snap))
 	})
 	if err != nil {
 		conn.Release() // the pool drops it unless it is idle and outside a transaction
