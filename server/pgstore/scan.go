@@ -18,8 +18,10 @@ import (
 // from a type map of pgx's defaults, not the connection's, since the
 // columns are the key table's own (text, bytea, integers, booleans,
 // timestamptz, jsonb) and their destinations the store's: a codec that an
-// application registers on its connections has no say in them. The zero
-// value is ready to use, and safe for concurrent use.
+// application registers on its connections has no say in them (times come
+// back in pgx's default location, whatever ScanLocation a registered
+// codec sets; the store only compares them). The zero value is ready to
+// use, and safe for concurrent use.
 type scanPlans struct {
 	mu   sync.Mutex              // held while planning
 	last atomic.Pointer[planned] // the plans of the last columns seen
@@ -48,7 +50,8 @@ func (p *planned) fits(fields []pgconn.FieldDescription, dest []any) bool {
 }
 
 // into returns the scan destination that scans a row into dest, in order,
-// with the plans of p, as pgx.Row.Scan(dest...) would.
+// with the plans of p, as pgx.Row.Scan(dest...) would; every destination
+// must be non-nil.
 func (p *scanPlans) into(dest ...any) pgx.RowScanner {
 	return planScanner{p, dest}
 }

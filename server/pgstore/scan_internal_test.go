@@ -2,6 +2,7 @@ package pgstore
 
 import (
 	"context"
+	"sync"
 	"testing"
 	"time"
 
@@ -72,6 +73,8 @@ func TestScanPlansPlanNewDestinations(t *testing.T) {
 	require.NoError(t, pool.QueryRow(ctx, `SELECT 'a'::text, 7::bigint`).Scan(plans.into(&s, &n)))
 	assert.Equal(t, "a", s)
 	assert.Equal(t, int64(7), n)
+	require.NoError(t, pool.QueryRow(ctx, `SELECT 'b'::text, 8::integer`).Scan(plans.into(&s, &n)), "another column type")
+	assert.Equal(t, int64(8), n)
 	var sp *string
 	var f float64
 	require.NoError(t, pool.QueryRow(ctx, `SELECT NULL::text, 7::bigint`).Scan(plans.into(&sp, &f)))
@@ -79,4 +82,34 @@ func TestScanPlansPlanNewDestinations(t *testing.T) {
 	assert.Equal(t, float64(7), f)
 	assert.Error(t, pool.QueryRow(ctx, `SELECT NULL::text, 7::bigint`).Scan(plans.into(&s, &n)), "NULL into a string")
 	assert.Error(t, pool.QueryRow(ctx, `SELECT 'a'::text`).Scan(plans.into(&s, &n)), "one column, two destinations")
+}
+
+// TestScanPlansShared: goroutines scanning through one scanPlans, on a
+// pool with binary results and one with text results, so that the plans
+// are replaced while others scan with them, each get their own rows (run
+// with -race).
+func TestScanPlansShared(t *testing.T) {
+	ctx := context.Background()
+	pools := []*pgxpool.Pool{pgtest.PoolWith(t, nil), pgtest.PoolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
+	})}
+	var plans scanPlans
+	var wg sync.WaitGroup
+	for g := range 4 {
+		wg.Go(func() {
+			for i := range 50 {
+				n := 1 + (g+i)%2
+				var got scanRow
+				if err := pools[i%2].QueryRow(ctx, scanRowSQL, n).Scan(plans.into(got.dests()...)); err != nil {
+					t.Error(err)
+					return
+				}
+				if got.set != (n == 2) || (got.status != nil) != (n == 2) || got.n != 5 {
+					t.Errorf("row %d scanned as %+v", n, got)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }
