@@ -225,8 +225,8 @@ func (r *ClaimRow) Result(req idempotency.ClaimRequest) (idempotency.ClaimResult
 
 // PeekRow is the row of ClaimPeekSQL: a key's row, with the database's
 // time. Its columns that are never NULL scan into values, not pointers,
-// which a driver scans with less work (pgx plans a scan into a pointer to
-// a pointer anew for every row, and allocates what it points to).
+// which a driver scans with less work (pgx scans into a pointer to a
+// pointer by reflection, and allocates what it points to, every row).
 type PeekRow struct {
 	OperationID, Method, Path, Status string
 	Fingerprint                       []byte
