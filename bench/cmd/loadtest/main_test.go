@@ -201,6 +201,46 @@ func TestNoTLSOnLoopback(t *testing.T) {
 	}
 }
 
+// TestPrintRatiosBench checks the bench server's verdicts: issue 35's
+// replay over read in CPU, idem over the article by mode, and no verdict on
+// replay/first (issue 21's 4, since restated) or on first less unkeyed.
+func TestPrintRatiosBench(t *testing.T) {
+	f := func(v float64) *float64 { return &v }
+	rounds := []map[string]result{
+		{"first": {ReqPerS: 1200, CPU: f(0.8)}, "article": {ReqPerS: 1000, CPU: f(0.9)}, "unkeyed": {ReqPerS: 1800, CPU: f(0.5)},
+			"replay": {ReqPerS: 5000, CPU: f(0.24)}, "read": {ReqPerS: 6000, CPU: f(0.2)}},
+		{"first": {ReqPerS: 1100, CPU: f(0.8)}, "article": {ReqPerS: 1000, CPU: f(0.9)}, "unkeyed": {ReqPerS: 1800, CPU: f(0.5)},
+			"replay": {ReqPerS: 5000, CPU: f(0.22)}, "read": {ReqPerS: 6000, CPU: f(0.2)}},
+	}
+	for _, tc := range []struct {
+		oneTx bool
+		want  []string
+	}{
+		{false, []string{
+			"ratio idem/article: first/article req/s = 1.15, median of 2 rounds [1.20 1.10] (target >= 1: met)\n",
+			"CPU replay/read: 1.15x, median of 2 rounds [1.20 1.10] (target <= 1.2: met)\n",
+			"CPU first - unkeyed: 0.300 ms per request, median of 2 rounds [0.300 0.300]\n",
+		}},
+		{true, []string{"(target >= 1.2: MISSED)"}},
+	} {
+		var out strings.Builder
+		r := &runner{cfg: config{handler: "orders", oneTx: tc.oneTx, scenarios: []string{"first", "article", "unkeyed", "replay", "read"}}, stdout: &out}
+		r.printRatios(rounds)
+		for _, w := range tc.want {
+			if !strings.Contains(out.String(), w) {
+				t.Errorf("one transaction %v: printRatios printed\n%s\nwant %q in it", tc.oneTx, out.String(), w)
+			}
+		}
+		if strings.Count(out.String(), "(target ") != 2 {
+			t.Errorf("one transaction %v: printRatios printed\n%s\nwant two verdicts, idem/article and replay/read", tc.oneTx, out.String())
+		}
+	}
+	rounds[1]["replay"] = result{CPU: f(0.3)}
+	if got := cpuRatioLine(rounds, "replay", "read", replayOverRead); !strings.HasSuffix(got, "(target <= 1.2: MISSED)") {
+		t.Errorf("cpuRatioLine = %q, want it MISSED (median 1.35)", got)
+	}
+}
+
 func TestCPUDeltaLine(t *testing.T) {
 	f := func(v float64) *float64 { return &v }
 	rounds := []map[string]result{
